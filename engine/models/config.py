@@ -1,0 +1,62 @@
+"""The shape of a Llama-family model, read from a Hugging Face config or a preset."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Llama 3: {"rope_type": "llama3", "factor": ..., ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+    model_type: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> ModelConfig:
+        model_type = hf.get("model_type", "llama")
+        if model_type not in SUPPORTED:
+            raise ValueError(f"unsupported model_type {model_type!r}; vkv runs {sorted(SUPPORTED)}")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"unsupported RoPE scaling {rope_type!r}")
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        return cls(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
+            rope_scaling=rope if rope_type == "llama3" else None,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", model_type == "qwen2"),
+            qk_norm=model_type == "qwen3", model_type=model_type,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}

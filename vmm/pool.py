@@ -1,0 +1,122 @@
+"""The physical page pool: every page created once, up front, then handed out and taken back.
+
+A page is either free (in `free_ids`, reference count 0) or referenced. Its reference count is
+the number of mappings of it plus the explicit holds on it (`alloc` and `hold` each take one).
+Free pages wait in a FIFO deque, so alloc and the last drop are O(1).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from vmm.backend import Backend
+from vmm.errors import DoubleFree, InvariantViolation, PoolExhausted
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    page_size: int
+    total: int
+    free: int
+    in_use: int
+    shared: int
+    peak_in_use: int
+
+
+class PagePool:
+    """Thread-safe: every method, and every `Reservation` method, runs under `self.lock`."""
+
+    def __init__(self, backend: Backend, num_pages: int):
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.backend = backend
+        self.page_size = backend.page_size
+        self.lock = threading.RLock()
+        self.handles = []
+        self._finalizer = weakref.finalize(self, _release_all, backend, self.handles)
+        for _ in range(num_pages):
+            self.handles.append(backend.create_page())
+        self.ref_counts = [0] * num_pages
+        self.free_ids: deque[int] = deque(range(num_pages))
+        self.peak_in_use = 0
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.handles)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def alloc(self) -> int:
+        """Take a free page; the caller holds its one reference."""
+        with self.lock:
+            if not self.free_ids:
+                raise PoolExhausted(f"all {self.num_pages} pages of {self.page_size} bytes are in use")
+            page = self.free_ids.popleft()
+            self.ref_counts[page] = 1
+            self.peak_in_use = max(self.peak_in_use, self.num_pages - len(self.free_ids))
+            return page
+
+    def alloc_many(self, n: int) -> list[int]:
+        """Take n pages, all or none."""
+        with self.lock:
+            if n > len(self.free_ids):
+                raise PoolExhausted(f"need {n} pages, {len(self.free_ids)} of {self.num_pages} free")
+            return [self.alloc() for _ in range(n)]
+
+    def hold(self, page: int) -> None:
+        """Add a reference to a page that already has one."""
+        with self.lock:
+            if self.ref_counts[page] == 0:
+                raise DoubleFree(f"page {page} is free: take it with alloc(), not hold()")
+            self.ref_counts[page] += 1
+
+    def drop(self, page: int) -> bool:
+        """Drop one reference; returns True when that freed the page."""
+        with self.lock:
+            if self.ref_counts[page] == 0:
+                raise DoubleFree(f"page {page} is already free")
+            self.ref_counts[page] -= 1
+            if self.ref_counts[page]:
+                return False
+            self.free_ids.append(page)
+            return True
+
+    def stats(self) -> PoolStats:
+        with self.lock:
+            in_use = self.num_pages - len(self.free_ids)
+            shared = sum(1 for count in self.ref_counts if count > 1)
+            return PoolStats(self.page_size, self.num_pages, len(self.free_ids), in_use, shared,
+                             self.peak_in_use)
+
+    def audit(self, reservations: Iterable, held: Mapping[int, int] = {}) -> None:
+        """Check that every page is free xor referenced, and that each reference count equals
+        the page's mappings in `reservations` plus its explicit holds in `held`."""
+        with self.lock:
+            expected = Counter(held)
+            for reservation in reservations:
+                expected.update(reservation.mapped_pages().values())
+            free = set(self.free_ids)
+            if len(free) != len(self.free_ids):
+                raise InvariantViolation("a page is in the free list twice")
+            for page, count in enumerate(self.ref_counts):
+                if count != expected[page]:
+                    raise InvariantViolation(f"page {page}: ref count {count}, "
+                                             f"mappings + holds {expected[page]}")
+                if (count == 0) != (page in free):
+                    raise InvariantViolation(f"page {page}: ref count {count} but "
+                                             f"{'in' if page in free else 'not in'} the free list")
+
+    def close(self) -> None:
+        """Release every physical page. Reservations must be released first."""
+        self._finalizer()
+
+
+def _release_all(backend: Backend, handles: list) -> None:
+    for handle in handles:
+        backend.release_page(handle)
+    handles.clear()
