@@ -1,0 +1,108 @@
+"""Sampling, stopping, streaming text, and bad input on the offline API."""
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+from helpers import assert_pool_whole
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_num_seqs=8)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    p = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = llm.generate("Tell me a story about a dragon", p, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = llm.generate(["Hello there", "Tell me a story about a dragon", "Count: 1, 2,"],
+                         [SamplingParams(temperature=1.0, max_tokens=25), p,
+                          SamplingParams(temperature=0.5, max_tokens=5)], use_tqdm=False)
+    assert crowd[1].outputs[0].token_ids == alone
+    other = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=99, max_tokens=20, ignore_eos=True)
+    assert llm.generate("Tell me a story about a dragon", other, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_n_completions_and_logprobs(llm):
+    out = llm.generate("My favourite colour is", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8,
+                                                                logprobs=2), use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    for o in out.outputs:
+        assert len(o.logprobs) == len(o.token_ids)
+        for token, lp in zip(o.token_ids, o.logprobs):
+            assert next(iter(lp)) == token and all(v <= 0 for v in lp.values())
+    assert_pool_whole(llm)
+
+
+def test_max_tokens_min_tokens_and_stop_strings(llm):
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    full = llm.generate("The capital of France is", p, use_tqdm=False)[0].outputs[0]
+    assert len(full.token_ids) == 12 and full.finish_reason == "length"
+    stop = full.text.strip().split()[1]
+    cut = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and stop not in cut.text
+    assert full.text.startswith(cut.text)
+    eos_first = llm.generate("Say nothing.", SamplingParams(temperature=0, min_tokens=5, max_tokens=6),
+                             use_tqdm=False)[0].outputs[0]
+    assert len(eos_first.token_ids) >= 5
+
+
+def test_chat_answers_sensibly(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+def test_multibyte_text_streams_whole_characters(llm):
+    tok = llm.tokenizer
+    text = "Größe: 世界 🎉🚀 naïve — ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    deltas = [detok.add(t) for t in ids]
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(prompt=""), dict(prompt=[[]]), dict(prompt=[10 ** 9]),
+    dict(prompt="hi " * 3000), dict(params=dict(max_tokens=0)), dict(params=dict(max_tokens=5000)),
+    dict(params=dict(temperature=-1)), dict(params=dict(top_p=0)), dict(params=dict(top_p=1.5)),
+    dict(params=dict(n=0)), dict(params=dict(min_tokens=9, max_tokens=3)),
+])
+def test_bad_input_is_refused_and_the_engine_keeps_serving(llm, bad):
+    with pytest.raises(ValueError):
+        llm.generate(bad.get("prompt", "Hello"), SamplingParams(**bad.get("params", {})), use_tqdm=False)
+    assert_pool_whole(llm)
+    assert llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_bad_prompt_in_a_batch_refuses_the_whole_batch_before_running(llm):
+    before = llm.stats()["requests_finished"]
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["fine", "x " * 5000], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert llm.stats()["requests_finished"] == before
+    assert_pool_whole(llm)
+
+
+def test_unknown_model_and_bad_options_fail_clearly():
+    with pytest.raises(FileNotFoundError, match="unknown model"):
+        LLM(model="/no/such/model")
+    with pytest.raises(ValueError, match="kv_layout"):
+        LLM(kv_layout="striped")
+    with pytest.raises(ValueError, match="preset"):
+        LLM(model="random:gpt-7")
+
+
+def test_request_larger_than_the_whole_kv_budget_is_refused():
+    small = LLM(kv_cache_memory=20 * 65536)
+    with pytest.raises(ValueError, match="KV budget"):
+        small.generate("Hello " * 10, SamplingParams(max_tokens=100), use_tqdm=False)
+    assert small.generate("Hello", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_random_preset_runs():
+    llm = LLM(model="random:tiny", kv_layout="per_layer")
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5
+    assert_pool_whole(llm)
