@@ -14,6 +14,7 @@ import vmm
 from engine.attention import pick_attention
 from engine.config import DEFAULT_HOST_PAGE, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv.paged import PagedKVCache
 from engine.kv.virtual import VirtualKVCache
 from engine.model_runner import ModelRunner
 from engine.models import load_config, load_model, load_tokenizer
@@ -34,6 +35,7 @@ class Request:
     detokenizers: list[IncrementalDetokenizer]
     arrival: float
     texts: list[str] = field(default_factory=list)
+    unforked: list[Sequence] = field(default_factory=list)  # n > 1: wait to share seq 0's prompt
 
     @property
     def finished(self) -> bool:
@@ -49,14 +51,22 @@ class LLMEngine:
         self.model = load_model(c.model, self.model_config, c.device, c.dtype, c.seed)
         self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.kv = self._make_kv_cache()
-        self.attention = pick_attention(c.attention_backend, c.device, c.dtype)
+        self.attention = pick_attention(c.attention_backend, c.device, c.dtype, c.kv_layout)
         self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, self.attention, c.device)
         self.requests: dict[str, Request] = {}
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
 
-    def _make_kv_cache(self) -> VirtualKVCache:
+    def _make_kv_cache(self) -> VirtualKVCache | PagedKVCache:
         c = self.config
+        if c.kv_layout == "paged":
+            itemsize = torch.empty((), dtype=c.dtype).element_size()
+            block_bytes = c.block_size * self.model_config.kv_bytes_per_token(itemsize)
+            num_blocks = c.kv_budget_bytes() // block_bytes
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory {c.kv_budget_bytes()} is below one block ({block_bytes} bytes)")
+            return PagedKVCache(self.model_config, c.block_size, num_blocks, c.dtype, c.device,
+                                c.enable_prefix_caching)
         if c.device.type == "cuda":
             backend = vmm.CudaBackend(c.device.index or 0, c.page_size)
         else:
@@ -65,7 +75,7 @@ class LLMEngine:
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory {c.kv_budget_bytes()} is below one page ({backend.page_size} bytes)")
         return VirtualKVCache(self.model_config, c.kv_layout, c.max_num_seqs, self.max_model_len,
-                              c.dtype, backend, num_pages)
+                              c.dtype, backend, num_pages, c.enable_prefix_caching)
 
     # -- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -99,9 +109,9 @@ class LLMEngine:
         seqs = [Sequence(request_id, i, list(ids), params, now, generator=self._generator(params, i))
                 for i in range(params.n)]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
-        self.requests[request_id] = Request(request_id, text, ids, params, seqs, detoks, now, [""] * len(seqs))
-        for seq in seqs:
-            self.scheduler.add(seq)
+        self.requests[request_id] = Request(request_id, text, ids, params, seqs, detoks, now,
+                                            [""] * len(seqs), seqs[1:])
+        self.scheduler.add(seqs[0])
         self.counters["prompt_tokens"] += len(ids)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
@@ -127,11 +137,33 @@ class LLMEngine:
         logits, sampling = self.runner.run(scheduled)
         for seq, n in scheduled:
             seq.num_computed_tokens += n
+            self.kv.commit(seq)
+        rows, sampling = self._with_forks(sampling)
         touched = {}
-        for seq, sampled in zip(sampling, sample(logits, sampling, self.eos_ids)):
+        for seq, sampled in zip(sampling, sample(logits[rows], sampling, self.eos_ids)):
             self._append(seq, sampled)
             touched[seq.request_id] = self.requests[seq.request_id]
         return [self._output(r) for r in touched.values()]
+
+    def _with_forks(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """When a request's first sequence has its prompt computed, its siblings fork from it
+        (sharing every prompt page) and sample their first token from the same logits. A
+        sibling that finds no room queues and computes the prompt itself."""
+        rows, seqs = [], []
+        for row, seq in enumerate(sampling):
+            rows.append(row)
+            seqs.append(seq)
+            request = self.requests[seq.request_id]
+            while request.unforked and seq.num_output_tokens == 0:
+                sibling = request.unforked.pop(0)
+                if not self.scheduler.can_adopt():
+                    self.scheduler.add(sibling)
+                    continue
+                self.kv.fork(seq, sibling)
+                self.scheduler.adopt(sibling)
+                rows.append(row)
+                seqs.append(sibling)
+        return rows, seqs
 
     def _append(self, seq: Sequence, sampled) -> None:
         request = self.requests[seq.request_id]
@@ -178,10 +210,9 @@ class LLMEngine:
     def stats(self) -> dict:
         kv = self.kv.stats()
         running = self.scheduler.running
-        token_bytes = sum(s.num_computed_tokens for s in running) * self.kv.row_bytes * len(self.kv.regions)
+        token_bytes = sum(s.num_computed_tokens for s in running) * self.kv.token_bytes
         mapped_bytes = (kv["pages_in_use"] + kv["pages_idle"]) * self.kv.page_size
-        return {**kv, "pages_cached": 0, "preemptions": self.scheduler.num_preemptions,
-                "prefix_cache_queries": 0, "prefix_cache_hits": 0, "cow_copies": 0,
+        return {**kv, "preemptions": self.scheduler.num_preemptions,
                 "kv_utilization": token_bytes / mapped_bytes if mapped_bytes else 0.0,
                 "num_running": len(running), "num_waiting": len(self.scheduler.waiting),
                 "kv_layout": self.config.kv_layout, "attention_backend": self.attention, **self.counters}

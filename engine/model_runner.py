@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import VirtualAttention, VirtualBatch
+from engine.kv.batch import StepBatch
 from engine.sequence import Sequence
 
 
@@ -12,30 +12,27 @@ class ModelRunner:
         self.model, self.kv, self.kernel, self.device = model, kv_cache, kernel, device
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
-        input_ids, positions, token_slots, seqs, cu_q, starts, ctx_lens = [], [], [], [], [0], [], []
-        logits_indices, sampling = [], []
+        input_ids, positions, starts, q_lens, ctx_lens = [], [], [], [], []
+        logits_indices, sampling, row = [], [], 0
         for seq, n in scheduled:
             first, ctx = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids += seq.token_ids[first:ctx]
             positions += range(first, ctx)
-            token_slots += [seq.slot] * n
-            seqs.append((seq.slot, cu_q[-1], n, ctx))
-            cu_q.append(cu_q[-1] + n)
-            starts.append(seq.slot * self.kv.rows)
+            starts.append(row)
+            q_lens.append(n)
             ctx_lens.append(ctx)
+            row += n
             if ctx == len(seq):  # the step reaches the end of what is known: sample after it
-                logits_indices.append(cu_q[-1] - 1)
+                logits_indices.append(row - 1)
                 sampling.append(seq)
-        as_tensor = lambda x, dtype=torch.long: torch.tensor(x, dtype=dtype, device=self.device)
-        batch = VirtualBatch(
-            token_slots=as_tensor(token_slots), positions=as_tensor(positions), seqs=seqs,
-            cu_seqlens_q=as_tensor(cu_q, torch.int32), slot_starts=as_tensor(starts + [self.kv.num_slots * self.kv.rows], torch.int32),
-            context_lens=as_tensor(ctx_lens, torch.int32), max_query_len=max(n for _, _, n, _ in seqs),
-            max_context_len=max(ctx_lens))
-        return as_tensor(input_ids), batch, as_tensor(logits_indices), sampling
+        tensor = lambda x, dtype=torch.long: torch.tensor(x, dtype=dtype, device=self.device)
+        batch = StepBatch([s for s, _ in scheduled], starts, q_lens, ctx_lens, tensor(positions),
+                          tensor([0] + [s + n for s, n in zip(starts, q_lens)], torch.int32),
+                          tensor(ctx_lens, torch.int32))
+        return tensor(input_ids), batch, tensor(logits_indices), sampling
 
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         input_ids, batch, logits_indices, sampling = self.prepare(scheduled)
-        attn = VirtualAttention(self.kv, self.kernel, batch)
+        attn = self.kv.attention(batch, self.kernel)
         logits = self.model(input_ids, batch.positions, attn, logits_indices)
         return logits, sampling

@@ -61,13 +61,14 @@ class Scheduler:
         scheduled = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_pending_tokens, budget)
             headroom = self.headroom_pages if self.running else 0
-            if self.kv.num_free_pages < self.kv.pages_for(n) + headroom:
+            if self.kv.num_free_pages < self.kv.pages_for(min(len(seq), budget)) + headroom:
                 break
-            self.kv.allocate_slot(seq)
-            if not self.kv.ensure_mapped(seq, n):
-                self.kv.free_slot(seq)
+            self.kv.admit(seq)  # maps any cached prefix and counts it computed
+            n = min(seq.num_pending_tokens, budget)
+            if not self.kv.ensure_mapped(seq, seq.num_computed_tokens + n):
+                self.kv.release(seq, keep_pages=False)
+                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -78,17 +79,25 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.kv.free_slot(seq, keep_pages=False)
+        self.kv.release(seq, keep_pages=False)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def adopt(self, seq: Sequence) -> None:
+        """A sequence the KV cache already holds (a fork) joins the running batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def can_adopt(self) -> bool:
+        return len(self.running) < self.max_num_seqs and self.kv.can_allocate()
+
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Finished or aborted: leave the queues, give the slot back."""
+        """Finished or aborted: leave the queues, give the KV back."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self.kv.free_slot(seq)
-        elif seq.status is SequenceStatus.WAITING:
+            self.kv.release(seq)
+        elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

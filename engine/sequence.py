@@ -32,6 +32,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None  # virtual layouts: which contiguous range holds the KV
     block_table: list[int] = field(default_factory=list)  # paged layout: block ids
+    page_hashes: list[int] = field(default_factory=list)  # prefix-cache names of complete pages
+    num_committed_pages: int = 0  # pages already offered to the prefix cache
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     output_logprobs: list = field(default_factory=list)

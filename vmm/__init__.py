@@ -31,7 +31,7 @@ from vmm.errors import (AlreadyMapped, BackendUnavailable, DoubleFree, Invariant
                         NotMapped, OutOfRange, PoolExhausted, ReservationReleased, UnmappedAccess,
                         VmmError)
 from vmm.host import HostBackend
-from vmm.pool import PagePool, PoolStats
+from vmm.pool import PageAllocator, PagePool, PoolStats
 from vmm.reservation import Reservation
 
 
@@ -45,6 +45,6 @@ def make_backend(name: str, page_size: int | None = None, device: int = 0) -> Ba
 
 
 __all__ = ["Backend", "HostBackend", "CudaBackend", "cuda_unavailable_reason", "make_backend",
-           "PagePool", "PoolStats", "Reservation", "VmmError", "BackendUnavailable",
+           "PageAllocator", "PagePool", "PoolStats", "Reservation", "VmmError", "BackendUnavailable",
            "PoolExhausted", "DoubleFree", "NotMapped", "AlreadyMapped", "OutOfRange",
            "UnmappedAccess", "ReservationReleased", "InvariantViolation"]

@@ -26,26 +26,23 @@ class PoolStats:
     peak_in_use: int
 
 
-class PagePool:
-    """Thread-safe: every method, and every `Reservation` method, runs under `self.lock`."""
+class PageAllocator:
+    """Page ids 0..N-1 with reference counts and an O(1) FIFO free queue; no memory of its own.
+    `PagePool` puts physical pages behind the ids; the block-table KV cache uses it as is.
+    Thread-safe: every method runs under `self.lock`."""
 
-    def __init__(self, backend: Backend, num_pages: int):
+    def __init__(self, num_pages: int, page_size: int):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        self.backend = backend
-        self.page_size = backend.page_size
+        self.page_size = page_size
         self.lock = threading.RLock()
-        self.handles = []
-        self._finalizer = weakref.finalize(self, _release_all, backend, self.handles)
-        for _ in range(num_pages):
-            self.handles.append(backend.create_page())
         self.ref_counts = [0] * num_pages
         self.free_ids: deque[int] = deque(range(num_pages))
         self.peak_in_use = 0
 
     @property
     def num_pages(self) -> int:
-        return len(self.handles)
+        return len(self.ref_counts)
 
     @property
     def num_free(self) -> int:
@@ -93,23 +90,40 @@ class PagePool:
             return PoolStats(self.page_size, self.num_pages, len(self.free_ids), in_use, shared,
                              self.peak_in_use)
 
-    def audit(self, reservations: Iterable, held: Mapping[int, int] = {}) -> None:
-        """Check that every page is free xor referenced, and that each reference count equals
-        the page's mappings in `reservations` plus its explicit holds in `held`."""
+    def check(self, expected: Mapping[int, int]) -> None:
+        """Every page is free xor referenced, and its count equals `expected[page]` (the
+        references its owners say they hold)."""
         with self.lock:
-            expected = Counter(held)
-            for reservation in reservations:
-                expected.update(reservation.mapped_pages().values())
             free = set(self.free_ids)
             if len(free) != len(self.free_ids):
                 raise InvariantViolation("a page is in the free list twice")
             for page, count in enumerate(self.ref_counts):
-                if count != expected[page]:
+                if count != expected.get(page, 0):
                     raise InvariantViolation(f"page {page}: ref count {count}, "
-                                             f"mappings + holds {expected[page]}")
+                                             f"its owners hold {expected.get(page, 0)}")
                 if (count == 0) != (page in free):
                     raise InvariantViolation(f"page {page}: ref count {count} but "
                                              f"{'in' if page in free else 'not in'} the free list")
+
+
+class PagePool(PageAllocator):
+    """Physical pages from a backend behind the allocator's ids, all created up front."""
+
+    def __init__(self, backend: Backend, num_pages: int):
+        super().__init__(num_pages, backend.page_size)
+        self.backend = backend
+        self.handles = []
+        self._finalizer = weakref.finalize(self, _release_all, backend, self.handles)
+        for _ in range(num_pages):
+            self.handles.append(backend.create_page())
+
+    def audit(self, reservations: Iterable, held: Mapping[int, int] = {}) -> None:
+        """Each page's count equals its mappings in `reservations` plus its holds in `held`."""
+        with self.lock:
+            expected = Counter(held)
+            for reservation in reservations:
+                expected.update(reservation.mapped_pages().values())
+            self.check(expected)
 
     def close(self) -> None:
         """Release every physical page. Reservations must be released first."""

@@ -5,38 +5,42 @@ Layouts (`kv_layout`):
   interleaved  one region; a token row holds K and V of every layer, [slots, rows, L, 2, H, D].
                One page serves all layers, so a sequence maps one page per `page/row` tokens.
   per_layer    2 x layers regions (K and V of each layer, [slots, rows, H, D]): vAttention's.
-Every region has the same row size, so a slot's regions grow in lockstep: `mapped[slot]` pages
-in each. `rows` per slot is padded so a slot ends on a page boundary and slot `s` starts at row
-`s * rows` of a flattened view: that is what FlashAttention's `cum_seq_k` offsets need.
+Every region has the same row size, so a slot's regions are mapped in lockstep: page k of a
+sequence is the tuple of each region's page at index k of its slot. `rows` per slot is padded
+so a slot ends on a page boundary and slot `s` starts at row `s * rows` of a flattened view:
+FlashAttention's `cum_seq_k` offsets need that. A row may straddle two pages.
 
-Deferred reclamation: a finished sequence's slot keeps its pages mapped (`idle`, LRU order) and
+Deferred reclamation: a finished sequence's slot keeps its pages mapped (`idle_slots`, LRU) and
 the next sequence that takes the slot writes over them without mapping anything; idle pages are
-unmapped only when the pool runs short.
+unmapped only when the pool runs short. Pages another sequence or the prefix cache also holds
+are unmapped from a reused slot instead, so nobody's shared bytes get overwritten.
 """
 from __future__ import annotations
 
 import math
-import time
 from collections import OrderedDict, deque
 
 import torch
 
 import vmm
+from engine.attention import flash_varlen, flatten_slots, sdpa_sequence
+from engine.kv.base import KVCacheBase
+from engine.kv.batch import StepBatch
 from engine.models.config import ModelConfig
 from engine.sequence import Sequence
 
 LAYOUTS = ("interleaved", "per_layer")
 
 
-class VirtualKVCache:
+class VirtualKVCache(KVCacheBase):
     def __init__(self, cfg: ModelConfig, layout: str, num_slots: int, max_model_len: int,
-                 dtype: torch.dtype, backend: vmm.Backend, num_pages: int):
+                 dtype: torch.dtype, backend: vmm.Backend, num_pages: int,
+                 enable_prefix_caching: bool = False):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown virtual kv_layout {layout!r}: choose one of {LAYOUTS}")
         self.layout, self.num_slots, self.dtype = layout, num_slots, dtype
         L, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self.num_layers = L
         self.row_elems = L * 2 * H * D if layout == "interleaved" else H * D
         self.row_bytes = self.row_elems * itemsize
         self.page_size = backend.page_size
@@ -44,14 +48,14 @@ class VirtualKVCache:
         self.rows = math.ceil(max_model_len / align) * align
         self.slot_pages = self.rows * self.row_bytes // self.page_size
         self.pool = vmm.PagePool(backend, num_pages)
-        num_regions = 1 if layout == "interleaved" else 2 * L
+        self.num_regions = 1 if layout == "interleaved" else 2 * L
         self.regions = [vmm.Reservation(self.pool, num_slots * self.slot_pages * self.page_size)
-                        for _ in range(num_regions)]
+                        for _ in range(self.num_regions)]
         self.k_caches, self.v_caches = self._views(L, H, D)
-        self.mapped = [0] * num_slots
+        self.mapped = [0] * num_slots  # pages mapped in each region of each slot
         self.free_slots: deque[int] = deque(range(num_slots))
         self.idle_slots: OrderedDict[int, None] = OrderedDict()
-        self.map_seconds = 0.0
+        super().__init__(enable_prefix_caching)
 
     def _views(self, L: int, H: int, D: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer, K and V as [slots, rows, H, D] views (row stride = row_elems)."""
@@ -61,43 +65,66 @@ class VirtualKVCache:
         rows = self.regions[0].view(self.dtype, (self.num_slots, self.rows, L, 2, H, D))
         return [rows[:, :, l, 0] for l in range(L)], [rows[:, :, l, 1] for l in range(L)]
 
-    # -- sizing ---------------------------------------------------------------------------
-    def pages_for(self, num_tokens: int) -> int:
-        """Pages one sequence of num_tokens maps, over all regions."""
-        return math.ceil(num_tokens * self.row_bytes / self.page_size) * len(self.regions)
-
     @property
-    def num_free_pages(self) -> int:
-        """Pages obtainable now: free in the pool, or mapped in idle slots and reclaimable."""
-        return self.pool.num_free + sum(self.mapped[s] for s in self.idle_slots) * len(self.regions)
+    def token_bytes(self) -> int:
+        """KV bytes one token occupies, all layers."""
+        return self.row_bytes * self.num_regions
 
-    # -- slots ----------------------------------------------------------------------------
-    def allocate_slot(self, seq: Sequence) -> None:
+    # -- geometry -------------------------------------------------------------------------
+    def page_end(self, k: int) -> int:
+        return -(-(k + 1) * self.page_size // self.row_bytes)
+
+    def tokens_in_pages(self, m: int) -> int:
+        return m * self.page_size // self.row_bytes
+
+    def page_range(self, start: int, end: int) -> range:
+        return range(start * self.row_bytes // self.page_size, -(-end * self.row_bytes // self.page_size))
+
+    def _index(self, seq: Sequence, k: int) -> int:
+        return seq.slot * self.slot_pages + k
+
+    def pages_at(self, seq: Sequence, k: int) -> tuple[int, ...] | None:
+        first = self.regions[0].page_at(self._index(seq, k))
+        return None if first is None else tuple(r.page_at(self._index(seq, k)) for r in self.regions)
+
+    # -- slots and pages ------------------------------------------------------------------
+    def can_allocate(self) -> bool:
+        return bool(self.idle_slots or self.free_slots)
+
+    def allocate(self, seq: Sequence) -> None:
         if self.idle_slots:  # reuse mapped pages: deferred reclamation pays off here
             seq.slot, _ = self.idle_slots.popitem(last=True)
         else:
             seq.slot = self.free_slots.popleft()
 
-    def ensure_mapped(self, seq: Sequence, num_tokens: int) -> bool:
-        """Map pages so the slot covers num_tokens; False (nothing changed) if memory is short."""
-        have, need = self.mapped[seq.slot], self.pages_for(num_tokens) // len(self.regions)
-        if need <= have:
-            return True
-        missing = (need - have) * len(self.regions)
-        if self.num_free_pages < missing:
-            return False
-        self._reclaim(missing)
-        start = time.perf_counter()
-        first = seq.slot * self.slot_pages + have
-        for region in self.regions:
-            region.map_new(first, need - have)
-        self.map_seconds += time.perf_counter() - start
-        self.mapped[seq.slot] = need
-        return True
+    def install(self, seq: Sequence, k: int, pages: tuple[int, ...]) -> None:
+        if self.pages_at(seq, k) == pages:
+            return
+        if self.pages_at(seq, k) is not None:
+            self._unmap(seq.slot, [k])
+        for region, page in zip(self.regions, pages):
+            region.map(self._index(seq, k), page)
+        self.mapped[seq.slot] += 1
 
-    def free_slot(self, seq: Sequence, keep_pages: bool = True) -> None:
-        """The sequence is done with its slot; its pages stay mapped for the next one unless
-        keep_pages is False (preemption: the memory is needed now)."""
+    def after_install(self, seq: Sequence, num_installed: int) -> None:
+        """A reused slot keeps its private pages past the installed prefix; shared ones go."""
+        stale = [k for k in range(num_installed, self.slot_pages)
+                 if self.pages_at(seq, k) is not None and self.is_shared(seq, k)]
+        self._unmap(seq.slot, stale)
+
+    def map_fresh(self, seq: Sequence, indices: list[int]) -> None:
+        for first, count in vmm.backend.consecutive_runs(indices):
+            for region in self.regions:
+                region.map_new(self._index(seq, first), count)
+            self.mapped[seq.slot] += count
+
+    def copy_on_write(self, seq: Sequence, k: int) -> None:
+        for region in self.regions:
+            region.copy_on_write(self._index(seq, k))
+
+    def release(self, seq: Sequence, keep_pages: bool = True) -> None:
+        """seq is done with its slot; its pages stay mapped for the next one unless keep_pages
+        is False (preemption: the memory is needed now)."""
         slot, seq.slot = seq.slot, None
         if keep_pages and self.mapped[slot]:
             self.idle_slots[slot] = None
@@ -105,22 +132,31 @@ class VirtualKVCache:
             self._unmap_slot(slot)
             self.free_slots.append(slot)
 
-    def _reclaim(self, num_pages: int) -> None:
-        while self.pool.num_free < num_pages and self.idle_slots:
+    def reclaimable_pages(self) -> int:
+        """Pages mapped in idle slots (an upper bound: some may also be mapped elsewhere)."""
+        return sum(self.mapped[s] for s in self.idle_slots) * self.num_regions
+
+    def reclaim(self, want_free: int) -> None:
+        while self.pool.num_free < want_free and self.idle_slots:
             slot, _ = self.idle_slots.popitem(last=False)
             self._unmap_slot(slot)
             self.free_slots.append(slot)
+        super().reclaim(want_free)
+
+    def _unmap(self, slot: int, indices: list[int]) -> None:
+        for first, count in vmm.backend.consecutive_runs(indices):
+            for region in self.regions:
+                region.unmap(slot * self.slot_pages + first, count)
+            self.mapped[slot] -= count
 
     def _unmap_slot(self, slot: int) -> None:
-        if self.mapped[slot]:
-            for region in self.regions:
-                region.unmap(slot * self.slot_pages, self.mapped[slot])
-            self.mapped[slot] = 0
+        mapped = [i for i in range(self.slot_pages) if self.regions[0].page_at(slot * self.slot_pages + i) is not None]
+        self._unmap(slot, mapped)
 
     # -- checks and numbers ---------------------------------------------------------------
     def audit(self) -> None:
-        """Pool accounting agrees with the mappings, and each slot maps exactly mapped[slot]."""
-        self.pool.audit(self.regions)
+        """Each page's count is its mappings plus the prefix cache's hold; regions in lockstep."""
+        self.pool.audit(self.regions, self.held_by_cache())
         for region in self.regions:
             per_slot = [0] * self.num_slots
             for index in region.mapped_pages():
@@ -129,13 +165,48 @@ class VirtualKVCache:
 
     def stats(self) -> dict:
         pool = self.pool.stats()
-        idle = sum(self.mapped[s] for s in self.idle_slots) * len(self.regions)
-        return {"pages_total": pool.total, "pages_free": pool.free, "pages_in_use": pool.in_use - idle,
+        idle = sum(self.mapped[s] for s in self.idle_slots) * self.num_regions
+        active = sum(self.mapped) * self.num_regions - idle
+        return {"pages_total": pool.total, "pages_free": pool.free, "pages_in_use": active,
                 "pages_idle": idle, "peak_pages_mapped": pool.peak_in_use, "page_size": self.page_size,
-                "map_seconds": self.map_seconds}
+                "map_seconds": self.map_seconds, **self.prefix_stats()}
+
+    def attention(self, batch: StepBatch, kernel: str) -> VirtualAttention:
+        return VirtualAttention(self, batch, kernel)
 
     def close(self) -> None:
+        if self.prefix_cache:
+            self.prefix_cache.clear()
         for region in self.regions:
             if not region.released:
                 region.release()
         self.pool.close()
+
+
+class VirtualAttention:
+    """What the model calls each layer: store the new K/V rows in the slots, then attend with
+    each sequence's slot as its contiguous K/V, read in place."""
+
+    def __init__(self, kv: VirtualKVCache, batch: StepBatch, kernel: str):
+        self.kv, self.batch, self.kernel = kv, batch, kernel
+        device = batch.positions.device
+        slots = [seq.slot for seq in batch.seqs]
+        self.token_slots = batch.per_token(slots, device)
+        if kernel == "flash":
+            starts = [slot * kv.rows for slot in slots] + [kv.num_slots * kv.rows]
+            self.slot_starts = torch.tensor(starts, dtype=torch.int32, device=device)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kv.k_caches[layer][self.token_slots, self.batch.positions] = k
+        self.kv.v_caches[layer][self.token_slots, self.batch.positions] = v
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache, b = self.kv.k_caches[layer], self.kv.v_caches[layer], self.batch
+        if self.kernel == "flash":
+            return flash_varlen(q, flatten_slots(k_cache), flatten_slots(v_cache), b.cu_seqlens_q,
+                                self.slot_starts, b.max_query_len, b.max_context_len, b.context_lens)
+        out = torch.empty_like(q)
+        for seq, start, q_len, ctx in b.spans():
+            out[start:start + q_len] = sdpa_sequence(q[start:start + q_len], k_cache[seq.slot, :ctx],
+                                                     v_cache[seq.slot, :ctx])
+        return out

@@ -1,0 +1,132 @@
+"""Block-table KV cache: the PagedAttention baseline, in the same engine.
+
+Per layer, K and V are pools of blocks [num_blocks, block_size, kv_heads, head_dim]. A sequence
+owns a block table (`seq.block_table`: page k of the sequence is block table[k]) and takes one
+more block every `block_size` tokens. Block ids and their reference counts live in a
+`vmm.PageAllocator`, the bookkeeping the virtual caches use, and prefix caching, forks and
+copy-on-write come from the same base class, so the two differ only in where K/V live.
+Attention gathers a sequence's blocks into one contiguous K and V and runs the same kernel as
+the virtual layouts: that gather is the cost a block table adds without a paged kernel.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+import vmm
+from engine.attention import sdpa_sequence
+from engine.kv.base import KVCacheBase
+from engine.kv.batch import StepBatch
+from engine.models.config import ModelConfig
+from engine.sequence import Sequence
+
+
+class PagedKVCache(KVCacheBase):
+    layout = "paged"
+
+    def __init__(self, cfg: ModelConfig, block_size: int, num_blocks: int, dtype: torch.dtype,
+                 device: torch.device, enable_prefix_caching: bool = False):
+        H, D = cfg.num_kv_heads, cfg.head_dim
+        self.block_size = block_size
+        self.token_bytes = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+        self.page_size = block_size * self.token_bytes  # one block, all layers, K and V
+        self.pool = vmm.PageAllocator(num_blocks, self.page_size)
+        shape = (num_blocks, block_size, H, D)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.tables: dict[int, list[int]] = {}  # seq_id -> its block table, for audits
+        super().__init__(enable_prefix_caching)
+
+    # -- geometry -------------------------------------------------------------------------
+    def page_end(self, k: int) -> int:
+        return (k + 1) * self.block_size
+
+    def tokens_in_pages(self, m: int) -> int:
+        return m * self.block_size
+
+    def page_range(self, start: int, end: int) -> range:
+        return range(start // self.block_size, math.ceil(end / self.block_size))
+
+    def pages_at(self, seq: Sequence, k: int) -> tuple[int, ...] | None:
+        return (seq.block_table[k],) if k < len(seq.block_table) else None
+
+    # -- blocks ---------------------------------------------------------------------------
+    def can_allocate(self) -> bool:
+        return True
+
+    def allocate(self, seq: Sequence) -> None:
+        seq.block_table = []
+        self.tables[seq.seq_id] = seq.block_table
+
+    def install(self, seq: Sequence, k: int, pages: tuple[int, ...]) -> None:
+        self.pool.hold(pages[0])
+        seq.block_table.append(pages[0])
+
+    def after_install(self, seq: Sequence, num_installed: int) -> None:
+        pass
+
+    def map_fresh(self, seq: Sequence, indices: list[int]) -> None:
+        seq.block_table += self.pool.alloc_many(len(indices))  # indices always extend the table
+
+    def copy_on_write(self, seq: Sequence, k: int) -> None:
+        old, new = seq.block_table[k], self.pool.alloc()
+        for cache in self.k_caches + self.v_caches:
+            cache[new] = cache[old]
+        seq.block_table[k] = new
+        self.pool.drop(old)
+
+    def release(self, seq: Sequence, keep_pages: bool = True) -> None:
+        """Blocks go straight back: a block table has nothing to gain from keeping them."""
+        for block in seq.block_table:
+            self.pool.drop(block)
+        self.tables.pop(seq.seq_id, None)
+        seq.block_table = []
+
+    # -- checks and numbers ---------------------------------------------------------------
+    def audit(self) -> None:
+        expected = Counter(b for table in self.tables.values() for b in table)
+        expected.update(self.held_by_cache())
+        self.pool.check(expected)
+
+    def stats(self) -> dict:
+        pool = self.pool.stats()
+        in_use = len({b for table in self.tables.values() for b in table})
+        return {"pages_total": pool.total, "pages_free": pool.free, "pages_in_use": in_use,
+                "pages_idle": 0, "peak_pages_mapped": pool.peak_in_use, "page_size": self.page_size,
+                "map_seconds": self.map_seconds, **self.prefix_stats()}
+
+    def attention(self, batch: StepBatch, kernel: str) -> PagedAttention:
+        return PagedAttention(self, batch)
+
+    def close(self) -> None:
+        if self.prefix_cache:
+            self.prefix_cache.clear()
+        self.k_caches.clear()
+        self.v_caches.clear()
+
+
+class PagedAttention:
+    def __init__(self, kv: PagedKVCache, batch: StepBatch):
+        self.kv, self.batch = kv, batch
+        device, bs = batch.positions.device, kv.block_size
+        self.tables = [torch.tensor(seq.block_table[:math.ceil(ctx / bs)], device=device)
+                       for seq, _, _, ctx in batch.spans()]
+        positions = batch.positions
+        self.token_blocks = torch.cat([table[positions[s:s + n] // bs] for table, s, n in
+                                       zip(self.tables, batch.starts, batch.q_lens)])
+        self.token_offsets = positions % bs
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kv.k_caches[layer][self.token_blocks, self.token_offsets] = k
+        self.kv.v_caches[layer][self.token_blocks, self.token_offsets] = v
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.kv.k_caches[layer], self.kv.v_caches[layer]
+        out = torch.empty_like(q)
+        for table, (_, start, q_len, ctx) in zip(self.tables, self.batch.spans()):
+            k = k_cache[table].flatten(0, 1)[:ctx]
+            v = v_cache[table].flatten(0, 1)[:ctx]
+            out[start:start + q_len] = sdpa_sequence(q[start:start + q_len], k, v)
+        return out

@@ -1,0 +1,150 @@
+"""The engine's KV caches and scheduler under random traffic, without a model.
+
+Every "step" writes, into each scheduled row, a value that names the token's whole prefix
+(what a real model's K/V depends on). Requests arrive with shared prefixes, fork (n > 1), get
+aborted, and run under memory pressure so preemption and eviction happen. After every step:
+pool accounting holds (free xor referenced; counts = mappings + prefix-cache holds) and every
+running sequence reads back exactly its own prefix values, so sharing and copy-on-write never
+leak one sequence's bytes into another. At the end the pool is whole again.
+"""
+import torch
+from hypothesis import HealthCheck, event, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import vmm
+from engine.kv.paged import PagedKVCache
+from engine.kv.virtual import VirtualKVCache
+from engine.models.config import ModelConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+# Rows of 1,920 bytes (interleaved) and 480 bytes (per layer) straddle 4 KiB pages.
+CFG = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=3,
+                  num_kv_heads=3, head_dim=40)
+MAX_LEN = 64
+
+
+def make_cache(layout: str, pages: int):
+    if layout == "paged":
+        return PagedKVCache(CFG, 4, pages, torch.float32, torch.device("cpu"), enable_prefix_caching=True)
+    return VirtualKVCache(CFG, layout, 6, MAX_LEN, torch.float32, vmm.HostBackend(4096), pages,
+                          enable_prefix_caching=True)
+
+
+def prefix_value(tokens: list[int]) -> float:
+    return float(hash(tuple(tokens)) % (1 << 20))
+
+
+class TrafficMachine(RuleBasedStateMachine):
+    @initialize(layout=st.sampled_from(["interleaved", "per_layer", "paged"]), pages=st.integers(24, 48))
+    def setup(self, layout, pages):
+        self.kv = make_cache(layout, pages)
+        self.sched = Scheduler(self.kv, max_num_seqs=6, max_num_batched_tokens=48)
+        self.live: list[Sequence] = []
+        self.forks_left: dict[int, int] = {}
+        self.next_id = 0
+
+    def rows(self, seq: Sequence, layer: int, count: int) -> torch.Tensor:
+        """K of `layer` for seq's first `count` tokens, first element of each row."""
+        if isinstance(self.kv, PagedKVCache):
+            bs = self.kv.block_size
+            blocks = torch.tensor(seq.block_table[:-(-count // bs)], dtype=torch.long)
+            return self.kv.k_caches[layer][blocks].flatten(0, 1)[:count, 0, 0]
+        return self.kv.k_caches[layer][seq.slot, :count, 0, 0]
+
+    @rule(prefix=st.sampled_from([[], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [7] * 20]),
+          tail=st.lists(st.integers(0, 63), min_size=1, max_size=12), out=st.integers(1, 16),
+          n=st.integers(1, 3))
+    def arrive(self, prefix, tail, out, n):
+        if self.kv.pages_for(len(prefix) + len(tail) + out) > self.kv.pool.num_pages:
+            return  # the engine refuses such a request at submission
+        params = SamplingParams(max_tokens=out, ignore_eos=True)
+        seq = Sequence(str(self.next_id), 0, prefix + tail, params, 0.0)
+        self.forks_left[seq.seq_id] = n - 1
+        self.next_id += 1
+        self.sched.add(seq)
+        self.live.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data):
+        seq = data.draw(st.sampled_from(self.live))
+        self.sched.finish(seq, "abort")
+        self.live.remove(seq)
+
+    @rule()
+    def step(self):
+        for seq, n in self.sched.schedule():
+            first = seq.num_computed_tokens
+            for layer in range(CFG.num_layers):
+                values = torch.tensor([prefix_value(seq.token_ids[:p + 1]) for p in range(first, first + n)])
+                self.write(seq, layer, first, values)
+            seq.num_computed_tokens += n
+            self.kv.commit(seq)
+            if seq.num_computed_tokens == len(seq):
+                self.sample(seq)
+
+    def write(self, seq, layer, first, values):
+        count = first + len(values)
+        if isinstance(self.kv, PagedKVCache):
+            bs = self.kv.block_size
+            for i, v in enumerate(values):
+                pos = first + i
+                self.kv.k_caches[layer][seq.block_table[pos // bs], pos % bs] = v
+        else:
+            self.kv.k_caches[layer][seq.slot, first:count] = values[:, None, None]
+
+    def sample(self, seq):
+        if self.forks_left.get(seq.seq_id) and seq.num_output_tokens == 0 and self.sched.can_adopt():
+            self.forks_left[seq.seq_id] -= 1
+            child = Sequence(seq.request_id + "f", 1, list(seq.token_ids), seq.params, 0.0)
+            self.kv.fork(seq, child)
+            self.sched.adopt(child)
+            self.live.append(child)
+            child.token_ids.append(len(seq) % 64)  # diverges from its parent at once
+        seq.token_ids.append((len(seq) * 7) % 64)
+        for s in (seq,):
+            if s.num_output_tokens >= s.params.max_tokens:
+                self.sched.finish(s, "length")
+                self.live.remove(s)
+        for child in [c for c in self.live if c.status is SequenceStatus.RUNNING
+                      and c.num_output_tokens >= c.params.max_tokens]:
+            self.sched.finish(child, "length")
+            self.live.remove(child)
+
+    @invariant()
+    def pages_accounted_and_bytes_right(self):
+        if not hasattr(self, "kv"):
+            return
+        self.kv.audit()
+        for seq in self.sched.running:
+            count = seq.num_computed_tokens
+            if not count:
+                continue
+            want = torch.tensor([prefix_value(seq.token_ids[:p + 1]) for p in range(count)])
+            for layer in range(CFG.num_layers):
+                assert torch.equal(self.rows(seq, layer, count), want), (seq.request_id, layer)
+
+    def teardown(self):
+        if not hasattr(self, "kv"):
+            return
+        stats = self.kv.stats()
+        for name, happened in [("preemption", self.sched.num_preemptions), ("copy-on-write", stats["cow_copies"]),
+                               ("prefix hit", stats["prefix_cache_hits"]), ("eviction", stats["evictions"])]:
+            event(f"{name}: {'yes' if happened else 'no'}")
+        for seq in list(self.live):
+            self.sched.finish(seq, "abort")
+        assert not self.sched.running and not self.sched.waiting
+        if self.kv.prefix_cache:
+            self.kv.prefix_cache.clear()
+        if isinstance(self.kv, VirtualKVCache):
+            self.kv.reclaim(self.kv.pool.num_pages)
+        self.kv.audit()
+        assert self.kv.pool.num_free == self.kv.pool.num_pages
+        self.kv.close()
+
+
+TestTraffic = TrafficMachine.TestCase
+TestTraffic.settings = settings(max_examples=400, stateful_step_count=50, deadline=None,
+                                suppress_health_check=[HealthCheck.too_slow])
