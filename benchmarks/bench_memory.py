@@ -5,12 +5,15 @@ step, every scheduled sequence has its tokens "computed" and, at the end of what
 gains one token, until it reaches its ShareGPT reply length. Requests arrive as a Poisson
 process (in engine steps). With one fixed KV budget, each allocator reports:
   KV utilization  bytes of tokens held ÷ bytes allocated or mapped (time average, and at the
-                  peak of allocated memory)
+                  peak of allocated memory); "active" leaves out the pages that finished
+                  sequences keep mapped for the next one (deferred reclamation), which are
+                  reclaimed the moment memory is short
   concurrency     the most sequences running at once
   finished        requests done within the step horizon
 Allocators: naive (contiguous max-length preallocation = one block of max_model_len tokens),
 paged blocks of 16 and 256 tokens, per_layer and interleaved with 2 MiB pages (vAttention
-without and with one page for all layers), and both with the host backend's 64 KiB pages.
+without and with one page for all layers), and both with the host backend's small pages (the
+smallest that keep the pool within Linux's limit on mapped areas: 64 KiB at 256 MiB).
 
     python benchmarks/bench_memory.py --json benchmarks/results/cpu/memory.json \
         --plot benchmarks/results/cpu/memory.png
@@ -44,12 +47,13 @@ MAX_MODEL_LEN = 2048
 ALLOCATORS = {  # name: (layout, page bytes or block tokens)
     "naive": ("paged", MAX_MODEL_LEN), "paged-16": ("paged", 16), "paged-256": ("paged", 256),
     "per_layer-2MiB": ("per_layer", 2 << 20), "interleaved-2MiB": ("interleaved", 2 << 20),
-    "per_layer-64KiB": ("per_layer", 64 << 10), "interleaved-64KiB": ("interleaved", 64 << 10),
+    "per_layer-small": ("per_layer", None), "interleaved-small": ("interleaved", None),
 }
 
 
-def make_cache(cfg: ModelConfig, name: str, budget: int, max_seqs: int):
+def make_cache(cfg: ModelConfig, name: str, budget: int, max_seqs: int, small_page: int):
     layout, size = ALLOCATORS[name]
+    size = size or small_page
     dtype = torch.bfloat16
     if layout == "paged":
         block_bytes = size * cfg.kv_bytes_per_token(2)
@@ -57,8 +61,9 @@ def make_cache(cfg: ModelConfig, name: str, budget: int, max_seqs: int):
     return VirtualKVCache(cfg, layout, max_seqs, MAX_MODEL_LEN, dtype, vmm.HostBackend(size), budget // size)
 
 
-def replay(cfg: ModelConfig, name: str, trace, budget: int, horizon: int, max_seqs: int) -> dict:
-    kv = make_cache(cfg, name, budget, max_seqs)
+def replay(cfg: ModelConfig, name: str, trace, budget: int, horizon: int, max_seqs: int,
+           small_page: int) -> dict:
+    kv = make_cache(cfg, name, budget, max_seqs, small_page)
     scheduler = Scheduler(kv, max_seqs, max_num_batched_tokens=4096)
     pending, finished, samples = list(trace), 0, []
     for step in range(horizon):
@@ -75,18 +80,20 @@ def replay(cfg: ModelConfig, name: str, trace, budget: int, horizon: int, max_se
                     finished += 1
         used = sum(s.num_computed_tokens for s in scheduler.running) * cfg.kv_bytes_per_token(2)
         stats = kv.stats()
-        allocated = (stats["pages_in_use"] + stats["pages_idle"]) * kv.page_size
-        samples.append((used, allocated, len(scheduler.running)))
+        active = stats["pages_in_use"] * kv.page_size
+        allocated = active + stats["pages_idle"] * kv.page_size
+        samples.append((used, allocated, active, len(scheduler.running)))
         if not pending and not scheduler.has_unfinished():
             break
     kv.audit()
     kv.close()
-    used, allocated, running = (np.array(x, dtype=float) for x in zip(*samples))
-    busy = allocated > 0
+    used, allocated, active, running = (np.array(x, dtype=float) for x in zip(*samples))
+    busy = active > 0
     peak = int(allocated.argmax())
     return {"allocator": name, "page_bytes": kv.page_size, "pages_total": kv.pool.num_pages,
             "utilization_mean": float((used[busy] / allocated[busy]).mean()) if busy.any() else 0.0,
             "utilization_at_peak": float(used[peak] / allocated[peak]) if allocated[peak] else 0.0,
+            "utilization_active_mean": float((used[busy] / active[busy]).mean()) if busy.any() else 0.0,
             "max_concurrent_seqs": int(running.max()), "finished": finished, "steps": len(samples),
             "preemptions": scheduler.num_preemptions}
 
@@ -102,15 +109,18 @@ def plot(result: dict, path: str) -> None:
         rows = result["shapes"][shape]["runs"]
         names = [r["allocator"] for r in rows]
         x = np.arange(len(names))
-        row[0].bar(x - 0.2, [100 * r["utilization_mean"] for r in rows], 0.4, label="time average")
-        row[0].bar(x + 0.2, [100 * r["utilization_at_peak"] for r in rows], 0.4, label="at peak")
+        row[0].bar(x - 0.27, [100 * r["utilization_mean"] for r in rows], 0.27, label="time average")
+        row[0].bar(x, [100 * r["utilization_at_peak"] for r in rows], 0.27, label="at peak")
+        row[0].bar(x + 0.27, [100 * r["utilization_active_mean"] for r in rows], 0.27,
+                   label="time average, idle pages left out")
         row[0].set_ylabel("KV utilization %")
         row[1].bar(x, [r["max_concurrent_seqs"] for r in rows], color="tab:green")
         row[1].set_ylabel("max concurrent sequences")
         for ax in row:
             ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
             ax.set_title(f"{shape}, {result['shapes'][shape]['budget_bytes'] >> 20} MiB KV (bf16)", fontsize=9)
-        row[0].legend(fontsize=8)
+        row[0].set_ylim(0, 130)
+        row[0].legend(fontsize=7, ncol=3, loc="upper center")
     fig.suptitle(f"{result['num_requests']} ShareGPT requests, Poisson {result['rate']} req/step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -122,8 +132,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=1.0, help="mean arrivals per engine step")
     parser.add_argument("--horizon", type=int, default=3000, help="steps replayed at most")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--shapes", default="llama-3-8b:4096,smollm2-135m:256",
-                        help="preset:budget MiB, comma-separated")
+    parser.add_argument("--shapes", default="llama-3-8b:4096:256,smollm2-135m:256:64",
+                        help="preset:budget MiB:small page KiB, comma-separated")
     parser.add_argument("--allocators", default=",".join(ALLOCATORS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path")
@@ -141,19 +151,21 @@ def main() -> None:
               "mean_output_len": float(np.mean([r.output_len for r in requests])),
               "machine": machine_info(), "shapes": {}}
     for spec in args.shapes.split(","):
-        preset, mib = spec.split(":")
+        preset, mib, small_kib = spec.split(":")
         cfg = ModelConfig.from_hf(PRESETS[preset])
         runs = []
         for name in tqdm(args.allocators.split(","), desc=preset):
             start = time.perf_counter()
-            runs.append(replay(cfg, name, trace, int(mib) << 20, args.horizon, args.max_num_seqs))
+            runs.append(replay(cfg, name, trace, int(mib) << 20, args.horizon, args.max_num_seqs,
+                               int(small_kib) << 10))
             runs[-1]["wall_s"] = time.perf_counter() - start
         result["shapes"][preset] = {"budget_bytes": int(mib) << 20, "kv_bytes_per_token": cfg.kv_bytes_per_token(2),
-                                    "runs": runs}
+                                    "small_page_bytes": int(small_kib) << 10, "runs": runs}
         print(f"\n{preset} ({mib} MiB bf16 KV)")
-        print(f"{'allocator':<20}{'util avg':>9}{'at peak':>9}{'max seqs':>9}{'finished':>9}{'preempt':>9}")
+        print(f"{'allocator':<20}{'util avg':>9}{'at peak':>9}{'active':>9}{'max seqs':>9}{'finished':>9}{'preempt':>9}")
         for r in runs:
             print(f"{r['allocator']:<20}{100 * r['utilization_mean']:>8.1f}%{100 * r['utilization_at_peak']:>8.1f}%"
+                  f"{100 * r['utilization_active_mean']:>8.1f}%"
                   f"{r['max_concurrent_seqs']:>9}{r['finished']:>9}{r['preemptions']:>9}")
     if args.json_path:
         os.makedirs(os.path.dirname(args.json_path) or ".", exist_ok=True)

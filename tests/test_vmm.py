@@ -164,3 +164,10 @@ def test_cuda_backend_says_why_it_is_unavailable():
         pytest.skip("CUDA is available here")
     with pytest.raises(vmm.BackendUnavailable, match="cuda|CUDA"):
         vmm.CudaBackend()
+
+
+def test_host_pool_larger_than_the_kernel_can_map_is_refused_up_front():
+    backend = vmm.HostBackend(4096)
+    with pytest.raises(ValueError, match="larger pages"):
+        vmm.PagePool(backend, backend.max_mapped_pages() + 1)
+    backend.close()

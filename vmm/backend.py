@@ -72,6 +72,10 @@ class Backend(ABC):
         self.map_handles(addr, handles)
         self.set_access(addr, len(handles) * self.page_size)
 
+    def max_mapped_pages(self) -> int | None:
+        """How many pages can be mapped at once, if the system bounds it."""
+        return None
+
     def synchronize(self) -> None:
         """Wait until every kernel that may read mapped memory is done (no-op on the host)."""
 

@@ -113,6 +113,15 @@ class HostBackend(Backend):
     def byte_view(self, addr: int, nbytes: int) -> torch.Tensor:
         return torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=torch.uint8)
 
+    def max_mapped_pages(self) -> int | None:
+        """Each mapped page is its own memory area, and so may the gap after it be: Linux allows
+        vm.max_map_count areas per process (65,530 by default)."""
+        try:
+            with open("/proc/sys/vm/max_map_count") as f:
+                return int(f.read()) // 2 - 1024
+        except OSError:
+            return None
+
     def close(self) -> None:
         self._finalizer()
 

@@ -110,6 +110,10 @@ class PagePool(PageAllocator):
     """Physical pages from a backend behind the allocator's ids, all created up front."""
 
     def __init__(self, backend: Backend, num_pages: int):
+        limit = backend.max_mapped_pages()
+        if limit is not None and num_pages > limit:
+            raise ValueError(f"{num_pages} pages of {backend.page_size} bytes exceed the {limit} the "
+                             f"{backend.name} backend can map at once: use larger pages or fewer")
         super().__init__(num_pages, backend.page_size)
         self.backend = backend
         self.handles = []
