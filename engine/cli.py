@@ -1,4 +1,4 @@
-"""`vkv`: generate, profile-mapping (and serve, where built)."""
+"""`vkv`: generate, serve, profile-mapping."""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +53,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
               f"pages of {s['page_size'] >> 10} KiB mapped, {s['preemptions']} preemptions", file=sys.stderr)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from engine.server import serve
+
+    serve(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="vkv", description="LLM serving on GPU virtual memory")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,6 +74,16 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     add_engine_arguments(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
+    srv.add_argument("--log-level", default="info")
+    add_engine_arguments(srv)
+    srv.set_defaults(func=cmd_serve)
 
     from vmm import profiler
     prof = sub.add_parser("profile-mapping", help="latency of page create/map/access/unmap/release")

@@ -138,12 +138,26 @@ class LLMEngine:
         for seq, n in scheduled:
             seq.num_computed_tokens += n
             self.kv.commit(seq)
+        logits, sampling = self._hand_beams_their_logprobs(logits, sampling)
         rows, sampling = self._with_forks(sampling)
         touched = {}
         for seq, sampled in zip(sampling, sample(logits[rows], sampling, self.eos_ids)):
             self._append(seq, sampled)
             touched[seq.request_id] = self.requests[seq.request_id]
         return [self._output(r) for r in touched.values()]
+
+    def _hand_beams_their_logprobs(self, logits, sampling):
+        """Beam-search sequences take their best next tokens' logprobs; the beam search driver
+        (engine/beam_search.py) decides which beams live on. Returns what is left to sample."""
+        keep = []
+        for row, seq in enumerate(sampling):
+            if not seq.is_beam:
+                keep.append(row)
+                continue
+            scaled = logits[row] / seq.params.temperature if seq.params.temperature else logits[row]
+            top = scaled.log_softmax(-1).topk(seq.params.logprobs)
+            seq.beam_candidates = (top.values.tolist(), top.indices.tolist())
+        return logits[keep], [sampling[row] for row in keep]
 
     def _with_forks(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
         """When a request's first sequence has its prompt computed, its siblings fork from it
@@ -180,20 +194,20 @@ class LLMEngine:
                 self.counters["requests_finished"] += 1
 
     def _finish_reason(self, seq: Sequence, request: Request) -> str | None:
+        """Why seq stops now, if it does; also sets the text it shows so far. While it runs,
+        text that may be the start of a stop string is held back, so a stream never shows it."""
         p, token = seq.params, seq.token_ids[-1]
         text = request.detokenizers[seq.index].text
-        for stop in p.stop:
-            at = text.find(stop)
-            if at >= 0:
-                request.texts[seq.index] = text[:at]
-                return "stop"
-        request.texts[seq.index] = text
-        if seq.num_output_tokens >= p.min_tokens:
+        stops = [at for at in (text.find(stop) for stop in p.stop) if at >= 0]
+        reason = "stop" if stops else None
+        if not reason and seq.num_output_tokens >= p.min_tokens:
             if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                return "stop"
-        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
+                reason = "stop"
+        if not reason and (seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len):
+            reason = "length"
+        held = max(map(len, p.stop), default=1) - 1 if not reason else 0
+        request.texts[seq.index] = text[:min(stops)] if stops else text[:len(text) - held]
+        return reason
 
     def _output(self, request: Request) -> RequestOutput:
         outputs = [CompletionOutput(s.index, request.texts[s.index], s.output_token_ids, s.finish_reason,

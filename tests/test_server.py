@@ -1,0 +1,158 @@
+"""The OpenAI-compatible server on loopback, with the official `openai` client and raw HTTP."""
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.server import build_app
+
+KEY = "sk-test-key"
+MODEL = "smollm2"
+PROMPTS = ["The capital of France is", "Water boils at", "1, 2, 3, 4,", "The opposite of hot is",
+           "My favourite fruit is", "Once upon a time", "def add(a, b):", "The sky is"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=32, kv_cache_memory=256 << 20)))
+    app = build_app(engine, MODEL, api_key=KEY, max_body_bytes=64 << 10)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def wait_idle(engine: AsyncEngine) -> dict:
+    for _ in range(200):
+        stats = engine.stats
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and not engine.streams:
+            return stats
+        time.sleep(0.05)
+    raise AssertionError(f"engine still busy: {engine.stats}")
+
+
+def test_completions_and_chat_with_the_openai_client(client, server):
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert out.choices[0].text and 1 <= out.usage.completion_tokens <= 8
+    assert out.usage.prompt_tokens > 0 and out.choices[0].finish_reason in ("stop", "length")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert streamed == out.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                          max_tokens=16, temperature=0)
+    assert "Paris" in chat.choices[0].message.content
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}) if c.choices]
+    assert "".join(pieces) == chat.choices[0].message.content
+    many = client.completions.create(model=MODEL, prompt="My name is", max_tokens=6, n=3, temperature=1.0, seed=3,
+                                     logprobs=2)
+    assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    assert all(len(c.logprobs.token_logprobs) == len(c.logprobs.tokens) for c in many.choices)
+    assert client.models.list().data[0].id == MODEL
+    assert wait_idle(server[1])["pages_in_use"] == 0
+
+
+def test_64_concurrent_streams_with_random_disconnects(client, server):
+    base, engine = server
+    want = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+            for p in PROMPTS}
+    rng = random.Random(0)
+    plan = [(PROMPTS[i % len(PROMPTS)], rng.random() < 0.3) for i in range(64)]
+
+    async def one(prompt: str, disconnect: bool, http: httpx.AsyncClient):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True}
+        text, chunks = "", 0
+        async with http.stream("POST", "/v1/completions", json=body,
+                               headers={"Authorization": f"Bearer {KEY}"}) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunks += 1
+                text += json.loads(line[6:])["choices"][0]["text"]
+                if disconnect and chunks == 2:
+                    return None
+        return text
+
+    async def run_all():
+        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+            return await asyncio.gather(*(one(p, d, http) for p, d in plan))
+
+    results = asyncio.run(run_all())
+    for (prompt, disconnected), text in zip(plan, results):
+        if not disconnected:
+            assert text == want[prompt], prompt
+    stats = wait_idle(engine)
+    assert stats["pages_in_use"] == 0
+    engine.engine.kv.audit()
+
+
+@pytest.mark.parametrize("case", ["bad_json", "unknown_model", "bad_value", "too_long", "too_big",
+                                  "no_key", "wrong_key", "missing_field", "n_too_large"])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(case, server):
+    base, engine = server
+    good = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    body, status = json.dumps(good), None
+    if case == "bad_json":
+        body, status = '{"model": "smollm2", "prompt": ', 400
+    elif case == "unknown_model":
+        body, status = json.dumps({**good, "model": "gpt-9"}), 404
+    elif case == "bad_value":
+        body, status = json.dumps({**good, "temperature": -1}), 400
+    elif case == "too_long":
+        body, status = json.dumps({**good, "prompt": "hello " * 2100}), 400
+    elif case == "too_big":
+        body, status = json.dumps({**good, "prompt": "x" * (70 << 10)}), 413
+    elif case == "no_key":
+        headers, status = {"Content-Type": "application/json"}, 401
+    elif case == "wrong_key":
+        headers, status = {**headers, "Authorization": "Bearer nope"}, 401
+    elif case == "missing_field":
+        body, status = json.dumps({"model": MODEL}), 400
+    elif case == "n_too_large":
+        body, status = json.dumps({**good, "n": 1000}), 400
+    r = httpx.post(base + "/v1/completions", content=body, headers=headers, timeout=60)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["message"]
+    ok = httpx.post(base + "/v1/completions", json=good, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
+    assert wait_idle(engine)["pages_in_use"] == 0
+
+
+def test_health_and_prometheus_metrics(server, client):
+    base, _ = server
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=3)
+    assert httpx.get(base + "/health").json() == {"status": "ok"}
+    text = httpx.get(base + "/metrics").text
+    for name in ["vkv:num_requests_running", "vkv:num_requests_waiting", "vkv:kv_cache_usage_ratio",
+                 "vkv:pages_total", "vkv:pages_free", "vkv:pages_in_use", "vkv:pages_cached", "vkv:pages_shared",
+                 "vkv:prefix_cache_queries_total", "vkv:prefix_cache_hits_total", "vkv:num_preemptions_total",
+                 "vkv:cow_copies_total", "vkv:prompt_tokens_total", "vkv:generation_tokens_total",
+                 "vkv:time_to_first_token_seconds_bucket", "vkv:inter_token_latency_seconds_bucket",
+                 "vkv:e2e_request_latency_seconds_bucket", "vkv:page_map_seconds_per_step_bucket"]:
+        assert name in text, name
