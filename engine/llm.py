@@ -6,7 +6,6 @@ from itertools import count
 
 from tqdm import tqdm
 
-from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -66,17 +65,6 @@ class LLM:
                    for c in conversations]
         prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(prompt_ids, params, use_tqdm)
-
-    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """vLLM's offline beam search: the beam_width best continuations of each prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if params.beam_width > self.engine.config.max_num_seqs:
-            raise ValueError(f"beam_width {params.beam_width} exceeds max_num_seqs {self.engine.config.max_num_seqs}")
-        ids = [self.engine.tokenize(p)[1] for p in prompts]
-        for prompt_ids in ids:
-            self.engine.check_fits(len(prompt_ids), SamplingParams(max_tokens=params.max_tokens))
-        return BeamSearch(self.engine, params).run(ids)
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -138,26 +138,12 @@ class LLMEngine:
         for seq, n in scheduled:
             seq.num_computed_tokens += n
             self.kv.commit(seq)
-        logits, sampling = self._hand_beams_their_logprobs(logits, sampling)
         rows, sampling = self._with_forks(sampling)
         touched = {}
         for seq, sampled in zip(sampling, sample(logits[rows], sampling, self.eos_ids)):
             self._append(seq, sampled)
             touched[seq.request_id] = self.requests[seq.request_id]
         return [self._output(r) for r in touched.values()]
-
-    def _hand_beams_their_logprobs(self, logits, sampling):
-        """Beam-search sequences take their best next tokens' logprobs; the beam search driver
-        (engine/beam_search.py) decides which beams live on. Returns what is left to sample."""
-        keep = []
-        for row, seq in enumerate(sampling):
-            if not seq.is_beam:
-                keep.append(row)
-                continue
-            scaled = logits[row] / seq.params.temperature if seq.params.temperature else logits[row]
-            top = scaled.log_softmax(-1).topk(seq.params.logprobs)
-            seq.beam_candidates = (top.values.tolist(), top.indices.tolist())
-        return logits[keep], [sampling[row] for row in keep]
 
     def _with_forks(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
         """When a request's first sequence has its prompt computed, its siblings fork from it

@@ -38,8 +38,6 @@ class Sequence:
     finish_reason: str | None = None
     output_logprobs: list = field(default_factory=list)
     first_token_time: float | None = None
-    is_beam: bool = False  # beam search: the engine hands back logprobs instead of sampling
-    beam_candidates: tuple | None = None  # (logprobs, token ids) of the best next tokens
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

@@ -60,24 +60,3 @@ def test_parallel_sampling_peak_pages_below_independent_sequences(kv_layout):
         assert_pool_whole(llm)
     assert peaks[True] < 0.5 * peaks[False], peaks
 
-
-@pytest.mark.parametrize("kv_layout", ["interleaved", "paged"])
-def test_beam_search_matches_transformers_and_releases_every_page(kv_layout):
-    from engine import BeamSearchParams
-    from helpers import bundled_dir, hf_model
-
-    llm = LLM(kv_layout=kv_layout)
-    prompts = ["The best way to learn a language is", "Rain falls because"]
-    width, steps = 3, 6
-    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=True))
-    hf = hf_model(bundled_dir())
-    for prompt, out in zip(prompts, outs):
-        ids = llm.tokenizer.encode(prompt)
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), num_beams=width, num_return_sequences=width, do_sample=False,
-                              max_new_tokens=steps, min_new_tokens=steps, early_stopping=False, length_penalty=1.0,
-                              pad_token_id=0)
-        assert [s.tokens for s in out.sequences] == [r[len(ids):].tolist() for r in ref]
-    stats = llm.stats()
-    assert stats["cow_copies"] > 0  # beams forked, then diverged inside a shared page
-    assert_pool_whole(llm)

@@ -10,7 +10,7 @@ map, copy or share the pages at an index; this class does the rest:
                  page there that is shared (copy-on-write: a cached prefix's last page, the
                  prompt's last page after a fork)
   commit         after a step: hash each newly complete page and offer it to the prefix cache
-  fork           a child sequence maps all of its parent's pages (n > 1, beam search)
+  fork           a child sequence maps the pages of its parent's computed tokens (n > 1)
   release        the sequence is done or preempted; its references go
 """
 from __future__ import annotations
@@ -133,13 +133,13 @@ class KVCacheBase:
         seq.num_committed_pages = complete
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """child continues from parent's state: same tokens so far, same pages, shared."""
+        """child continues from parent's state: same tokens so far, the pages holding their
+        K/V shared."""
         self.allocate(child)
-        k = 0
-        while (pages := self.pages_at(parent, k)) is not None:
-            self.install(child, k, pages)
-            k += 1
-        self.after_install(child, k)
+        shared = self.page_range(0, parent.num_computed_tokens)
+        for k in shared:
+            self.install(child, k, self.pages_at(parent, k))
+        self.after_install(child, len(shared))
         child.num_computed_tokens = parent.num_computed_tokens
         child.page_hashes, child.num_committed_pages = parent.page_hashes[:], parent.num_committed_pages
 
