@@ -21,7 +21,6 @@ smallest that keep the pool within Linux's limit on mapped areas: 64 KiB at 256 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -31,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sharegpt import sample_requests  # noqa: E402
+from sharegpt import sample_requests, save  # noqa: E402
 
 import vmm  # noqa: E402
 from engine.kv.paged import PagedKVCache  # noqa: E402
@@ -167,12 +166,7 @@ def main() -> None:
             print(f"{r['allocator']:<20}{100 * r['utilization_mean']:>8.1f}%{100 * r['utilization_at_peak']:>8.1f}%"
                   f"{100 * r['utilization_active_mean']:>8.1f}%"
                   f"{r['max_concurrent_seqs']:>9}{r['finished']:>9}{r['preemptions']:>9}")
-    if args.json_path:
-        os.makedirs(os.path.dirname(args.json_path) or ".", exist_ok=True)
-        with open(args.json_path, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.plot_path:
-        plot(result, args.plot_path)
+    save(result, args.json_path, args.plot_path, plot)
 
 
 if __name__ == "__main__":

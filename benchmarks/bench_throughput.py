@@ -11,7 +11,6 @@ only each request's own tokens count as useful output.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -20,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sharegpt import BenchRequest, sample_requests  # noqa: E402
+from sharegpt import BenchRequest, sample_requests, save  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from vmm.machine import machine_info  # noqa: E402
@@ -119,12 +118,7 @@ def main() -> None:
     for r in runs:
         print(f"{r['system']:<20} {r['elapsed_s']:8.1f} s {r['requests_per_s']:7.3f} req/s "
               f"{r['output_tokens_per_s']:8.1f} tok/s" + (f"  {r['speedup_vs_hf']:.2f}x HF" if hf else ""))
-    if args.json_path:
-        os.makedirs(os.path.dirname(args.json_path) or ".", exist_ok=True)
-        with open(args.json_path, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.plot_path:
-        plot(result, args.plot_path)
+    save(result, args.json_path, args.plot_path, plot)
 
 
 if __name__ == "__main__":
