@@ -53,7 +53,6 @@ class EngineConfig:
             self.max_model_len = min(model_max, 2048)
         if not 1 <= self.max_model_len <= model_max:
             raise ValueError(f"max_model_len must be in [1, {model_max}], got {self.max_model_len}")
-        self.max_num_batched_tokens = max(self.max_num_batched_tokens, 1)
         return self.max_model_len
 
     def kv_budget_bytes(self) -> int:
