@@ -1,6 +1,8 @@
 """vkv's serving engine: Llama-family models over virtual KV memory (see ../vmm)."""
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams",
+           "BeamSearchOutput", "BeamSearchSequence"]

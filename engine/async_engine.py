@@ -61,9 +61,14 @@ class AsyncEngine:
                 self._command("abort", request_id)
 
     def shutdown(self) -> None:
+        """Stop the loop (requests still running are aborted) and give the KV memory back."""
+        if not self.running:
+            return
         self.running = False
         self.wake.set()
         self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.engine.close()
 
     def _command(self, *command) -> None:
         self.commands.put(command)

@@ -6,6 +6,7 @@ from itertools import count
 
 from tqdm import tqdm
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -23,10 +24,10 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Prompts are strings or token-id lists; outputs come back in input order. Every
-        prompt is checked before any runs, so a bad one leaves the engine as it was."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        """Prompts are strings or token-id lists (or vLLM's {"prompt": ...} and
+        {"prompt_token_ids": ...}); outputs come back in input order. Every prompt is checked
+        before any runs, so a bad one leaves the engine as it was."""
+        prompts = as_prompt_list(prompts)
         params = params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
@@ -38,8 +39,18 @@ class LLM:
             self.engine.add_request(request_id, prompt, p)
         return self._run(ids, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: each prompt's beam_width best continuations, best first."""
+        prompts = as_prompt_list(prompts)
+        for prompt in prompts:
+            self.engine.check_beam_fits(len(self.engine.tokenize(prompt)[1]), params)
+        ids = [f"beam-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt in zip(ids, prompts):
+            self.engine.add_beam_request(request_id, prompt, params)
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list:
+        done = {}
         bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, generated = time.perf_counter(), self.engine.counters["generation_tokens"]
         try:
@@ -68,3 +79,9 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+
+def as_prompt_list(prompts) -> list[str | list[int]]:
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    return [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in prompts]

@@ -12,6 +12,7 @@ import torch
 
 import vmm
 from engine.attention import pick_attention
+from engine.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams
 from engine.config import DEFAULT_HOST_PAGE, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.paged import PagedKVCache
@@ -22,7 +23,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -36,10 +37,11 @@ class Request:
     arrival: float
     texts: list[str] = field(default_factory=list)
     unforked: list[Sequence] = field(default_factory=list)  # n > 1: wait to share seq 0's prompt
+    beam: BeamGroup | None = None  # beam search: seqs are the live beams
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        return self.beam.done if self.beam else all(s.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -100,7 +102,7 @@ class LLMEngine:
             raise ValueError(f"{total} tokens need {self.kv.pages_for(total)} KV pages, more than the "
                              f"whole KV budget of {self.kv.pool.num_pages} pages")
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
@@ -109,10 +111,31 @@ class LLMEngine:
         seqs = [Sequence(request_id, i, list(ids), params, now, generator=self._generator(params, i))
                 for i in range(params.n)]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
-        self.requests[request_id] = Request(request_id, text, ids, params, seqs, detoks, now,
-                                            [""] * len(seqs), seqs[1:])
+        request = Request(request_id, text, ids, params, seqs, detoks, now, [""] * len(seqs), seqs[1:])
+        self.requests[request_id] = request
         self.scheduler.add(seqs[0])
         self.counters["prompt_tokens"] += len(ids)
+        return request
+
+    def check_beam_fits(self, num_prompt_tokens: int, params: BeamSearchParams) -> None:
+        """A beam group runs in lockstep, so all its beams must be able to run at once."""
+        if params.beam_width > self.config.max_num_seqs:
+            raise ValueError(f"beam_width {params.beam_width} exceeds max_num_seqs {self.config.max_num_seqs}")
+        self.check_fits(num_prompt_tokens, self._beam_sampling_params(params))
+        pages = params.beam_width * self.kv.pages_for(num_prompt_tokens + params.max_tokens)
+        if pages > self.kv.pool.num_pages:
+            raise ValueError(f"{params.beam_width} beams of {num_prompt_tokens} + {params.max_tokens} tokens "
+                             f"may need {pages} KV pages, more than the {self.kv.pool.num_pages} there are")
+
+    def add_beam_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> None:
+        self.check_beam_fits(len(self.tokenize(prompt)[1]), params)
+        request = self.add_request(request_id, prompt, self._beam_sampling_params(params))
+        request.beam = BeamGroup(params, self.eos_ids, self.max_model_len)
+        request.beam.live[request.seqs[0]] = 0.0
+
+    @staticmethod
+    def _beam_sampling_params(params: BeamSearchParams) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
         g = torch.Generator(device=self.config.device)
@@ -138,19 +161,27 @@ class LLMEngine:
         for seq, n in scheduled:
             seq.num_computed_tokens += n
             self.kv.commit(seq)
-        rows, sampling = self._with_forks(sampling)
-        touched = {}
-        for seq, sampled in zip(sampling, sample(logits[rows], sampling, self.eos_ids)):
+        touched = {seq.request_id: self.requests[seq.request_id] for seq in sampling}
+        to_sample = []
+        for row, seq in enumerate(sampling):
+            if beam := touched[seq.request_id].beam:
+                beam.offer(seq, logits[row])
+            else:
+                to_sample.append((row, seq))
+        rows, seqs = self._with_forks(to_sample)
+        for seq, sampled in zip(seqs, sample(logits[rows], seqs, self.eos_ids)):
             self._append(seq, sampled)
-            touched[seq.request_id] = self.requests[seq.request_id]
-        return [self._output(r) for r in touched.values()]
+        for request in touched.values():
+            if request.beam and request.beam.ready:
+                self._advance_beams(request)
+        return [self._output(r) for r in touched.values() if r.finished or not r.beam]
 
-    def _with_forks(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+    def _with_forks(self, sampling: list[tuple[int, Sequence]]) -> tuple[list[int], list[Sequence]]:
         """When a request's first sequence has its prompt computed, its siblings fork from it
         (sharing every prompt page) and sample their first token from the same logits. A
         sibling that finds no room queues and computes the prompt itself."""
         rows, seqs = [], []
-        for row, seq in enumerate(sampling):
+        for row, seq in sampling:
             rows.append(row)
             seqs.append(seq)
             request = self.requests[seq.request_id]
@@ -164,6 +195,34 @@ class LLMEngine:
                 rows.append(row)
                 seqs.append(sibling)
         return rows, seqs
+
+    def _advance_beams(self, request: Request) -> None:
+        """Carry out the group's choice: forks first (a parent still holds only its own
+        tokens), then parents nobody continues are dropped, then every beam takes its token."""
+        group = request.beam
+        continuations = group.advance()
+        beams, continued = [], set()
+        for c in continuations:
+            beams.append(self._fork_beam(c.parent) if c.parent in continued else c.parent)
+            continued.add(c.parent)
+        for seq in group.live:
+            if seq not in continued:
+                self.scheduler.finish(seq, "dropped")
+        for beam, c in zip(beams, continuations):
+            beam.token_ids.append(c.token_id)
+        group.live = {beam: c.cum_logprob for beam, c in zip(beams, continuations)}
+        request.seqs = beams
+        self.counters["generation_tokens"] += len(beams)
+        self.counters["requests_finished"] += group.done
+
+    def _fork_beam(self, parent: Sequence) -> Sequence:
+        child = parent.branch()
+        if parent.status is SequenceStatus.RUNNING and self.scheduler.can_adopt():
+            self.kv.fork(parent, child)
+            self.scheduler.adopt(child)
+        else:  # no room: it queues and recomputes
+            self.scheduler.add(child)
+        return child
 
     def _append(self, seq: Sequence, sampled) -> None:
         request = self.requests[seq.request_id]
@@ -195,16 +254,23 @@ class LLMEngine:
         request.texts[seq.index] = text[:min(stops)] if stops else text[:len(text) - held]
         return reason
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _output(self, request: Request) -> RequestOutput | BeamSearchOutput:
+        if request.finished:
+            self.requests.pop(request.request_id, None)
+        if request.beam:
+            return self._beam_output(request)
         outputs = [CompletionOutput(s.index, request.texts[s.index], s.output_token_ids, s.finish_reason,
                                     s.output_logprobs if s.params.logprobs is not None else None,
                                     sum(next(iter(d.values())) for d in s.output_logprobs)
                                     if s.params.logprobs is not None else None)
                    for s in request.seqs]
-        finished = request.finished
-        if finished:
-            self.requests.pop(request.request_id, None)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
+                             request.finished)
+
+    def _beam_output(self, request: Request) -> BeamSearchOutput:
+        for hypothesis in request.beam.finished:
+            hypothesis.text = self.tokenizer.decode(hypothesis.tokens, skip_special_tokens=True)
+        return BeamSearchOutput(request.request_id, request.prompt_token_ids, request.beam.finished)
 
     # -- numbers --------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -5,6 +5,10 @@ prefill); if their pages cannot be mapped the newest running sequence is preempt
 recompute: its pages go back and it waits at the front of the queue with every token it has
 generated. Then waiting sequences are admitted first come, first served, while the token
 budget, the sequence limit and free pages above a headroom allow.
+
+A running sequence may have nothing to compute: a beam waiting for its siblings' logprobs.
+If such idle sequences hold the seats or pages a waiting one needs, so that nothing at all
+can run, they step aside (newest first, to the back of the queue) until it fits.
 """
 from __future__ import annotations
 
@@ -34,14 +38,20 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled = self._schedule_running(budget)
         budget -= sum(n for _, n in scheduled)
-        return scheduled + self._admit_waiting(budget)
+        scheduled += self._admit_waiting(budget)
+        if not scheduled and self.waiting:
+            self._unblock(budget)
+            scheduled = self._admit_waiting(budget)
+        return scheduled
 
     def _schedule_running(self, budget: int) -> list[tuple[Sequence, int]]:
         scheduled, i = [], 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_pending_tokens, budget)
-            if self._map_or_preempt(seq, seq.num_computed_tokens + n):
+            if n == 0:  # idle: a beam waiting for its siblings
+                i += 1
+            elif self._map_or_preempt(seq, seq.num_computed_tokens + n):
                 scheduled.append((seq, n))
                 budget -= n
                 i += 1
@@ -61,8 +71,7 @@ class Scheduler:
         scheduled = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            headroom = self.headroom_pages if self.running else 0
-            if self.kv.num_free_pages < self.kv.pages_for(min(len(seq), budget)) + headroom:
+            if not self._fits(seq, budget):
                 break
             self.kv.admit(seq)  # maps any cached prefix and counts it computed
             n = min(seq.num_pending_tokens, budget)
@@ -77,12 +86,25 @@ class Scheduler:
             budget -= n
         return scheduled
 
-    def preempt(self, seq: Sequence) -> None:
+    def _fits(self, seq: Sequence, budget: int) -> bool:
+        headroom = self.headroom_pages if self.running else 0
+        return self.kv.num_free_pages >= self.kv.pages_for(min(len(seq), budget)) + headroom
+
+    def _unblock(self, budget: int) -> None:
+        idle = [s for s in self.running if s.num_pending_tokens == 0]
+        head = self.waiting[0]
+        while idle and (len(self.running) >= self.max_num_seqs or not self._fits(head, budget)):
+            self.preempt(idle.pop(), to_front=False)
+
+    def preempt(self, seq: Sequence, to_front: bool = True) -> None:
         self.running.remove(seq)
         self.kv.release(seq, keep_pages=False)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if to_front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
         self.num_preemptions += 1
 
     def adopt(self, seq: Sequence) -> None:

@@ -42,6 +42,12 @@ class Sequence:
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)
 
+    def branch(self) -> Sequence:
+        """A new sequence with the same tokens so far, its prompt the same (a beam's fork)."""
+        child = Sequence(self.request_id, self.index, list(self.token_ids), self.params, self.arrival)
+        child.num_prompt_tokens = self.num_prompt_tokens
+        return child
+
     def __len__(self) -> int:
         return len(self.token_ids)
 

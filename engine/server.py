@@ -5,7 +5,8 @@ end with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics. Binds 127.0
 told otherwise; with an API key, /v1 routes want `Authorization: Bearer <key>`. Bodies over
 the size limit get 413; bad JSON, bad values and prompts that can never fit get 400; all
 errors carry OpenAI's error object, and the server keeps serving. A client that disconnects
-aborts its request, which frees its pages.
+aborts its request, which frees its pages. On SIGTERM uvicorn stops accepting, lets requests
+in flight finish (up to 10 s), then the app's shutdown stops the engine and frees its memory.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import asyncio
 import hmac
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -64,7 +66,13 @@ class BodyLimit:
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = 1 << 20, max_n: int = 16) -> FastAPI:
-    app = FastAPI(title="vkv", docs_url=None, redoc_url=None)
+    @asynccontextmanager
+    async def lifespan(_):
+        yield
+        engine.shutdown()
+        print("vkv: engine stopped, KV memory released", flush=True)
+
+    app = FastAPI(title="vkv", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     tokenizer = engine.engine.tokenizer
     max_len = engine.engine.max_model_len
@@ -240,5 +248,5 @@ def serve(args) -> None:
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=10)
-    finally:
+    finally:  # when uvicorn did not get as far as the app's shutdown
         async_engine.shutdown()

@@ -156,3 +156,41 @@ def test_health_and_prometheus_metrics(server, client):
                  "vkv:time_to_first_token_seconds_bucket", "vkv:inter_token_latency_seconds_bucket",
                  "vkv:e2e_request_latency_seconds_bucket", "vkv:page_map_seconds_per_step_bucket"]:
         assert name in text, name
+
+
+def test_sigterm_lets_the_stream_in_flight_finish_then_stops_the_engine():
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port),
+                             "--log-level", "warning", "--max-num-seqs", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        events = []
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 2:
+                        proc.send_signal(signal.SIGTERM)  # mid-stream
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert events[-1] == "data: [DONE]"
+    usage = json.loads(events[-2][6:])["usage"]
+    assert usage["completion_tokens"] == 48  # the stream ran to its end after the signal
+    assert "KV memory released" in output, output
+    assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once shut down

@@ -60,3 +60,86 @@ def test_parallel_sampling_peak_pages_below_independent_sequences(kv_layout):
         assert_pool_whole(llm)
     assert peaks[True] < 0.5 * peaks[False], peaks
 
+
+
+def chat_prompt_ids(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def hf_beam_search(prompt_ids: list[int], width: int, max_new_tokens: int, eos_id: int):
+    """transformers' num_beams on the same weights: (tokens up to the first EOS, score) per beam."""
+    from helpers import bundled_dir, hf_model
+
+    with torch.no_grad():
+        ref = hf_model(bundled_dir()).generate(
+            torch.tensor([prompt_ids]), num_beams=width, num_return_sequences=width, do_sample=False,
+            max_new_tokens=max_new_tokens, early_stopping=False, length_penalty=1.0,
+            output_scores=True, return_dict_in_generate=True)
+    beams = []
+    for row, score in zip(ref.sequences, ref.sequences_scores):
+        tokens = row[len(prompt_ids):].tolist()
+        end = tokens.index(eos_id) + 1 if eos_id in tokens else len(tokens)  # the rest is padding
+        beams.append((tokens[:end], float(score)))
+    return beams
+
+
+@pytest.mark.parametrize("kv_layout", ["interleaved", "paged"])
+def test_beam_search_matches_transformers_and_releases_every_page(kv_layout):
+    from engine import BeamSearchParams
+
+    llm = LLM(kv_layout=kv_layout)
+    questions = ["What is 2+2? Reply with one number.", "Say hi.", "Name a primary color in one word."]
+    prompts = [chat_prompt_ids(llm.tokenizer, q) for q in questions]
+    width, steps = 3, 20
+    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=steps))
+    reasons = set()
+    for ids, out in zip(prompts, outs):
+        reference = hf_beam_search(ids, width, steps, llm.engine.eos_ids[0])
+        assert [s.tokens[len(ids):] for s in out.sequences] == [tokens for tokens, _ in reference]
+        assert [s.score for s in out.sequences] == pytest.approx([score for _, score in reference], abs=1e-4)
+        reasons |= {s.finish_reason for s in out.sequences}
+    assert reasons == {"stop", "length"}  # beams that ended on EOS and beams cut at max_tokens
+    assert llm.stats()["cow_copies"] > 0  # beams forked, then diverged inside a shared page
+    assert_pool_whole(llm)
+
+
+def test_beam_search_under_memory_pressure_changes_nothing():
+    from engine import BeamSearchParams
+
+    prompts = ["The best way to learn a language is", "Rain falls because", "def fibonacci(n):"]
+    params = BeamSearchParams(beam_width=4, max_tokens=10, ignore_eos=True)
+    roomy = LLM(kv_layout="interleaved").beam_search(prompts, params)
+    # 60 pages of 64 KiB: the three groups' twelve beams do not fit at once.
+    tight = LLM(kv_layout="interleaved", kv_cache_memory=60 * 65536, max_num_seqs=6)
+    outs = tight.beam_search(prompts, params)
+    assert [[s.tokens for s in o.sequences] for o in outs] == [[s.tokens for s in o.sequences] for o in roomy]
+    assert tight.stats()["preemptions"] > 0
+    assert_pool_whole(tight)
+
+
+def test_beams_share_the_prompt_pages():
+    from engine import BeamSearchParams
+
+    prompt = SYSTEM + QUESTIONS[3]
+    beams = LLM(kv_layout="interleaved", enable_prefix_caching=False)
+    beams.beam_search(prompt, BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True))
+    alone = LLM(kv_layout="interleaved", enable_prefix_caching=False)
+    alone.generate([prompt] * 4, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert beams.stats()["peak_pages_mapped"] < 0.5 * alone.stats()["peak_pages_mapped"]
+    assert_pool_whole(beams)
+
+
+def test_beam_search_refuses_what_it_cannot_run():
+    from engine import BeamSearchParams
+
+    llm = LLM(max_num_seqs=4)
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError, match="exceeds max_num_seqs"):
+        llm.beam_search("Hello", BeamSearchParams(beam_width=5, max_tokens=4))
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=10**6))
+    assert llm.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=2))[0].sequences
+    assert_pool_whole(llm)
