@@ -1,14 +1,17 @@
 """Online serving: `vkv serve` under Poisson arrivals of ShareGPT requests, at several rates.
 
-The server runs as its own process, as a user would start it; the client streams each request
+The server runs as its own process, as a user would start it, started afresh for each rate
+(so no rate finds the prompts of another in its prefix cache) and warmed with one request
+before the clock starts. The client streams each request
 over HTTP (`/v1/completions`, token-id prompt, `max_tokens` = the ShareGPT reply length,
 `ignore_eos`) and times every server-sent event. As in vLLM's benchmark_serving:
   TTFT  time to first token: request sent -> first text chunk
   TPOT  time per output token after the first: (latency - TTFT) / (output tokens - 1)
   ITL   inter-token latency: gaps between successive text chunks
   E2E   request sent -> last chunk
-reported as mean, median and p99, with request throughput and output tokens/s per rate. At
-the end the server gets SIGTERM; its shutdown time and exit are recorded.
+reported as mean, median and p99, with request throughput and output tokens/s per rate, and
+the server's own counters from /metrics. After each rate the server gets SIGTERM; its
+shutdown time and exit are recorded.
 
     python benchmarks/bench_serving.py --rates 0.25,0.5,1,inf --num-requests 32 \
         --json benchmarks/results/cpu/serving.json --plot benchmarks/results/cpu/serving.png
@@ -35,7 +38,14 @@ from sharegpt import BenchRequest, sample_requests, save  # noqa: E402
 from vmm.machine import machine_info  # noqa: E402
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_server(port: int, extra: list[str]) -> subprocess.Popen:
+    """`vkv serve` on port, healthy and past its first (warm-up) request."""
     command = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--log-level", "warning", *extra]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
@@ -44,6 +54,8 @@ def start_server(port: int, extra: list[str]) -> subprocess.Popen:
             sys.exit(f"the server exited with {server.returncode}:\n{server.stdout.read()}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                           json={"prompt": "Warm up", "max_tokens": 4, "temperature": 0}).raise_for_status()
                 return server
         except httpx.TransportError:
             time.sleep(0.5)
@@ -117,13 +129,28 @@ def summarize(rate: float, results: list[dict], duration: float) -> dict:
             "itl": stats([gap for r in ok for gap in r["itl"]]), "e2e": stats([r["latency"] for r in ok])}
 
 
-def scrape(url: str, names: tuple[str, ...]) -> dict:
+COUNTERS = ("vkv:num_preemptions_total", "vkv:prefix_cache_hits_total", "vkv:prefix_cache_queries_total",
+            "vkv:generation_tokens_total", "vkv:peak_pages_mapped", "vkv:pages_total")
+
+
+def scrape(url: str) -> dict:
     found = {}
     for line in httpx.get(url, timeout=10).text.splitlines():
         name, _, value = line.partition(" ")
-        if name in names:
+        if name in COUNTERS:
             found[name] = float(value)
     return found
+
+
+def measure_rate(server_args: list[str], requests: list[BenchRequest], rate: float, seed: int) -> dict:
+    port = free_port()
+    server = start_server(port, server_args)
+    try:
+        result = asyncio.run(run_rate(f"http://127.0.0.1:{port}/v1/completions", requests, rate, seed))
+        result["server_counters"] = scrape(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        shutdown = stop_server(server)
+    return {**result, "shutdown": shutdown}
 
 
 def plot(result: dict, path: str) -> None:
@@ -168,31 +195,21 @@ def main() -> None:
 
     from engine.models import load_tokenizer
     requests = sample_requests(load_tokenizer(None), args.num_requests, args.seed, max_output=args.max_output)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = start_server(port, args.server_args.split())
-    base = f"http://127.0.0.1:{port}"
-    runs = []
-    try:
-        for rate in tqdm([float(r) for r in args.rates.split(",")], desc="rates"):
-            runs.append(asyncio.run(run_rate(f"{base}/v1/completions", requests, rate, args.seed)))
-        counters = scrape(f"{base}/metrics", ("vkv:num_preemptions_total", "vkv:prefix_cache_hits_total",
-                                              "vkv:prefix_cache_queries_total", "vkv:generation_tokens_total"))
-    finally:
-        shutdown = stop_server(server)
+    runs = [measure_rate(args.server_args.split(), requests, float(rate), args.seed)
+            for rate in tqdm(args.rates.split(","), desc="rates")]
     result = {"benchmark": "serving", "command": " ".join(["python"] + sys.argv), "server_args": args.server_args,
               "model": "SmolLM2-135M-Instruct (bundled)", "num_requests": len(requests),
               "mean_prompt_len": float(np.mean([len(r.prompt_ids) for r in requests])),
               "mean_output_len": float(np.mean([r.output_len for r in requests])),
-              "machine": machine_info(), "runs": runs, "server_counters": counters, "shutdown": shutdown}
+              "machine": machine_info(), "runs": runs}
     print(f"\n{'rate':>6}{'req/s':>8}{'tok/s':>8}{'TTFT med':>10}{'TTFT p99':>10}{'TPOT med':>10}"
           f"{'ITL med':>9}{'ITL p99':>9}{'failed':>8}")
     for r in runs:
         print(f"{r['rate']:>6}{r['request_throughput']:>8.2f}{r['output_throughput']:>8.1f}"
               f"{r['ttft']['median_ms']:>8.0f}ms{r['ttft']['p99_ms']:>8.0f}ms{r['tpot']['median_ms']:>8.0f}ms"
               f"{r['itl']['median_ms']:>7.0f}ms{r['itl']['p99_ms']:>7.0f}ms{r['failed']:>8}")
-    print(f"server shutdown on SIGTERM: {shutdown}")
+    print("server shutdowns on SIGTERM:", [(round(r["shutdown"]["shutdown_s"], 2), r["shutdown"]["clean"])
+                                           for r in runs])
     save(result, args.json_path, args.plot_path, plot)
 
 
