@@ -68,14 +68,14 @@ def chat_prompt_ids(tokenizer, question: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def hf_beam_search(prompt_ids: list[int], width: int, max_new_tokens: int, eos_id: int):
+def hf_beam_search(prompt_ids: list[int], width: int, max_new_tokens: int, eos_id: int, length_penalty: float):
     """transformers' num_beams on the same weights: (tokens up to the first EOS, score) per beam."""
     from helpers import bundled_dir, hf_model
 
     with torch.no_grad():
         ref = hf_model(bundled_dir()).generate(
             torch.tensor([prompt_ids]), num_beams=width, num_return_sequences=width, do_sample=False,
-            max_new_tokens=max_new_tokens, early_stopping=False, length_penalty=1.0,
+            max_new_tokens=max_new_tokens, early_stopping=False, length_penalty=length_penalty,
             output_scores=True, return_dict_in_generate=True)
     beams = []
     for row, score in zip(ref.sequences, ref.sequences_scores):
@@ -85,36 +85,48 @@ def hf_beam_search(prompt_ids: list[int], width: int, max_new_tokens: int, eos_i
     return beams
 
 
-@pytest.mark.parametrize("kv_layout", ["interleaved", "paged"])
-def test_beam_search_matches_transformers_and_releases_every_page(kv_layout):
+@pytest.mark.parametrize("kv_layout,length_penalty", [("interleaved", 1.0), ("paged", 2.0)])
+def test_beam_search_matches_transformers_and_releases_every_page(kv_layout, length_penalty):
     from engine import BeamSearchParams
 
     llm = LLM(kv_layout=kv_layout)
     questions = ["What is 2+2? Reply with one number.", "Say hi.", "Name a primary color in one word."]
     prompts = [chat_prompt_ids(llm.tokenizer, q) for q in questions]
     width, steps = 3, 20
-    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=steps))
+    outs = llm.beam_search(prompts, BeamSearchParams(width, steps, length_penalty=length_penalty))
     reasons = set()
     for ids, out in zip(prompts, outs):
-        reference = hf_beam_search(ids, width, steps, llm.engine.eos_ids[0])
+        reference = hf_beam_search(ids, width, steps, llm.engine.eos_ids[0], length_penalty)
         assert [s.tokens[len(ids):] for s in out.sequences] == [tokens for tokens, _ in reference]
-        assert [s.score for s in out.sequences] == pytest.approx([score for _, score in reference], abs=1e-4)
+        assert [s.score for s in out.sequences] == pytest.approx([score for _, score in reference], rel=1e-5)
         reasons |= {s.finish_reason for s in out.sequences}
     assert reasons == {"stop", "length"}  # beams that ended on EOS and beams cut at max_tokens
     assert llm.stats()["cow_copies"] > 0  # beams forked, then diverged inside a shared page
     assert_pool_whole(llm)
 
 
-def test_beam_search_under_memory_pressure_changes_nothing():
+def test_beams_and_plain_requests_under_memory_pressure_change_nothing():
     from engine import BeamSearchParams
 
-    prompts = ["The best way to learn a language is", "Rain falls because", "def fibonacci(n):"]
-    params = BeamSearchParams(beam_width=4, max_tokens=10, ignore_eos=True)
-    roomy = LLM(kv_layout="interleaved").beam_search(prompts, params)
-    # 60 pages of 64 KiB: the three groups' twelve beams do not fit at once.
-    tight = LLM(kv_layout="interleaved", kv_cache_memory=60 * 65536, max_num_seqs=6)
-    outs = tight.beam_search(prompts, params)
-    assert [[s.tokens for s in o.sequences] for o in outs] == [[s.tokens for s in o.sequences] for o in roomy]
+    roomy = LLM(kv_layout="interleaved")
+    prompts = [chat_prompt_ids(roomy.tokenizer, q) for q in ("Say hi.", "Tell me a joke.", "What is rain?")]
+    beam, greedy = BeamSearchParams(beam_width=3, max_tokens=12), SamplingParams(temperature=0, max_tokens=12)
+    want_beams = roomy.beam_search(prompts[:2], beam)
+    want_plain = roomy.generate(prompts, greedy, use_tqdm=False)
+    # 118 pages of 64 KiB and three seats: one beam group at a time, beams preempted and requeued.
+    tight = LLM(kv_layout="interleaved", kv_cache_memory=118 * 65536, max_num_seqs=3)
+    engine, done = tight.engine, {}
+    engine.add_beam_request("beam-0", prompts[0], beam)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"plain-{i}", prompt, greedy)
+    engine.add_beam_request("beam-1", prompts[1], beam)
+    for _ in range(2000):
+        done |= {out.request_id: out for out in engine.step() if out.finished}
+        if not engine.has_unfinished():
+            break
+    assert [[s.tokens for s in done[f"beam-{i}"].sequences] for i in range(2)] == \
+        [[s.tokens for s in o.sequences] for o in want_beams]
+    assert [done[f"plain-{i}"].outputs[0].token_ids for i in range(3)] == [o.outputs[0].token_ids for o in want_plain]
     assert tight.stats()["preemptions"] > 0
     assert_pool_whole(tight)
 
