@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.llm_engine import LLMEngine
 from engine.metrics import Metrics
 from engine.outputs import RequestOutput
@@ -43,8 +44,9 @@ class AsyncEngine:
         self.thread.start()
 
     # -- called from the event loop -------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams | BeamSearchParams,
                        prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as it advances; a beam search yields once, at its end."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
         self.streams[request_id] = stream
         self._command("add", request_id, prompt_ids, params, prompt_text)
@@ -103,16 +105,19 @@ class AsyncEngine:
                 self.streams.pop(request_id, None)
                 continue
             prompt_ids, params, text = args
+            beam = isinstance(params, BeamSearchParams)
             try:
-                self.engine.add_request(request_id, prompt_ids, params)
+                (self.engine.add_beam_request if beam else self.engine.add_request)(request_id, prompt_ids, params)
                 self.engine.requests[request_id].prompt = text
             except Exception as exc:  # refused: the handler raises it as an HTTP error
                 self._put(self.streams.pop(request_id, None), exc)
 
-    def _deliver(self, out: RequestOutput, now: float) -> None:
+    def _deliver(self, out: RequestOutput | BeamSearchOutput, now: float) -> None:
         stream = self.streams.get(out.request_id)
         if stream is None:
             return
+        if isinstance(out, BeamSearchOutput):
+            out = out.to_request_output(self.engine.tokenizer)
         tokens = sum(len(o.token_ids) for o in out.outputs)
         if tokens > stream.tokens_seen:
             if stream.first_token_time is None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sequence import Sequence
 
 
@@ -57,6 +58,14 @@ class BeamSearchOutput:
     prompt_token_ids: list[int]
     sequences: list[BeamSearchSequence] = field(default_factory=list)  # best first
     finished: bool = True
+
+    def to_request_output(self, tokenizer) -> RequestOutput:
+        """The beams as completions of generated tokens only, as vLLM's server returns them."""
+        start = len(self.prompt_token_ids)
+        outputs = [CompletionOutput(i, tokenizer.decode(s.tokens[start:], skip_special_tokens=True),
+                                    s.tokens[start:], s.finish_reason, cumulative_logprob=s.cum_logprob)
+                   for i, s in enumerate(self.sequences)]
+        return RequestOutput(self.request_id, None, self.prompt_token_ids, outputs, finished=True)
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.beam_search import BeamSearchParams
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -35,9 +36,15 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] = Field(default_factory=list)
     skip_special_tokens: bool = True
+    use_beam_search: bool = False  # n is the beam width
+    length_penalty: float = 1.0
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams | BeamSearchParams:
         """Raises ValueError, with the reason, for values out of range."""
+        if self.use_beam_search:
+            if logprobs is not None:
+                raise ValueError("logprobs are not supported with beam search")
+            return BeamSearchParams(self.n, max_tokens, self.ignore_eos, self.length_penalty)
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,

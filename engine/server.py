@@ -1,7 +1,7 @@
 """`vkv serve`: an OpenAI-compatible HTTP server over the engine, with Prometheus metrics.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events that
-end with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics. Binds 127.0.0.1 unless
+end with `data: [DONE]`; vLLM's `use_beam_search` turns `n` into a beam width), GET /v1/models, GET /health, GET /metrics. Binds 127.0.0.1 unless
 told otherwise; with an API key, /v1 routes want `Authorization: Bearer <key>`. Bodies over
 the size limit get 413; bad JSON, bad values and prompts that can never fit get 400; all
 errors carry OpenAI's error object, and the server keeps serving. A client that disconnects
@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_engine import AsyncEngine
+from engine.beam_search import BeamSearchParams
 from engine.openai_api import (ChatCompletionRequest, CompletionRequest, chat_logprobs,
                                completion_logprobs, envelope, error_body, new_id, usage)
 from engine.outputs import RequestOutput
@@ -108,8 +109,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             if max_tokens is None:  # as much as fits after the longest prompt
                 max_tokens = max(1, max_len - max(len(i) for i in ids))
             params = body.sampling_params(max_tokens, logprobs)
+            beam = isinstance(params, BeamSearchParams)
             for prompt_ids in ids:
-                engine.engine.check_fits(len(prompt_ids), params)
+                (engine.engine.check_beam_fits if beam else engine.engine.check_fits)(len(prompt_ids), params)
             return params, ids
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
@@ -135,7 +137,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         texts = [p if isinstance(p, str) else None for p in body.prompts()]
 
         def choice(prompt_index: int, c, text: str, start: int = 0) -> dict:
-            return {"index": prompt_index * params.n + c.index, "text": text,
+            return {"index": prompt_index * body.n + c.index, "text": text,
                     "logprobs": completion_logprobs(c, tokenizer, start), "finish_reason": c.finish_reason}
 
         if body.stream:

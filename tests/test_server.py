@@ -158,6 +158,24 @@ def test_health_and_prometheus_metrics(server, client):
         assert name in text, name
 
 
+def test_beam_search_through_the_server_matches_the_offline_api(client, server):
+    from engine import LLM, BeamSearchParams
+
+    prompt = "The best way to learn a language is"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, n=3,
+                                    extra_body={"use_beam_search": True, "ignore_eos": True})
+    llm = LLM()
+    want = llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))[0]
+    start = len(want.prompt_token_ids)
+    assert [c.text for c in out.choices] == [llm.tokenizer.decode(s.tokens[start:], skip_special_tokens=True)
+                                             for s in want.sequences]
+    assert out.usage.completion_tokens == 3 * 8
+    bad = httpx.post(server[0] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"prompt": prompt, "n": 3, "use_beam_search": True, "logprobs": 2})
+    assert bad.status_code == 400 and "beam search" in bad.json()["error"]["message"]
+    assert wait_idle(server[1])["pages_in_use"] == 0
+
+
 def test_sigterm_lets_the_stream_in_flight_finish_then_stops_the_engine():
     import signal
     import subprocess
