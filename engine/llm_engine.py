@@ -152,7 +152,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- the loop -------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | BeamSearchOutput]:
         """One forward pass over the scheduled batch; outputs of the requests it advanced."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
