@@ -3,7 +3,8 @@
 Handlers (asyncio) submit and abort through a command queue; the loop thread owns the engine
 alone: it applies commands between steps, runs `step()`, and hands each request's outputs to
 its asyncio queue. A request whose consumer goes away (client disconnect) is aborted, so its
-pages go back at once.
+pages go back at once. If a step raises, the engine is dead: every request in flight gets
+EngineDeadError, new ones are refused with it, and the server reports itself unhealthy.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import asyncio
 import queue
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -19,6 +21,10 @@ from engine.llm_engine import LLMEngine
 from engine.metrics import Metrics
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    pass
 
 
 @dataclass
@@ -40,6 +46,7 @@ class AsyncEngine:
         self.streams: dict[str, _Stream] = {}
         self.stats = engine.stats()
         self.running = True
+        self.dead: EngineDeadError | None = None
         self.thread = threading.Thread(target=self._loop, name="vkv-engine", daemon=True)
         self.thread.start()
 
@@ -47,6 +54,8 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams | BeamSearchParams,
                        prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as it advances; a beam search yields once, at its end."""
+        if self.dead:
+            raise self.dead
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
         self.streams[request_id] = stream
         self._command("add", request_id, prompt_ids, params, prompt_text)
@@ -78,6 +87,16 @@ class AsyncEngine:
 
     # -- the loop thread ------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._run_steps()
+        except Exception as exc:
+            traceback.print_exc()
+            self.dead = EngineDeadError(f"the engine failed and stopped: {exc!r}")
+            for stream in self.streams.values():
+                self._put(stream, self.dead)
+            self.streams.clear()
+
+    def _run_steps(self) -> None:
         while self.running:
             self._apply_commands()
             if not self.engine.has_unfinished():

@@ -20,7 +20,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.beam_search import BeamSearchParams
 from engine.openai_api import (ChatCompletionRequest, CompletionRequest, chat_logprobs,
                                completion_logprobs, envelope, error_body, new_id, usage)
@@ -82,6 +82,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def _http_error(_, exc: HTTPError):
         return error(exc.status, exc.message, exc.kind)
 
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_, exc: EngineDeadError):
+        return error(503, str(exc), "engine_dead")
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -118,6 +122,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health():
+        if engine.dead:
+            return error(503, str(engine.dead), "engine_dead")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -202,8 +208,11 @@ async def _stream_chunks(engine: AsyncEngine, rid: str, ids, params, texts, kind
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int) -> None:
-        async for out in engine.generate(f"{rid}-{i}", ids[i], params, texts[i]):
-            await queue.put((i, out))
+        try:
+            async for out in engine.generate(f"{rid}-{i}", ids[i], params, texts[i]):
+                await queue.put((i, out))
+        except Exception as exc:  # the engine died or refused it: the stream ends with the error
+            await queue.put((i, exc))
         await queue.put((i, None))
 
     tasks = [asyncio.ensure_future(pump(i)) for i in range(len(ids))]
@@ -216,6 +225,9 @@ async def _stream_chunks(engine: AsyncEngine, rid: str, ids, params, texts, kind
             if out is None:
                 running -= 1
                 continue
+            if isinstance(out, Exception):
+                yield f"data: {json.dumps(error_body(str(out), type(out).__name__, 500))}\n\n"
+                break
             finals[i] = out
             choices = []
             for c in out.outputs:

@@ -176,6 +176,36 @@ def test_beam_search_through_the_server_matches_the_offline_api(client, server):
     assert wait_idle(server[1])["pages_in_use"] == 0
 
 
+def test_a_failing_engine_fails_its_requests_and_reports_unhealthy():
+    engine = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=4, kv_cache_memory=64 << 20)))
+    real_step, calls = engine.engine.step, []
+
+    def faulty_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("simulated device fault")
+        return real_step()
+
+    engine.engine.step = faulty_step
+    app = build_app(engine, MODEL)
+    body = {"prompt": "Hi", "max_tokens": 8, "ignore_eos": True}
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://vkv") as c:
+            stream = await c.post("/v1/completions", json=body | {"stream": True})
+            return stream, await c.get("/health"), await c.post("/v1/completions", json=body)
+
+    try:
+        stream, health, after = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    events = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
+    assert "simulated device fault" in events[-1]["error"]["message"]
+    assert stream.text.rstrip().endswith("data: [DONE]")
+    assert health.status_code == 503 and after.status_code == 503
+    assert "simulated device fault" in after.json()["error"]["message"]
+
+
 def test_sigterm_lets_the_stream_in_flight_finish_then_stops_the_engine():
     import signal
     import subprocess
