@@ -1,0 +1,89 @@
+"""The whole engine under random traffic: plain requests, n > 1 and beam searches arrive at
+random steps, some are aborted, in an engine with few seats and few pages, so admission waits,
+preemption, forks that find no room, idle beams stepping aside and prefix-cache eviction all
+happen. Every request that is not aborted must produce exactly what it produces alone in a
+roomy engine, no step may stall, and afterwards the pool is whole again.
+
+The model is `random:tiny` (2 layers, 512 bytes of KV per token), with 4 KiB host pages.
+"""
+import functools
+
+from hypothesis import HealthCheck, event, given, settings, strategies as st
+
+from engine import LLM, BeamSearchParams, SamplingParams
+from helpers import assert_pool_whole
+
+PAGE = 4096
+MAX_TOKENS = 16
+# (roomier, tight) pool sizes: the tight one just holds one 3-beam group of the longest request
+# (24 + 16 tokens: 5 interleaved pages, 2 pages in each of 4 per-layer ranges, 3 blocks).
+PAGES = {"interleaved": (24, 15), "per_layer": (32, 24), "paged": (12, 9)}
+
+
+@functools.cache
+def engine_for(layout: str, pages: int, seats: int, caching: bool) -> LLM:
+    kv_memory = pages * (16 * 512 if layout == "paged" else PAGE)  # paged: blocks of 16 tokens
+    return LLM(model="random:tiny", kv_layout=layout, page_size=PAGE, kv_cache_memory=kv_memory,
+               max_num_seqs=seats, enable_prefix_caching=caching, max_num_batched_tokens=32, seed=0)
+
+
+@functools.cache
+def alone(kind: str, prompt: tuple[int, ...], width: int, max_tokens: int):
+    """What the request produces by itself in a roomy engine."""
+    roomy = engine_for("interleaved", 512, 8, False)
+    if kind == "beam":
+        out = roomy.beam_search(list(prompt), BeamSearchParams(width, max_tokens, ignore_eos=True))[0]
+        return [s.tokens for s in out.sequences]
+    out = roomy.generate(list(prompt), params(kind, width, max_tokens), use_tqdm=False)[0]
+    return [o.token_ids for o in out.outputs]
+
+
+def params(kind: str, width: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(n=width if kind == "n" else 1, temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+request = st.fixed_dictionaries({
+    "kind": st.sampled_from(["plain", "n", "beam"]),
+    "prompt": st.tuples(st.sampled_from([[], SHARED]), st.lists(st.integers(3, 500), min_size=4, max_size=12))
+               .map(lambda parts: tuple(parts[0] + parts[1])),
+    "width": st.integers(2, 3),
+    "max_tokens": st.integers(1, MAX_TOKENS),
+    "arrive": st.integers(0, 3),
+    "abort": st.none() | st.integers(0, 12),
+})
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(layout=st.sampled_from(list(PAGES)), tight=st.booleans(), seats=st.integers(3, 5), caching=st.booleans(),
+       requests=st.lists(request, min_size=3, max_size=8))
+def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, seats, caching, requests):
+    llm = engine_for(layout, PAGES[layout][tight], seats, caching)
+    engine, done, step = llm.engine, {}, 0
+    preempted = llm.stats()["preemptions"]
+    while step < 2000 and (engine.has_unfinished() or step <= 8):
+        for i, r in enumerate(requests):
+            if r["arrive"] == step:
+                add(engine, f"r{i}", r)
+            if r["abort"] is not None and r["arrive"] + r["abort"] == step and f"r{i}" not in done:
+                engine.abort(f"r{i}")
+        done |= {out.request_id: out for out in engine.step() if out.finished}
+        step += 1
+    assert not engine.has_unfinished(), f"stalled: {llm.stats()}"
+    event(f"preempted: {llm.stats()['preemptions'] > preempted}")
+    for i, r in enumerate(requests):
+        if f"r{i}" in done and r["abort"] is None:
+            out = done[f"r{i}"]
+            got = [s.tokens for s in out.sequences] if r["kind"] == "beam" else [o.token_ids for o in out.outputs]
+            assert got == alone(r["kind"], r["prompt"], r["width"], r["max_tokens"]), r
+        else:
+            assert r["abort"] is not None, f"request {i} never finished"
+    assert_pool_whole(llm)
+
+
+def add(engine, request_id: str, r: dict) -> None:
+    if r["kind"] == "beam":
+        engine.add_beam_request(request_id, list(r["prompt"]), BeamSearchParams(r["width"], r["max_tokens"],
+                                                                                ignore_eos=True))
+    else:
+        engine.add_request(request_id, list(r["prompt"]), params(r["kind"], r["width"], r["max_tokens"]))
