@@ -124,9 +124,8 @@ class AsyncEngine:
                 self.streams.pop(request_id, None)
                 continue
             prompt_ids, params, text = args
-            beam = isinstance(params, BeamSearchParams)
             try:
-                (self.engine.add_beam_request if beam else self.engine.add_request)(request_id, prompt_ids, params)
+                self.engine.add_request(request_id, prompt_ids, params)
                 self.engine.requests[request_id].prompt = text
             except Exception as exc:  # refused: the handler raises it as an HTTP error
                 self._put(self.streams.pop(request_id, None), exc)

@@ -32,21 +32,20 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        for prompt, p in zip(prompts, params):
-            self.engine.check_fits(len(self.engine.tokenize(prompt)[1]), p)
-        ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt, p in zip(ids, prompts, params):
-            self.engine.add_request(request_id, prompt, p)
-        return self._run(ids, use_tqdm)
+        return self._submit("gen", prompts, params, use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's offline beam search: each prompt's beam_width best continuations, best first."""
         prompts = as_prompt_list(prompts)
-        for prompt in prompts:
-            self.engine.check_beam_fits(len(self.engine.tokenize(prompt)[1]), params)
-        ids = [f"beam-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt in zip(ids, prompts):
-            self.engine.add_beam_request(request_id, prompt, params)
+        return self._submit("beam", prompts, [params] * len(prompts), use_tqdm)
+
+    def _submit(self, kind: str, prompts: list, params: list, use_tqdm: bool) -> list:
+        """Check every prompt before any runs, so a bad one leaves the engine as it was."""
+        for prompt, p in zip(prompts, params):
+            self.engine.check_fits(len(self.engine.tokenize(prompt)[1]), p)
+        ids = [f"{kind}-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params):
+            self.engine.add_request(request_id, prompt, p)
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list:

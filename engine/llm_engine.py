@@ -92,50 +92,44 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
         return None, ids
 
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Refuse, with the numbers, a request that could never run to its end."""
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams | BeamSearchParams) -> None:
+        """Refuse, with the numbers, a request that could never run to its end. A beam group
+        runs in lockstep, so all its beams must be able to run at once."""
         total = num_prompt_tokens + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) "
                              f"= {total} exceeds max_model_len {self.max_model_len}")
-        if self.kv.pages_for(total) > self.kv.pool.num_pages:
-            raise ValueError(f"{total} tokens need {self.kv.pages_for(total)} KV pages, more than the "
+        width = params.beam_width if isinstance(params, BeamSearchParams) else 1
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"beam_width {width} exceeds max_num_seqs {self.config.max_num_seqs}")
+        pages = width * self.kv.pages_for(total)
+        if pages > self.kv.pool.num_pages:
+            beams = f" for {width} beams" if width > 1 else ""
+            raise ValueError(f"{total} tokens{beams} need {pages} KV pages, more than the "
                              f"whole KV budget of {self.kv.pool.num_pages} pages")
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | BeamSearchParams) -> None:
+        """With BeamSearchParams the request is a beam search: its beams are greedy sequences
+        that a BeamGroup steers."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         self.check_fits(len(ids), params)
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            beam = BeamGroup(params, self.eos_ids, self.max_model_len)
+            params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
         now = time.monotonic()
         seqs = [Sequence(request_id, i, list(ids), params, now, generator=self._generator(params, i))
                 for i in range(params.n)]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
-        request = Request(request_id, text, ids, params, seqs, detoks, now, [""] * len(seqs), seqs[1:])
-        self.requests[request_id] = request
+        self.requests[request_id] = Request(request_id, text, ids, params, seqs, detoks, now, [""] * len(seqs),
+                                            seqs[1:], beam)
+        if beam:
+            beam.live[seqs[0]] = 0.0
         self.scheduler.add(seqs[0])
         self.counters["prompt_tokens"] += len(ids)
-        return request
-
-    def check_beam_fits(self, num_prompt_tokens: int, params: BeamSearchParams) -> None:
-        """A beam group runs in lockstep, so all its beams must be able to run at once."""
-        if params.beam_width > self.config.max_num_seqs:
-            raise ValueError(f"beam_width {params.beam_width} exceeds max_num_seqs {self.config.max_num_seqs}")
-        self.check_fits(num_prompt_tokens, self._beam_sampling_params(params))
-        pages = params.beam_width * self.kv.pages_for(num_prompt_tokens + params.max_tokens)
-        if pages > self.kv.pool.num_pages:
-            raise ValueError(f"{params.beam_width} beams of {num_prompt_tokens} + {params.max_tokens} tokens "
-                             f"may need {pages} KV pages, more than the {self.kv.pool.num_pages} there are")
-
-    def add_beam_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> None:
-        self.check_beam_fits(len(self.tokenize(prompt)[1]), params)
-        request = self.add_request(request_id, prompt, self._beam_sampling_params(params))
-        request.beam = BeamGroup(params, self.eos_ids, self.max_model_len)
-        request.beam.live[request.seqs[0]] = 0.0
-
-    @staticmethod
-    def _beam_sampling_params(params: BeamSearchParams) -> SamplingParams:
-        return SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
         g = torch.Generator(device=self.config.device)

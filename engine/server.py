@@ -1,8 +1,8 @@
 """`vkv serve`: an OpenAI-compatible HTTP server over the engine, with Prometheus metrics.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events that
-end with `data: [DONE]`; vLLM's `use_beam_search` turns `n` into a beam width), GET /v1/models, GET /health, GET /metrics. Binds 127.0.0.1 unless
-told otherwise; with an API key, /v1 routes want `Authorization: Bearer <key>`. Bodies over
+end with `data: [DONE]`; vLLM's `use_beam_search` turns `n` into a beam width), GET /v1/models,
+GET /health, GET /metrics. Binds 127.0.0.1 unless told otherwise; with an API key, /v1 routes want `Authorization: Bearer <key>`. Bodies over
 the size limit get 413; bad JSON, bad values and prompts that can never fit get 400; all
 errors carry OpenAI's error object, and the server keeps serving. A client that disconnects
 aborts its request, which frees its pages. On SIGTERM uvicorn stops accepting, lets requests
@@ -21,7 +21,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.beam_search import BeamSearchParams
 from engine.openai_api import (ChatCompletionRequest, CompletionRequest, chat_logprobs,
                                completion_logprobs, envelope, error_body, new_id, usage)
 from engine.outputs import RequestOutput
@@ -113,9 +112,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             if max_tokens is None:  # as much as fits after the longest prompt
                 max_tokens = max(1, max_len - max(len(i) for i in ids))
             params = body.sampling_params(max_tokens, logprobs)
-            beam = isinstance(params, BeamSearchParams)
             for prompt_ids in ids:
-                (engine.engine.check_beam_fits if beam else engine.engine.check_fits)(len(prompt_ids), params)
+                engine.engine.check_fits(len(prompt_ids), params)
             return params, ids
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc

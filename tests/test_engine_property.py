@@ -82,8 +82,6 @@ def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, sea
 
 
 def add(engine, request_id: str, r: dict) -> None:
-    if r["kind"] == "beam":
-        engine.add_beam_request(request_id, list(r["prompt"]), BeamSearchParams(r["width"], r["max_tokens"],
-                                                                                ignore_eos=True))
-    else:
-        engine.add_request(request_id, list(r["prompt"]), params(r["kind"], r["width"], r["max_tokens"]))
+    p = BeamSearchParams(r["width"], r["max_tokens"], ignore_eos=True) if r["kind"] == "beam" \
+        else params(r["kind"], r["width"], r["max_tokens"])
+    engine.add_request(request_id, list(r["prompt"]), p)

@@ -22,13 +22,17 @@ PROMPTS = ["The capital of France is", "Water boils at", "1, 2, 3, 4,", "The opp
            "My favourite fruit is", "Once upon a time", "def add(a, b):", "The sky is"]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def server():
     engine = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=32, kv_cache_memory=256 << 20)))
     app = build_app(engine, MODEL, api_key=KEY, max_body_bytes=64 << 10)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -211,9 +215,7 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_stops_the_engine():
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port),
                              "--log-level", "warning", "--max-num-seqs", "4"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

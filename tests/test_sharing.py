@@ -116,10 +116,10 @@ def test_beams_and_plain_requests_under_memory_pressure_change_nothing():
     # 118 pages of 64 KiB and three seats: one beam group at a time, beams preempted and requeued.
     tight = LLM(kv_layout="interleaved", kv_cache_memory=118 * 65536, max_num_seqs=3)
     engine, done = tight.engine, {}
-    engine.add_beam_request("beam-0", prompts[0], beam)
+    engine.add_request("beam-0", prompts[0], beam)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"plain-{i}", prompt, greedy)
-    engine.add_beam_request("beam-1", prompts[1], beam)
+    engine.add_request("beam-1", prompts[1], beam)
     for _ in range(2000):
         done |= {out.request_id: out for out in engine.step() if out.finished}
         if not engine.has_unfinished():
