@@ -30,7 +30,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sharegpt import sample_requests, save  # noqa: E402
+from common import machine_info, save  # noqa: E402
+from sharegpt import sample_requests  # noqa: E402
 
 import vmm  # noqa: E402
 from engine.kv.paged import PagedKVCache  # noqa: E402
@@ -40,7 +41,6 @@ from engine.models.presets import PRESETS  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
-from vmm.machine import machine_info  # noqa: E402
 
 MAX_MODEL_LEN = 2048
 ALLOCATORS = {  # name: (layout, page bytes or block tokens)
@@ -70,8 +70,9 @@ def replay(cfg: ModelConfig, name: str, trace, budget: int, horizon: int, max_se
             _, req = pending.pop(0)
             scheduler.add(Sequence(str(step), 0, list(req.prompt_ids),
                                    SamplingParams(max_tokens=req.output_len, ignore_eos=True), step))
-        for seq, n in scheduler.schedule():
-            seq.num_computed_tokens += n
+        scheduled = scheduler.schedule()
+        scheduler.update_after_step(scheduled)
+        for seq, _ in scheduled:
             if seq.num_computed_tokens == len(seq):
                 seq.token_ids.append(0)
                 if seq.num_output_tokens == seq.params.max_tokens:
@@ -79,8 +80,8 @@ def replay(cfg: ModelConfig, name: str, trace, budget: int, horizon: int, max_se
                     finished += 1
         used = sum(s.num_computed_tokens for s in scheduler.running) * cfg.kv_bytes_per_token(2)
         stats = kv.stats()
-        active = stats["pages_in_use"] * kv.page_size
-        allocated = active + stats["pages_idle"] * kv.page_size
+        active = stats.pages_in_use * kv.page_size
+        allocated = active + stats.pages_idle * kv.page_size
         samples.append((used, allocated, active, len(scheduler.running)))
         if not pending and not scheduler.has_unfinished():
             break

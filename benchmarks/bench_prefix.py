@@ -25,10 +25,10 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sharegpt import load_conversations, save  # noqa: E402
+from common import machine_info, save  # noqa: E402
+from sharegpt import load_conversations  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from vmm.machine import machine_info  # noqa: E402
 
 _ids = count()
 
@@ -81,12 +81,12 @@ def shared_prompt(layout: str, caching: bool, prompts, params, kv_memory: int) -
     serial = [run(llm, [p], params) for p in prompts[1:]]
     llm.engine.close()
     return {"layout": layout, "prefix_caching": caching, "batch_wall_s": batch_s,
-            "batch_peak_pages": batch_stats["peak_pages_mapped"], "page_size": batch_stats["page_size"],
-            "batch_peak_mib": batch_stats["peak_pages_mapped"] * batch_stats["page_size"] / 2**20,
+            "batch_peak_pages": batch_stats.kv.peak_pages_mapped, "page_size": batch_stats.kv.page_size,
+            "batch_peak_mib": batch_stats.kv.peak_pages_mapped * batch_stats.kv.page_size / 2**20,
             "batch_ttft": summary(batch_ttft), "serial_ttft": summary([t[0] for t, _ in serial]),
-            "prefix_cache_hits": batch_stats["prefix_cache_hits"],
-            "prefix_cache_queries": batch_stats["prefix_cache_queries"], "cow_copies": batch_stats["cow_copies"],
-            "preemptions": batch_stats["preemptions"],
+            "prefix_cache_hits": batch_stats.kv.prefix_cache_hits,
+            "prefix_cache_queries": batch_stats.kv.prefix_cache_queries, "cow_copies": batch_stats.kv.cow_copies,
+            "preemptions": batch_stats.preemptions,
             "outputs": batch_out + [o[0] for _, o in serial]}
 
 
@@ -100,9 +100,9 @@ def parallel_sampling(layout: str, prompt: list[int], n: int, max_tokens: int, k
             run(llm, [prompt] * n, SamplingParams(temperature=0.8, seed=0, max_tokens=max_tokens, ignore_eos=True))
         stats = llm.stats()
         key = "shared" if shared else "independent"
-        result[f"{key}_peak_pages"] = stats["peak_pages_mapped"]
-        result[f"{key}_peak_mib"] = stats["peak_pages_mapped"] * stats["page_size"] / 2**20
-        result["cow_copies" if shared else "page_size"] = stats["cow_copies"] if shared else stats["page_size"]
+        result[f"{key}_peak_pages"] = stats.kv.peak_pages_mapped
+        result[f"{key}_peak_mib"] = stats.kv.peak_pages_mapped * stats.kv.page_size / 2**20
+        result["cow_copies" if shared else "page_size"] = stats.kv.cow_copies if shared else stats.kv.page_size
         llm.engine.close()
     result["peak_ratio"] = result["shared_peak_pages"] / result["independent_peak_pages"]
     return result

@@ -33,9 +33,9 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sharegpt import BenchRequest, sample_requests, save  # noqa: E402
+from common import machine_info, save  # noqa: E402
+from sharegpt import BenchRequest, sample_requests  # noqa: E402
 
-from vmm.machine import machine_info  # noqa: E402
 
 
 def free_port() -> int:

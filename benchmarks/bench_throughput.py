@@ -19,10 +19,10 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sharegpt import BenchRequest, sample_requests, save  # noqa: E402
+from common import machine_info, save  # noqa: E402
+from sharegpt import BenchRequest, sample_requests  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from vmm.machine import machine_info  # noqa: E402
 
 
 def run_vkv(requests: list[BenchRequest], model: str | None, layout: str, max_num_seqs: int, **options) -> dict:
@@ -37,8 +37,8 @@ def run_vkv(requests: list[BenchRequest], model: str | None, layout: str, max_nu
     stats = llm.stats()
     llm.engine.close()
     return {"system": f"vkv-{layout}", "elapsed_s": elapsed, "load_s": load,
-            "preemptions": stats["preemptions"], "peak_pages_mapped": stats["peak_pages_mapped"],
-            "page_size": stats["page_size"], "map_seconds": stats["map_seconds"]}
+            "preemptions": stats.preemptions, "peak_pages_mapped": stats.kv.peak_pages_mapped,
+            "page_size": stats.kv.page_size, "map_seconds": stats.kv.map_seconds}
 
 
 def run_hf(requests: list[BenchRequest], model_dir, batch_size: int) -> dict:

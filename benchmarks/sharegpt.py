@@ -7,7 +7,6 @@ length; pairs with fewer than 4 tokens, prompts over 1,024 or totals over 2,048 
 from __future__ import annotations
 
 import json
-import os
 import random
 from dataclasses import dataclass
 
@@ -61,13 +60,3 @@ def sample_requests(tokenizer, num: int, seed: int = 0, max_prompt: int = 1024, 
         if len(chosen) == num:
             return chosen
     raise ValueError(f"only {len(chosen)} ShareGPT requests pass the filter, {num} asked for")
-
-
-def save(result: dict, json_path: str | None, plot_path: str | None, plot) -> None:
-    """Write a benchmark's JSON and PNG where asked."""
-    if json_path:
-        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
-    if plot_path:
-        plot(result, plot_path)

@@ -49,7 +49,8 @@ class BeamSearchSequence:
     cum_logprob: float
     score: float  # cum_logprob / generated_len ** length_penalty: what ranks the beams
     finish_reason: str  # "stop" | "length"
-    text: str = ""
+    text: str = ""  # prompt and continuation
+    completion_text: str = ""  # the continuation alone
 
 
 @dataclass
@@ -58,14 +59,15 @@ class BeamSearchOutput:
     prompt_token_ids: list[int]
     sequences: list[BeamSearchSequence] = field(default_factory=list)  # best first
     finished: bool = True
+    error: str | None = None  # why the search failed, when it did
 
-    def to_request_output(self, tokenizer) -> RequestOutput:
+    def to_request_output(self) -> RequestOutput:
         """The beams as completions of generated tokens only, as vLLM's server returns them."""
         start = len(self.prompt_token_ids)
-        outputs = [CompletionOutput(i, tokenizer.decode(s.tokens[start:], skip_special_tokens=True),
-                                    s.tokens[start:], s.finish_reason, cumulative_logprob=s.cum_logprob)
+        outputs = [CompletionOutput(i, s.completion_text, s.tokens[start:], s.finish_reason,
+                                    cumulative_logprob=s.cum_logprob)
                    for i, s in enumerate(self.sequences)]
-        return RequestOutput(self.request_id, None, self.prompt_token_ids, outputs, finished=True)
+        return RequestOutput(self.request_id, None, self.prompt_token_ids, outputs, True, self.error)
 
 
 @dataclass(slots=True)

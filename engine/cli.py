@@ -1,31 +1,11 @@
-"""`vkv`: generate, serve, profile-mapping."""
+"""`vkv`: generate, serve."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint dir, .gguf file or random:<preset> "
-                   "(default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
-    p.add_argument("--kv-layout", default="interleaved", choices=["interleaved", "per_layer", "paged"])
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pages")
-    p.add_argument("--page-size", type=int, default=None, help="bytes per physical page")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--attention-backend", default=None, choices=["sdpa", "flash"])
-    p.add_argument("--no-prefix-caching", action="store_true")
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, device=args.device, dtype=args.dtype, kv_layout=args.kv_layout,
-                kv_cache_memory=args.kv_cache_memory, page_size=args.page_size,
-                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                attention_backend=args.attention_backend,
-                enable_prefix_caching=not args.no_prefix_caching)
+from engine.config import EngineConfig
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -33,7 +13,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens)
-    llm = LLM(**engine_options(args))
+    llm = LLM.from_config(EngineConfig.from_cli_args(args))
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=not args.json)
     else:
@@ -49,12 +29,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
             print(("" if len(out.outputs) == 1 else f"[{o.index}] ") + o.text.strip())
     if not args.json:
         s = llm.stats()
-        print(f"\n[vkv] {s['kv_layout']} KV, {s['attention_backend']} attention, peak {s['peak_pages_mapped']} "
-              f"pages of {s['page_size'] >> 10} KiB mapped, {s['preemptions']} preemptions", file=sys.stderr)
+        print(f"\n[vkv] {s.kv.layout} KV, {s.attention_backend} attention, peak {s.kv.peak_pages_mapped} "
+              f"pages of {s.kv.page_size >> 10} KiB mapped, {s.preemptions} preemptions", file=sys.stderr)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from engine.server import serve
+    from engine.serving.server import serve
 
     serve(args)
 
@@ -68,11 +48,11 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None, help="seed of the sampling")
     gen.add_argument("--n", type=int, default=1)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    add_engine_arguments(gen)
+    EngineConfig.add_cli_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
@@ -82,13 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
     srv.add_argument("--log-level", default="info")
-    add_engine_arguments(srv)
+    EngineConfig.add_cli_args(srv)
     srv.set_defaults(func=cmd_serve)
-
-    from vmm import profiler
-    prof = sub.add_parser("profile-mapping", help="latency of page create/map/access/unmap/release")
-    profiler.add_arguments(prof)
-    prof.set_defaults(func=profiler.run)
 
     args = parser.parse_args(argv)
     try:

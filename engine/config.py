@@ -1,6 +1,9 @@
-"""Engine settings, checked once and resolved against the device and the model."""
+"""Engine settings, checked once and resolved against the device and the model. The command
+line's engine flags are declared here too (`add_cli_args` / `from_cli_args`), so every front
+end (generate, serve, benchmarks) parses them the same way."""
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
@@ -8,6 +11,7 @@ import torch
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 KV_LAYOUTS = ("interleaved", "per_layer", "paged")
+ATTENTION_BACKENDS = ("sdpa", "flash")
 DEFAULT_HOST_PAGE = 64 << 10  # small pages: the host backend's advantage over 2 MiB GPU pages
 
 
@@ -25,7 +29,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: min(model's, 2048)
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
-    attention_backend: str | None = None  # sdpa | flash; default: best present
+    attention_backend: str | None = None  # one of ATTENTION_BACKENDS; default: best present
     seed: int = 0
 
     def __post_init__(self):
@@ -40,6 +44,9 @@ class EngineConfig:
             self.dtype = DTYPES[self.dtype]
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"unknown kv_layout {self.kv_layout!r}: choose one of {KV_LAYOUTS}")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}: "
+                             f"choose one of {ATTENTION_BACKENDS}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -63,3 +70,30 @@ class EngineConfig:
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * self.gpu_memory_utilization)
         return 1 << 30
+
+    # -- the command line -----------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("engine")
+        g.add_argument("--model", default=None, help="checkpoint dir, .gguf file or random:<preset> "
+                       "(default: the bundled SmolLM2-135M-Instruct)")
+        g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+        g.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
+        g.add_argument("--kv-layout", default=EngineConfig.kv_layout, choices=KV_LAYOUTS)
+        g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pages (default: 1 GiB "
+                       "on the CPU, gpu-memory-utilization of free memory on a GPU)")
+        g.add_argument("--page-size", type=int, default=None, help="bytes per physical page")
+        g.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per block (paged)")
+        g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+        g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
+        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        g.add_argument("--model-seed", type=int, default=EngineConfig.seed, help="weights of random:<preset> models")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        names = ("model", "device", "dtype", "kv_layout", "kv_cache_memory", "page_size", "block_size",
+                 "max_num_seqs", "max_model_len", "max_num_batched_tokens", "attention_backend",
+                 "enable_prefix_caching")
+        return cls(**{name: getattr(args, name) for name in names}, seed=args.model_seed)

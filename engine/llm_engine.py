@@ -1,10 +1,15 @@
 """The engine loop: requests in, one `step()` at a time, outputs back.
 
-    schedule -> map KV pages (inside the scheduler) -> model forward -> sample -> detokenize
-    -> check stop conditions -> finished sequences give their slots back
+    schedule (pages mapped inside) -> model forward -> count what was computed -> sample ->
+    detokenize -> stop checks -> finished sequences give their slots back
+
+A failure while sampling or finishing one request fails that request alone (finish reason
+"error", the message in its output) and the step goes on for the others. A failure of the
+batch as a whole (the forward pass, the KV cache) propagates: the engine is then broken.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -12,35 +17,40 @@ import torch
 
 import vmm
 from engine.attention import pick_attention
-from engine.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams
+from engine.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.config import DEFAULT_HOST_PAGE, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.inputs import Prompt, tokenize
 from engine.kv.paged import PagedKVCache
 from engine.kv.virtual import VirtualKVCache
 from engine.model_runner import ModelRunner
 from engine.models import load_config, load_model, load_tokenizer
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampler import sample
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.sampler import Sampled, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence
+from engine.stats import EngineStats
+
+log = logging.getLogger("vkv.engine")
 
 
 @dataclass
 class Request:
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+    prompt: Prompt
     params: SamplingParams
-    seqs: list[Sequence]
+    seqs: list[Sequence]  # its completions (best_of of them); a beam search's live beams are its group's
     detokenizers: list[IncrementalDetokenizer]
-    arrival: float
     texts: list[str] = field(default_factory=list)
     unforked: list[Sequence] = field(default_factory=list)  # n > 1: wait to share seq 0's prompt
-    beam: BeamGroup | None = None  # beam search: seqs are the live beams
+    beam: BeamGroup | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
+        if self.error:
+            return True
         return self.beam.done if self.beam else all(s.is_finished for s in self.seqs)
 
 
@@ -52,12 +62,13 @@ class LLMEngine:
         self.max_model_len = c.resolve_max_model_len(self.model_config.max_position_embeddings)
         self.model = load_model(c.model, self.model_config, c.device, c.dtype, c.seed)
         self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
-        self.kv = self._make_kv_cache()
         self.attention = pick_attention(c.attention_backend, c.device, c.dtype, c.kv_layout)
+        self.kv = self._make_kv_cache()
         self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv, self.attention, c.device)
+        self.runner = ModelRunner(self.model, self.kv, c.device)
         self.requests: dict[str, Request] = {}
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+        self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.num_finished = self.num_failed = 0
 
     def _make_kv_cache(self) -> VirtualKVCache | PagedKVCache:
         c = self.config
@@ -75,26 +86,24 @@ class LLMEngine:
             backend = vmm.HostBackend(c.page_size or DEFAULT_HOST_PAGE)
         num_pages = c.kv_budget_bytes() // backend.page_size
         if num_pages < 1:
+            backend.close()
             raise ValueError(f"kv_cache_memory {c.kv_budget_bytes()} is below one page ({backend.page_size} bytes)")
         return VirtualKVCache(self.model_config, c.kv_layout, c.max_num_seqs, self.max_model_len,
-                              c.dtype, backend, num_pages, c.enable_prefix_caching)
+                              c.dtype, backend, num_pages, c.enable_prefix_caching, self.attention)
 
     # -- requests -------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt has no tokens")
-        if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
-        return None, ids
+    def tokenize(self, prompt) -> Prompt:
+        return tokenize(self.tokenizer, self.model_config.vocab_size, prompt)
 
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams | BeamSearchParams) -> None:
-        """Refuse, with the numbers, a request that could never run to its end. A beam group
-        runs in lockstep, so all its beams must be able to run at once."""
+    def validate(self, prompt: Prompt, params: SamplingParams | BeamSearchParams) -> None:
+        """Refuse, with the numbers, a request that could never run to its end or that names
+        tokens outside the vocabulary. A beam group runs in lockstep, so all its beams must be
+        able to run at once."""
+        vocab = self.model_config.vocab_size
+        if isinstance(params, SamplingParams) and any(t >= vocab for t in params.token_ids_used()):
+            raise ValueError(f"stop_token_ids and logit_bias must name token ids below the vocabulary "
+                             f"size {vocab}")
+        num_prompt_tokens = len(prompt.token_ids)
         total = num_prompt_tokens + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) "
@@ -108,42 +117,48 @@ class LLMEngine:
             raise ValueError(f"{total} tokens{beams} need {pages} KV pages, more than the "
                              f"whole KV budget of {self.kv.pool.num_pages} pages")
 
-    def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | BeamSearchParams) -> None:
-        """With BeamSearchParams the request is a beam search: its beams are greedy sequences
-        that a BeamGroup steers."""
+    def add_request(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams) -> None:
+        """prompt: text, token ids or a Prompt. With BeamSearchParams the request is a beam
+        search: its beams are greedy sequences that a BeamGroup steers."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.tokenize(prompt)
-        self.check_fits(len(ids), params)
+        prompt = self.tokenize(prompt)
+        self.validate(prompt, params)
         beam = None
         if isinstance(params, BeamSearchParams):
             beam = BeamGroup(params, self.eos_ids, self.max_model_len)
             params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
-        now = time.monotonic()
+        now, ids = time.monotonic(), prompt.token_ids
         seqs = [Sequence(request_id, i, list(ids), params, now, generator=self._generator(params, i))
-                for i in range(params.n)]
+                for i in range(params.num_samples)]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
-        self.requests[request_id] = Request(request_id, text, ids, params, seqs, detoks, now, [""] * len(seqs),
+        self.requests[request_id] = Request(request_id, prompt, params, seqs, detoks, [""] * len(seqs),
                                             seqs[1:], beam)
         if beam:
             beam.live[seqs[0]] = 0.0
         self.scheduler.add(seqs[0])
-        self.counters["prompt_tokens"] += len(ids)
+        self.num_prompt_tokens += len(ids)
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Seeded requests draw from their own generators (seed + index for the index-th
+        completion); the rest share torch's default one."""
+        if params.seed is None or params.greedy:
+            return None
         g = torch.Generator(device=self.config.device)
-        g.manual_seed(params.seed + index if params.seed is not None else int(torch.randint(1 << 62, ())))
+        g.manual_seed((params.seed + index) % (1 << 64))
         return g
 
     def abort(self, request_id: str) -> None:
-        request = self.requests.pop(request_id, None)
-        for seq in request.seqs if request else []:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
+        if self.requests.pop(request_id, None):
+            self.scheduler.finish_request(request_id, "abort")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def map_seconds(self) -> float:
+        """Time spent mapping and copying KV pages so far, all on the step's critical path."""
+        return self.kv.map_seconds
 
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | BeamSearchOutput]:
@@ -152,23 +167,50 @@ class LLMEngine:
         if not scheduled:
             return []
         logits, sampling = self.runner.run(scheduled)
-        for seq, n in scheduled:
-            seq.num_computed_tokens += n
-            self.kv.commit(seq)
-        touched = {seq.request_id: self.requests[seq.request_id] for seq in sampling}
-        to_sample = []
+        self.scheduler.update_after_step(scheduled)
+        return self._process(logits, sampling)
+
+    def _process(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[RequestOutput | BeamSearchOutput]:
+        touched: dict[str, Request] = {}
+        plain: list[tuple[int, Sequence]] = []
         for row, seq in enumerate(sampling):
-            if beam := touched[seq.request_id].beam:
-                beam.offer(seq, logits[row])
+            request = touched.setdefault(seq.request_id, self.requests[seq.request_id])
+            if request.beam:
+                if not request.error:
+                    self._guarded(request, request.beam.offer, seq, logits[row])
             else:
-                to_sample.append((row, seq))
-        rows, seqs = self._with_forks(to_sample)
-        for seq, sampled in zip(seqs, sample(logits[rows], seqs, self.eos_ids)):
-            self._append(seq, sampled)
+                plain.append((row, seq))
+        rows, seqs = self._with_forks(plain)
+        for seq, result in zip(seqs, sample(logits[rows], seqs, self.eos_ids)):
+            request = touched[seq.request_id]
+            if isinstance(result, Exception):
+                self._fail(request, result)
+            elif not request.error:
+                self._guarded(request, self._append, seq, result, request)
         for request in touched.values():
-            if request.beam and request.beam.ready:
-                self._advance_beams(request)
+            if request.beam and not request.error and request.beam.ready:
+                self._guarded(request, self._advance_beams, request)
         return [self._output(r) for r in touched.values() if r.finished or not r.beam]
+
+    def _guarded(self, request: Request, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            self._fail(request, exc)
+
+    def _fail(self, request: Request, exc: Exception) -> None:
+        """The request ends with the error; its pages go back; everyone else goes on."""
+        if request.error:
+            return
+        log.error("request %s failed", request.request_id, exc_info=exc)
+        request.error = f"{type(exc).__name__}: {exc}"
+        self.scheduler.finish_request(request.request_id, "error")
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "error"
+        if request.beam:
+            request.beam.live.clear()
+        self.num_failed += 1
 
     def _with_forks(self, sampling: list[tuple[int, Sequence]]) -> tuple[list[int], list[Sequence]]:
         """When a request's first sequence has its prompt computed, its siblings fork from it
@@ -181,13 +223,9 @@ class LLMEngine:
             request = self.requests[seq.request_id]
             while request.unforked and seq.num_output_tokens == 0:
                 sibling = request.unforked.pop(0)
-                if not self.scheduler.can_adopt():
-                    self.scheduler.add(sibling)
-                    continue
-                self.kv.fork(seq, sibling)
-                self.scheduler.adopt(sibling)
-                rows.append(row)
-                seqs.append(sibling)
+                if self.scheduler.fork(seq, sibling):
+                    rows.append(row)
+                    seqs.append(sibling)
         return rows, seqs
 
     def _advance_beams(self, request: Request) -> None:
@@ -197,7 +235,12 @@ class LLMEngine:
         continuations = group.advance()
         beams, continued = [], set()
         for c in continuations:
-            beams.append(self._fork_beam(c.parent) if c.parent in continued else c.parent)
+            if c.parent in continued:
+                child = c.parent.branch()
+                self.scheduler.fork(c.parent, child)  # no room: it queues and recomputes
+                beams.append(child)
+            else:
+                beams.append(c.parent)
             continued.add(c.parent)
         for seq in group.live:
             if seq not in continued:
@@ -205,32 +248,21 @@ class LLMEngine:
         for beam, c in zip(beams, continuations):
             beam.token_ids.append(c.token_id)
         group.live = {beam: c.cum_logprob for beam, c in zip(beams, continuations)}
-        request.seqs = beams
-        self.counters["generation_tokens"] += len(beams)
-        self.counters["requests_finished"] += group.done
+        self.num_generation_tokens += len(beams)
+        self.num_finished += group.done
 
-    def _fork_beam(self, parent: Sequence) -> Sequence:
-        child = parent.branch()
-        if parent.status is SequenceStatus.RUNNING and self.scheduler.can_adopt():
-            self.kv.fork(parent, child)
-            self.scheduler.adopt(child)
-        else:  # no room: it queues and recomputes
-            self.scheduler.add(child)
-        return child
-
-    def _append(self, seq: Sequence, sampled) -> None:
-        request = self.requests[seq.request_id]
+    def _append(self, seq: Sequence, sampled: Sampled, request: Request) -> None:
         seq.token_ids.append(sampled.token_id)
-        seq.first_token_time = seq.first_token_time or time.monotonic()
         if sampled.logprob is not None:
-            seq.output_logprobs.append({sampled.token_id: sampled.logprob, **sampled.top_logprobs})
-        self.counters["generation_tokens"] += 1
+            seq.cum_logprob += sampled.logprob
+        if sampled.top is not None:
+            seq.output_logprobs.append(TokenLogprob(sampled.token_id, sampled.logprob, sampled.top))
+        self.num_generation_tokens += 1
         request.detokenizers[seq.index].add(sampled.token_id)
         reason = self._finish_reason(seq, request)
         if reason:
             self.scheduler.finish(seq, reason)
-            if request.finished:
-                self.counters["requests_finished"] += 1
+            self.num_finished += request.finished
 
     def _finish_reason(self, seq: Sequence, request: Request) -> str | None:
         """Why seq stops now, if it does; also sets the text it shows so far. While it runs,
@@ -253,29 +285,39 @@ class LLMEngine:
             self.requests.pop(request.request_id, None)
         if request.beam:
             return self._beam_output(request)
-        outputs = [CompletionOutput(s.index, request.texts[s.index], s.output_token_ids, s.finish_reason,
-                                    s.output_logprobs if s.params.logprobs is not None else None,
-                                    sum(next(iter(d.values())) for d in s.output_logprobs)
-                                    if s.params.logprobs is not None else None)
-                   for s in request.seqs]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.finished)
+        seqs = request.seqs
+        if request.params.best_of and request.finished and not request.error:
+            seqs = sorted(seqs, key=lambda s: s.cum_logprob, reverse=True)[:request.params.n]
+        logprobs = request.params.logprobs is not None
+        outputs = [CompletionOutput(i if request.params.best_of else s.index, request.texts[s.index],
+                                    s.output_token_ids, s.finish_reason, s.output_logprobs if logprobs else None,
+                                    s.cum_logprob if logprobs or request.params.best_of else None)
+                   for i, s in enumerate(seqs)]
+        return RequestOutput(request.request_id, request.prompt.text, request.prompt.token_ids, outputs,
+                             request.finished, request.error)
 
     def _beam_output(self, request: Request) -> BeamSearchOutput:
+        start = len(request.prompt.token_ids)
+        prompt_text = request.prompt.text
+        if request.beam.finished and prompt_text is None:
+            prompt_text = self.tokenizer.decode(request.prompt.token_ids, skip_special_tokens=True)
         for hypothesis in request.beam.finished:
-            hypothesis.text = self.tokenizer.decode(hypothesis.tokens, skip_special_tokens=True)
-        return BeamSearchOutput(request.request_id, request.prompt_token_ids, request.beam.finished)
+            hypothesis.completion_text = self.tokenizer.decode(hypothesis.tokens[start:], skip_special_tokens=True)
+            hypothesis.text = prompt_text + hypothesis.completion_text
+        return BeamSearchOutput(request.request_id, request.prompt.token_ids, request.beam.finished,
+                                error=request.error)
 
     # -- numbers --------------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         kv = self.kv.stats()
         running = self.scheduler.running
         token_bytes = sum(s.num_computed_tokens for s in running) * self.kv.token_bytes
-        mapped_bytes = (kv["pages_in_use"] + kv["pages_idle"]) * self.kv.page_size
-        return {**kv, "preemptions": self.scheduler.num_preemptions,
-                "kv_utilization": token_bytes / mapped_bytes if mapped_bytes else 0.0,
-                "num_running": len(running), "num_waiting": len(self.scheduler.waiting),
-                "kv_layout": self.config.kv_layout, "attention_backend": self.attention, **self.counters}
+        mapped_bytes = (kv.pages_in_use + kv.pages_idle) * kv.page_size
+        return EngineStats(kv=kv, attention_backend=self.attention, num_running=len(running),
+                           num_waiting=len(self.scheduler.waiting), preemptions=self.scheduler.num_preemptions,
+                           kv_utilization=token_bytes / mapped_bytes if mapped_bytes else 0.0,
+                           prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generation_tokens,
+                           requests_finished=self.num_finished, requests_failed=self.num_failed)
 
     def close(self) -> None:
         self.kv.close()

@@ -8,8 +8,8 @@ from engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache, kernel: str, device: torch.device):
-        self.model, self.kv, self.kernel, self.device = model, kv_cache, kernel, device
+    def __init__(self, model, kv_cache, device: torch.device):
+        self.model, self.kv, self.device = model, kv_cache, device
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         input_ids, positions, starts, q_lens, ctx_lens = [], [], [], [], []
@@ -33,6 +33,6 @@ class ModelRunner:
 
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         input_ids, batch, logits_indices, sampling = self.prepare(scheduled)
-        attn = self.kv.attention(batch, self.kernel)
+        attn = self.kv.attention(batch)
         logits = self.model(input_ids, batch.positions, attn, logits_indices)
         return logits, sampling

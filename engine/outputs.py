@@ -4,13 +4,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(slots=True)
+class TokenLogprob:
+    """One generated token: its logprob and the k most likely tokens at its position."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, chosen first
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None
 
 
@@ -21,4 +29,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    metrics: dict = field(default_factory=dict)
+    error: str | None = None  # why the request failed, when it did (finish_reason "error")

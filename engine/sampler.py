@@ -1,10 +1,18 @@
-"""Turn each sequence's logits into its next token, honouring its own SamplingParams.
+"""Turn a step's logits into next tokens, each row under its own SamplingParams, in one batch.
 
-Sequences differ in every parameter and each seeded request owns a generator, so sampling runs
-row by row: at most max_num_seqs rows a step, cheap next to the forward pass.
+    logits -> allowed-token masks (structured outputs) -> logit_bias -> penalties -> bans
+    (min_tokens) -> greedy rows: argmax | sampled rows: / temperature -> top-k -> top-p -> min-p
+    -> softmax -> exponential race (seeded rows draw from their own generator)
+
+Reported logprobs are the model's raw distribution (vLLM's default), before any of the above.
+
+A row whose processed logits are not finite, or that allows no token at all, fails with
+`SamplingError`; if the batch raises anything, every row is sampled alone so the failure
+stays with the row that caused it. Callers fail that row's request and go on.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -12,65 +20,118 @@ import torch
 from engine.sequence import Sequence
 
 
+class SamplingError(RuntimeError):
+    """One row could not be sampled; the message says why."""
+
+
 @dataclass(slots=True)
 class Sampled:
     token_id: int
-    logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None
+    logprob: float | None = None  # of the chosen token under the raw distribution
+    top: list[tuple[int, float]] | None = None  # the k most likely tokens, best first
 
 
-def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+def sample(logits: torch.Tensor, seqs: Seq[Sequence], eos_ids: tuple[int, ...],
+           masks: torch.Tensor | None = None) -> list[Sampled | Exception]:
+    """One Sampled, or the exception that row raised, per row of logits [rows, vocab].
+    `masks`: optional bool [rows, vocab], True where a token is allowed."""
+    try:
+        return _sample_batch(logits, seqs, eos_ids, masks)
+    except Exception as exc:
+        if len(seqs) == 1:
+            return [exc]
+    return [sample(logits[i:i + 1], seqs[i:i + 1], eos_ids, None if masks is None else masks[i:i + 1])[0]
+            for i in range(len(seqs))]
+
+
+def _sample_batch(logits, seqs, eos_ids, masks) -> list[Sampled]:
+    x = logits.float().clone()
+    if masks is not None:
+        x.masked_fill_(~masks, float("-inf"))
+    for row, seq in enumerate(seqs):
+        _adjust_row(x[row], seq, eos_ids)
+    _check_finite(x, seqs)
+    tokens = torch.empty(len(seqs), dtype=torch.long)
+    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if greedy:
+        tokens[greedy] = x[greedy].argmax(-1).cpu()
+    if sampled:
+        tokens[sampled] = _draw(x[sampled], [seqs[i] for i in sampled]).cpu()
+    return _with_logprobs(logits, tokens.tolist(), seqs)
+
+
+def _adjust_row(x: torch.Tensor, seq: Sequence, eos_ids: tuple[int, ...]) -> None:
+    """logit_bias, penalties and min_tokens bans, in place on one row."""
     p = seq.params
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=x.device)
+        x[ids] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=x.device)
     if p.repetition_penalty != 1.0:  # Hugging Face's: over prompt and output tokens
-        seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
-        scores = logits[seen]
-        logits[seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+        seen = torch.tensor(sorted(set(seq.token_ids)), device=x.device)
+        scores = x[seen]
+        x[seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:  # OpenAI's: output only
-        ids, counts = torch.tensor(seq.output_token_ids, device=logits.device).unique(return_counts=True)
-        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
-    return logits
+        ids, counts = torch.tensor(seq.output_token_ids, device=x.device).unique(return_counts=True)
+        x[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(x.dtype)
+    if seq.num_output_tokens < p.min_tokens:  # no EOS or stop token yet
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
+        if banned:
+            x[torch.tensor(banned, device=x.device)] = float("-inf")
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    if top_k and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest set whose mass reaches top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return logits
+def _check_finite(x: torch.Tensor, seqs) -> None:
+    bad = torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | torch.isneginf(x).all(-1)
+    if bad.any():
+        row = int(bad.nonzero()[0])
+        what = "allows no token" if torch.isneginf(x[row]).all() else "has non-finite logits"
+        raise SamplingError(f"request {seqs[row].request_id!r}: the processed distribution {what}")
 
 
-def sample_one(logits: torch.Tensor, seq: Sequence, banned: list[int]) -> Sampled:
-    p = seq.params
-    raw = logits
-    logits = apply_penalties(logits.clone(), seq)
-    if banned:  # min_tokens not reached: no EOS or stop token yet
-        logits[banned] = float("-inf")
-    if p.greedy:
-        token = int(logits.argmax())
-    else:
-        logits = filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p)
-        token = int(torch.multinomial(logits.softmax(-1), 1, generator=seq.generator))
-    if p.logprobs is None:
-        return Sampled(token)
-    logprobs = raw.log_softmax(-1)
-    top = torch.topk(logprobs, p.logprobs) if p.logprobs else None
-    top_dict = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
-    return Sampled(token, float(logprobs[token]), top_dict)
+def _draw(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Sample one token per row: temperature, top-k, top-p, min-p, then an exponential race
+    (argmax of p / E with E ~ Exp(1) draws from p)."""
+    device = x.device
+    temperature = torch.tensor([s.params.temperature for s in seqs], device=device)
+    x = _filter(x / temperature[:, None], [s.params for s in seqs])
+    probs = x.softmax(-1)
+    noise = torch.empty_like(probs)
+    for row, seq in enumerate(seqs):
+        noise[row].exponential_(generator=seq.generator)
+    noise.clamp_(min=1e-30)  # never 0: a 0/0 would win the argmax
+    return (probs / noise).argmax(-1)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[Sampled]:
-    out = []
-    for row, seq in zip(logits, seqs):
-        p = seq.params
-        banned = []
-        if seq.num_output_tokens < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
-        out.append(sample_one(row, seq, banned))
+def _filter(x: torch.Tensor, params) -> torch.Tensor:
+    """top-k (ties with the k-th kept), then top-p over what is left (the smallest set whose
+    mass reaches p), then min-p relative to the most likely token."""
+    vocab = x.shape[-1]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=x.device)
+    top_p = torch.tensor([p.top_p for p in params], device=x.device)
+    min_p = torch.tensor([p.min_p for p in params], device=x.device)
+    if bool((top_k < vocab).any() or (top_p < 1).any()):
+        ordered, order = x.sort(-1, descending=True)
+        kth = ordered.gather(-1, (top_k - 1)[:, None])
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+        probs = ordered.softmax(-1)
+        drop = ((top_p[:, None] < 1) & (probs.cumsum(-1) - probs > top_p[:, None])) | (ordered == float("-inf"))
+        x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    if bool((min_p > 0).any()):
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
+    return x
+
+
+def _with_logprobs(logits: torch.Tensor, tokens: list[int], seqs) -> list[Sampled]:
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None or s.params.best_of]
+    out = [Sampled(t) for t in tokens]
+    if not want:
+        return out
+    logprobs = logits[want].float().log_softmax(-1)
+    for row, lp in zip(want, logprobs):
+        k = seqs[row].params.logprobs or 0
+        out[row].logprob = float(lp[tokens[row]])
+        if seqs[row].params.logprobs is not None:
+            top = torch.topk(lp, k) if k else None
+            out[row].top = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
     return out

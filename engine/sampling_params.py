@@ -1,12 +1,23 @@
-"""Per-request sampling settings, with vLLM's names and checks."""
+"""Per-request sampling settings, with vLLM's names and checks.
+
+Every value is checked here, once, with a message that names the field; what depends on the
+model (token ids against the vocabulary) is checked by the engine when the request arrives.
+Temperatures below 1e-5 mean greedy, as in vLLM.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+MAX_LOGPROBS = 20
 
 
 @dataclass
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None  # sample this many, return the n with the best cumulative logprob
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: no limit
     top_p: float = 1.0
@@ -17,7 +28,8 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = None  # how many most likely tokens to report per generated token
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -28,25 +40,47 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == -1:
             self.top_k = 0
         self._check()
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
 
     def _check(self) -> None:
+        def real(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        def integer(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
         checks = [
-            (self.n >= 1, f"n must be >= 1, got {self.n}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (0 <= self.min_tokens <= self.max_tokens,
-             f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+            (self.best_of is None or (integer(self.best_of) and self.best_of >= self.n),
+             f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}"),
+            (real(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number >= 0, got {self.temperature!r}"),
+            (real(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (integer(self.top_k) and self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k!r}"),
+            (real(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
+            (self.seed is None or (integer(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+             f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}"),
+            (integer(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens!r}"),
+            (integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}"),
+            (self.logprobs is None or (integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
+            (real(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
+             f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}"),
+            (real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+            (real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (all(integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids >= 0"),
+            (all(integer(t) and t >= 0 for t in self.logit_bias), "logit_bias keys must be token ids >= 0"),
+            (all(real(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
+             "logit_bias values must be in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -55,3 +89,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the request generates (best_of of them, or n)."""
+        return self.best_of or self.n
+
+    def token_ids_used(self) -> list[int]:
+        """Token ids these settings name, for the engine to check against the vocabulary."""
+        return [*self.stop_token_ids, *self.logit_bias]

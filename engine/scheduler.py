@@ -1,4 +1,5 @@
-"""Continuous batching with a token budget, chunked prefill, headroom and preemption.
+"""Continuous batching with a token budget, chunked prefill, headroom and preemption. The
+scheduler alone drives the KV cache's life cycle and alone advances `num_computed_tokens`.
 
 Each step first serves running sequences, oldest first (a decode token, or the next chunk of a
 prefill); if their pages cannot be mapped the newest running sequence is preempted by
@@ -15,11 +16,15 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from engine.kv.base import KVCacheBase
 from engine.sequence import Sequence, SequenceStatus
+
+Scheduled = list[tuple[Sequence, int]]  # (sequence, number of its tokens computed this step)
 
 
 class Scheduler:
-    def __init__(self, kv, max_num_seqs: int, max_num_batched_tokens: int, headroom: float = 0.01):
+    def __init__(self, kv: KVCacheBase, max_num_seqs: int, max_num_batched_tokens: int,
+                 headroom: float = 0.01):
         self.kv = kv
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.headroom_pages = max(1, math.ceil(headroom * kv.pool.num_pages))
@@ -33,8 +38,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """(sequence, number of its tokens to compute) for this step."""
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self) -> Scheduled:
+        """What this step computes; every page it writes is mapped and private."""
         budget = self.max_num_batched_tokens
         scheduled = self._schedule_running(budget)
         budget -= sum(n for _, n in scheduled)
@@ -44,7 +50,14 @@ class Scheduler:
             scheduled = self._admit_waiting(budget)
         return scheduled
 
-    def _schedule_running(self, budget: int) -> list[tuple[Sequence, int]]:
+    def update_after_step(self, scheduled: Scheduled) -> None:
+        """The step computed what it was given: count it, and offer complete pages to the
+        prefix cache."""
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            self.kv.commit(seq)
+
+    def _schedule_running(self, budget: int) -> Scheduled:
         scheduled, i = [], 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -67,21 +80,20 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, budget: int) -> list[tuple[Sequence, int]]:
+    def _admit_waiting(self, budget: int) -> Scheduled:
         scheduled = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self._fits(seq, budget):
                 break
-            self.kv.admit(seq)  # maps any cached prefix and counts it computed
+            seq.num_computed_tokens = self.kv.admit(seq)  # a cached prefix counts as computed
             n = min(seq.num_pending_tokens, budget)
             if not self.kv.ensure_mapped(seq, seq.num_computed_tokens + n):
                 self.kv.release(seq, keep_pages=False)
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._run(seq)
             scheduled.append((seq, n))
             budget -= n
         return scheduled
@@ -96,6 +108,11 @@ class Scheduler:
         while idle and (len(self.running) >= self.max_num_seqs or not self._fits(head, budget)):
             self.preempt(idle.pop(), to_front=False)
 
+    def _run(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    # -- sequences coming and going -------------------------------------------------------
     def preempt(self, seq: Sequence, to_front: bool = True) -> None:
         self.running.remove(seq)
         self.kv.release(seq, keep_pages=False)
@@ -107,19 +124,29 @@ class Scheduler:
             self.waiting.append(seq)
         self.num_preemptions += 1
 
-    def adopt(self, seq: Sequence) -> None:
-        """A sequence the KV cache already holds (a fork) joins the running batch."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-
-    def can_adopt(self) -> bool:
-        return len(self.running) < self.max_num_seqs and self.kv.can_allocate()
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """child continues from parent sharing the pages of its computed tokens, and runs: True.
+        With no seat or slot for it (or parent not running), child queues to compute its
+        tokens itself: False."""
+        if parent.status is not SequenceStatus.RUNNING or len(self.running) >= self.max_num_seqs \
+                or not self.kv.can_allocate():
+            self.add(child)
+            return False
+        self.kv.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self._run(child)
+        return True
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Finished or aborted: leave the queues, give the KV back."""
+        """Finished, aborted or failed: leave the queues, give the KV back."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.kv.release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def finish_request(self, request_id: str, reason: str) -> None:
+        """Finish every sequence of one request, wherever it is."""
+        for seq in [s for s in (*self.running, *self.waiting) if s.request_id == request_id]:
+            self.finish(seq, reason)

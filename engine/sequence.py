@@ -1,4 +1,8 @@
-"""One sequence being generated: its tokens, how far its KV is computed, where its KV lives."""
+"""One sequence being generated: its tokens and how far its KV is computed.
+
+Where its KV lives (a slot, a block table) is the KV cache's business, and how far it is
+computed is the scheduler's: `num_computed_tokens` has no other writer.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,14 +34,10 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
     status: SequenceStatus = SequenceStatus.WAITING
-    slot: int | None = None  # virtual layouts: which contiguous range holds the KV
-    block_table: list[int] = field(default_factory=list)  # paged layout: block ids
-    page_hashes: list[int] = field(default_factory=list)  # prefix-cache names of complete pages
-    num_committed_pages: int = 0  # pages already offered to the prefix cache
     generator: torch.Generator | None = None
     finish_reason: str | None = None
-    output_logprobs: list = field(default_factory=list)
-    first_token_time: float | None = None
+    output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked
+    cum_logprob: float = 0.0  # of the output tokens, when logprobs or best_of ask for it
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

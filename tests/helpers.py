@@ -40,5 +40,5 @@ def hf_greedy(path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 def assert_pool_whole(llm) -> None:
     llm.engine.kv.audit()
     stats = llm.stats()
-    assert stats["pages_in_use"] == 0, stats
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats.kv.pages_in_use == 0, stats
+    assert stats.num_running == 0 and stats.num_waiting == 0

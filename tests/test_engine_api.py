@@ -30,7 +30,8 @@ def test_n_completions_and_logprobs(llm):
     for o in out.outputs:
         assert len(o.logprobs) == len(o.token_ids)
         for token, lp in zip(o.token_ids, o.logprobs):
-            assert next(iter(lp)) == token and all(v <= 0 for v in lp.values())
+            assert lp.token_id == token and len(lp.top) == 2 and all(v <= 0 for _, v in lp.top)
+            assert lp.top[0][1] >= lp.top[1][1] and (token not in dict(lp.top) or dict(lp.top)[token] == lp.logprob)
     assert_pool_whole(llm)
 
 
@@ -78,10 +79,10 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(llm, bad):
 
 
 def test_a_bad_prompt_in_a_batch_refuses_the_whole_batch_before_running(llm):
-    before = llm.stats()["requests_finished"]
+    before = llm.stats().requests_finished
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate(["fine", "x " * 5000], SamplingParams(max_tokens=4), use_tqdm=False)
-    assert llm.stats()["requests_finished"] == before
+    assert llm.stats().requests_finished == before
     assert_pool_whole(llm)
 
 

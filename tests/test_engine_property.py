@@ -60,7 +60,7 @@ request = st.fixed_dictionaries({
 def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, seats, caching, requests):
     llm = engine_for(layout, PAGES[layout][tight], seats, caching)
     engine, done, step = llm.engine, {}, 0
-    preempted = llm.stats()["preemptions"]
+    preempted = llm.stats().preemptions
     while step < 2000 and (engine.has_unfinished() or step <= 8):
         for i, r in enumerate(requests):
             if r["arrive"] == step:
@@ -70,7 +70,7 @@ def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, sea
         done |= {out.request_id: out for out in engine.step() if out.finished}
         step += 1
     assert not engine.has_unfinished(), f"stalled: {llm.stats()}"
-    event(f"preempted: {llm.stats()['preemptions'] > preempted}")
+    event(f"preempted: {llm.stats().preemptions > preempted}")
     for i, r in enumerate(requests):
         if f"r{i}" in done and r["abort"] is None:
             out = done[f"r{i}"]

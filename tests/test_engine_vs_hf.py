@@ -39,8 +39,8 @@ def test_preemption_under_a_tiny_budget_changes_nothing(kv_layout, prompt_ids, r
     outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     stats = llm.stats()
-    assert stats["preemptions"] > 0, stats
-    assert stats["peak_pages_mapped"] <= stats["pages_total"]
+    assert stats.preemptions > 0, stats
+    assert stats.kv.peak_pages_mapped <= stats.kv.pages_total
     assert_pool_whole(llm)
 
 

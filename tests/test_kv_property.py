@@ -49,9 +49,9 @@ class TrafficMachine(RuleBasedStateMachine):
         """K of `layer` for seq's first `count` tokens, first element of each row."""
         if isinstance(self.kv, PagedKVCache):
             bs = self.kv.block_size
-            blocks = torch.tensor(seq.block_table[:-(-count // bs)], dtype=torch.long)
+            blocks = torch.tensor(self.kv.block_table(seq)[:-(-count // bs)], dtype=torch.long)
             return self.kv.k_caches[layer][blocks].flatten(0, 1)[:count, 0, 0]
-        return self.kv.k_caches[layer][seq.slot, :count, 0, 0]
+        return self.kv.k_caches[layer][self.kv.slot(seq), :count, 0, 0]
 
     @rule(prefix=st.sampled_from([[], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [7] * 20]),
           tail=st.lists(st.integers(0, 63), min_size=1, max_size=12), out=st.integers(1, 16),
@@ -75,14 +75,15 @@ class TrafficMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        for seq, n in self.sched.schedule():
+        scheduled = self.sched.schedule()
+        for seq, n in scheduled:
             first = seq.num_computed_tokens
             for layer in range(CFG.num_layers):
                 values = torch.tensor([prefix_value(seq.token_ids[:p + 1]) for p in range(first, first + n)])
                 self.write(seq, layer, first, values)
-            seq.num_computed_tokens += n
-            self.kv.commit(seq)
-            if seq.num_computed_tokens == len(seq):
+        self.sched.update_after_step(scheduled)
+        for seq, _ in scheduled:
+            if seq.num_computed_tokens == len(seq) and not seq.is_finished:
                 self.sample(seq)
 
     def write(self, seq, layer, first, values):
@@ -91,18 +92,17 @@ class TrafficMachine(RuleBasedStateMachine):
             bs = self.kv.block_size
             for i, v in enumerate(values):
                 pos = first + i
-                self.kv.k_caches[layer][seq.block_table[pos // bs], pos % bs] = v
+                self.kv.k_caches[layer][self.kv.block_table(seq)[pos // bs], pos % bs] = v
         else:
-            self.kv.k_caches[layer][seq.slot, first:count] = values[:, None, None]
+            self.kv.k_caches[layer][self.kv.slot(seq), first:count] = values[:, None, None]
 
     def sample(self, seq):
-        if self.forks_left.get(seq.seq_id) and seq.num_output_tokens == 0 and self.sched.can_adopt():
+        if self.forks_left.get(seq.seq_id) and seq.num_output_tokens == 0:
             self.forks_left[seq.seq_id] -= 1
             child = Sequence(seq.request_id + "f", 1, list(seq.token_ids), seq.params, 0.0)
-            self.kv.fork(seq, child)
-            self.sched.adopt(child)
             self.live.append(child)
-            child.token_ids.append(len(seq) % 64)  # diverges from its parent at once
+            if self.sched.fork(seq, child):  # else it queues and computes its prompt itself
+                child.token_ids.append(len(seq) % 64)  # diverges from its parent at once
         seq.token_ids.append((len(seq) * 7) % 64)
         for s in (seq,):
             if s.num_output_tokens >= s.params.max_tokens:
@@ -130,8 +130,8 @@ class TrafficMachine(RuleBasedStateMachine):
         if not hasattr(self, "kv"):
             return
         stats = self.kv.stats()
-        for name, happened in [("preemption", self.sched.num_preemptions), ("copy-on-write", stats["cow_copies"]),
-                               ("prefix hit", stats["prefix_cache_hits"]), ("eviction", stats["evictions"])]:
+        for name, happened in [("preemption", self.sched.num_preemptions), ("copy-on-write", stats.cow_copies),
+                               ("prefix hit", stats.prefix_cache_hits), ("eviction", stats.evictions)]:
             event(f"{name}: {'yes' if happened else 'no'}")
         for seq in list(self.live):
             self.sched.finish(seq, "abort")

@@ -11,10 +11,10 @@ import openai
 import pytest
 import uvicorn
 
-from engine.async_engine import AsyncEngine
+from engine.serving.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.server import build_app
+from engine.serving.server import build_app
 
 KEY = "sk-test-key"
 MODEL = "smollm2"
@@ -52,7 +52,7 @@ def client(server):
 def wait_idle(engine: AsyncEngine) -> dict:
     for _ in range(200):
         stats = engine.stats
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and not engine.streams:
+        if stats.num_running == 0 and stats.num_waiting == 0 and not engine.streams:
             return stats
         time.sleep(0.05)
     raise AssertionError(f"engine still busy: {engine.stats}")
@@ -77,7 +77,7 @@ def test_completions_and_chat_with_the_openai_client(client, server):
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
     assert all(len(c.logprobs.token_logprobs) == len(c.logprobs.tokens) for c in many.choices)
     assert client.models.list().data[0].id == MODEL
-    assert wait_idle(server[1])["pages_in_use"] == 0
+    assert wait_idle(server[1]).kv.pages_in_use == 0
 
 
 def test_64_concurrent_streams_with_random_disconnects(client, server):
@@ -111,7 +111,7 @@ def test_64_concurrent_streams_with_random_disconnects(client, server):
         if not disconnected:
             assert text == want[prompt], prompt
     stats = wait_idle(engine)
-    assert stats["pages_in_use"] == 0
+    assert stats.kv.pages_in_use == 0
     engine.engine.kv.audit()
 
 
@@ -145,7 +145,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(case, serve
     assert r.json()["error"]["message"]
     ok = httpx.post(base + "/v1/completions", json=good, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
-    assert wait_idle(engine)["pages_in_use"] == 0
+    assert wait_idle(engine).kv.pages_in_use == 0
 
 
 def test_health_and_prometheus_metrics(server, client):
@@ -177,7 +177,7 @@ def test_beam_search_through_the_server_matches_the_offline_api(client, server):
     bad = httpx.post(server[0] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                      json={"prompt": prompt, "n": 3, "use_beam_search": True, "logprobs": 2})
     assert bad.status_code == 400 and "beam search" in bad.json()["error"]["message"]
-    assert wait_idle(server[1])["pages_in_use"] == 0
+    assert wait_idle(server[1]).kv.pages_in_use == 0
 
 
 def test_a_failing_engine_fails_its_requests_and_reports_unhealthy():

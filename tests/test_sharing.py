@@ -25,9 +25,9 @@ def test_shared_prefix_maps_fewer_pages_and_changes_nothing(kv_layout):
     (plain, off), (cached, on) = results[False], results[True]
     assert cached == plain
     system_tokens = len(llm.tokenizer.encode(SYSTEM))
-    assert on["prefix_cache_hits"] >= 0.8 * system_tokens * (len(QUESTIONS) - 1)
-    assert on["peak_pages_mapped"] < 0.6 * off["peak_pages_mapped"], (on, off)
-    assert off["prefix_cache_hits"] == 0
+    assert on.kv.prefix_cache_hits >= 0.8 * system_tokens * (len(QUESTIONS) - 1)
+    assert on.kv.peak_pages_mapped < 0.6 * off.kv.peak_pages_mapped, (on, off)
+    assert off.kv.prefix_cache_hits == 0
 
 
 def test_parallel_samples_share_the_prompt_and_copy_its_last_page():
@@ -37,7 +37,7 @@ def test_parallel_samples_share_the_prompt_and_copy_its_last_page():
     many = llm.generate(prompt, SamplingParams(n=4, temperature=0, max_tokens=6), use_tqdm=False)[0]
     assert all(o.token_ids == one.outputs[0].token_ids for o in many.outputs)
     stats = llm.stats()
-    assert stats["cow_copies"] >= 3  # each sibling copies the shared last prompt page once
+    assert stats.kv.cow_copies >= 3  # each sibling copies the shared last prompt page once
     seeded = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6), use_tqdm=False)[0]
     for i, o in enumerate(seeded.outputs):
         alone = llm.generate(prompt, SamplingParams(temperature=1.0, seed=5 + i, max_tokens=6), use_tqdm=False)[0]
@@ -56,7 +56,7 @@ def test_parallel_sampling_peak_pages_below_independent_sequences(kv_layout):
             llm.generate(prompt, params, use_tqdm=False)
         else:  # four independent requests: nothing shared
             llm.generate([prompt] * 4, SamplingParams(temperature=0.8, seed=1, max_tokens=4), use_tqdm=False)
-        peaks[shared] = llm.stats()["peak_pages_mapped"]
+        peaks[shared] = llm.stats().kv.peak_pages_mapped
         assert_pool_whole(llm)
     assert peaks[True] < 0.5 * peaks[False], peaks
 
@@ -101,7 +101,7 @@ def test_beam_search_matches_transformers_and_releases_every_page(kv_layout, len
         assert [s.score for s in out.sequences] == pytest.approx([score for _, score in reference], rel=1e-5)
         reasons |= {s.finish_reason for s in out.sequences}
     assert reasons == {"stop", "length"}  # beams that ended on EOS and beams cut at max_tokens
-    assert llm.stats()["cow_copies"] > 0  # beams forked, then diverged inside a shared page
+    assert llm.stats().kv.cow_copies > 0  # beams forked, then diverged inside a shared page
     assert_pool_whole(llm)
 
 
@@ -127,7 +127,7 @@ def test_beams_and_plain_requests_under_memory_pressure_change_nothing():
     assert [[s.tokens for s in done[f"beam-{i}"].sequences] for i in range(2)] == \
         [[s.tokens for s in o.sequences] for o in want_beams]
     assert [done[f"plain-{i}"].outputs[0].token_ids for i in range(3)] == [o.outputs[0].token_ids for o in want_plain]
-    assert tight.stats()["preemptions"] > 0
+    assert tight.stats().preemptions > 0
     assert_pool_whole(tight)
 
 
@@ -139,7 +139,7 @@ def test_beams_share_the_prompt_pages():
     beams.beam_search(prompt, BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True))
     alone = LLM(kv_layout="interleaved", enable_prefix_caching=False)
     alone.generate([prompt] * 4, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert beams.stats()["peak_pages_mapped"] < 0.5 * alone.stats()["peak_pages_mapped"]
+    assert beams.stats().kv.peak_pages_mapped < 0.5 * alone.stats().kv.peak_pages_mapped
     assert_pool_whole(beams)
 
 

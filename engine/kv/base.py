@@ -1,52 +1,134 @@
-"""What every KV cache shares: sequences hold pages, pages are reference-counted, complete pages
-are cached by prefix hash, and no sequence ever writes into a page someone else references.
+"""The contract every KV cache keeps, and what they share: sequences hold pages, pages are
+reference-counted, complete pages are cached by prefix hash, and no sequence ever writes into
+a page someone else references.
 
 A cache lays a sequence's KV out as pages 0, 1, 2, ... (virtual layouts: the pages mapped in
-its slot; paged: its block table). Subclasses say which tokens' rows touch page k and how to
-map, copy or share the pages at an index; this class does the rest:
+its slot; paged: its block table). The scheduler alone drives the life cycle:
 
-  admit          give the sequence a place, map the longest cached prefix, skip computing it
+  admit          give the sequence a place, map the longest cached prefix; returns how many
+                 tokens that prefix holds (the scheduler counts them computed)
   ensure_mapped  before a step writes rows [computed, end): map missing pages, and copy any
                  page there that is shared (copy-on-write: a cached prefix's last page, the
                  prompt's last page after a fork)
   commit         after a step: hash each newly complete page and offer it to the prefix cache
-  fork           a child sequence maps the pages of its parent's computed tokens (n > 1)
+  fork           a child maps the pages of its parent's computed tokens (n > 1, beams)
   release        the sequence is done or preempted; its references go
+
+    tokens   0 ........................ computed ........ end ........ len(seq)
+    pages    [ cached / shared ][ private ][ mapped by ensure_mapped ]
+             committed pages: whole, named by chain hash, shareable
+
+Subclasses say where pages live (`allocate`, `free`, `pages_at`, `install`, `map_fresh`,
+`copy_on_write`), the geometry of rows over pages, and how a step attends (`attention`).
 """
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 
 from engine.kv.prefix_cache import NO_PARENT, PrefixCache, chain_hash
 from engine.sequence import Sequence
+from engine.stats import KVStats
 from vmm import PageAllocator
 
 
-class KVCacheBase:
-    pool: PageAllocator
-    num_regions: int = 1
+@dataclass(slots=True)
+class _Hashes:
+    pages: list[int] = field(default_factory=list)  # chain hashes of the complete pages known
+    committed: int = 0  # pages already offered to the prefix cache
 
-    def __init__(self, enable_prefix_caching: bool, cache_salt: int = NO_PARENT):
-        self.prefix_cache = PrefixCache(self.pool) if enable_prefix_caching else None
+
+class KVCacheBase(ABC):
+    layout: str
+    num_regions: int = 1  # pages per page index: 2 x layers for per_layer, else 1
+
+    def __init__(self, pool: PageAllocator, enable_prefix_caching: bool, cache_salt: int = NO_PARENT):
+        self.pool = pool
+        self.prefix_cache = PrefixCache(pool) if enable_prefix_caching else None
         self.salt = cache_salt
         self.map_seconds = 0.0
         self.cow_copies = 0
+        self._hashes: dict[int, _Hashes] = {}
 
-    # -- geometry and page operations: the subclass's part ---------------------------------
+    # -- the subclass's part: geometry --------------------------------------------------------
+    @property
+    @abstractmethod
+    def page_size(self) -> int:
+        """Bytes of one page (one block, for the block table)."""
+
+    @property
+    @abstractmethod
+    def token_bytes(self) -> int:
+        """KV bytes one token occupies, all layers."""
+
+    @abstractmethod
     def page_end(self, k: int) -> int:
         """One past the last token whose row touches page k."""
-        raise NotImplementedError
 
+    @abstractmethod
     def tokens_in_pages(self, m: int) -> int:
         """Tokens whose rows lie wholly inside pages 0..m-1."""
-        raise NotImplementedError
 
+    @abstractmethod
     def page_range(self, start: int, end: int) -> range:
         """Page indices touched by the rows of tokens [start, end)."""
-        raise NotImplementedError
 
+    # -- the subclass's part: placement and pages ---------------------------------------------
+    @abstractmethod
+    def can_allocate(self) -> bool:
+        """Is there a place for one more sequence?"""
+
+    @abstractmethod
+    def allocate(self, seq: Sequence) -> None:
+        """Give seq a place to hold its KV (a slot, an empty block table)."""
+
+    @abstractmethod
+    def free(self, seq: Sequence, keep_pages: bool) -> None:
+        """Take seq's place back and drop its references (keep_pages: a slot may stay mapped)."""
+
+    @abstractmethod
     def pages_at(self, seq: Sequence, k: int) -> tuple[int, ...] | None:
-        raise NotImplementedError
+        """The pool pages (one per region) behind seq's page k, or None."""
+
+    @abstractmethod
+    def install(self, seq: Sequence, k: int, pages: tuple[int, ...]) -> None:
+        """Put existing pages (someone else's) behind seq's page k: one more reference each."""
+
+    def after_install(self, seq: Sequence, num_installed: int) -> None:
+        """Called once the shared pages are installed (a reused slot tidies up here)."""
+
+    @abstractmethod
+    def map_fresh(self, seq: Sequence, indices: list[int]) -> None:
+        """Fresh private pages behind seq's page indices."""
+
+    @abstractmethod
+    def copy_on_write(self, seq: Sequence, k: int) -> None:
+        """Give seq a private copy of its (shared) page k."""
+
+    @abstractmethod
+    def attention(self, batch):
+        """The per-step object each layer calls: `write(layer, k, v)`, `attend(layer, q)`."""
+
+    @abstractmethod
+    def audit(self) -> None:
+        """Raise if any page's reference count disagrees with who holds it."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Give every page and range back."""
+
+    def reclaimable_pages(self) -> int:
+        """Pages that finished sequences keep mapped and `reclaim` can free."""
+        return 0
+
+    def pages_idle(self) -> int:
+        return 0
+
+    def reclaim(self, want_free: int) -> None:
+        """Free pages that no running sequence needs until want_free are free."""
+        if self.prefix_cache:
+            self.prefix_cache.evict(want_free)
 
     # -- sizing ---------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -59,38 +141,31 @@ class KVCacheBase:
         cached = self.prefix_cache.evictable_pages() if self.prefix_cache else 0
         return self.pool.num_free + self.reclaimable_pages() + cached
 
-    def reclaimable_pages(self) -> int:
-        return 0
-
-    def reclaim(self, want_free: int) -> None:
-        """Free pages that no running sequence needs until want_free are free."""
-        if self.prefix_cache:
-            self.prefix_cache.evict(want_free)
-
-    # -- the sequence life cycle -----------------------------------------------------------
-    def admit(self, seq: Sequence) -> None:
-        """Give seq a place; map its longest cached prefix and count those tokens computed."""
+    # -- the sequence life cycle (the scheduler's calls) -----------------------------------
+    def admit(self, seq: Sequence) -> int:
+        """Give seq a place and map its longest cached prefix; returns the tokens it holds."""
         self.allocate(seq)
+        self._hashes[seq.seq_id] = _Hashes()
         hits = self._match_prefix(seq)
         for k, pages in enumerate(hits):
             self.install(seq, k, pages)
         self.after_install(seq, len(hits))
-        seq.num_computed_tokens = self.tokens_in_pages(len(hits))
+        return self.tokens_in_pages(len(hits))
 
     def _match_prefix(self, seq: Sequence) -> list[tuple[int, ...]]:
         if not self.prefix_cache:
             return []
-        hashes = self.page_hashes(seq, len(seq))
-        hits = self.prefix_cache.match(hashes)
+        hits = self.prefix_cache.match(self._page_hashes(seq, len(seq)))
         while hits and self.tokens_in_pages(len(hits)) > len(seq) - 1:
             hits.pop()  # the last prompt token is always computed: its logits are needed
         self.prefix_cache.queries += len(seq)
         self.prefix_cache.hits += self.tokens_in_pages(len(hits))
         return hits
 
-    def page_hashes(self, seq: Sequence, known: int) -> list[int]:
+    def _page_hashes(self, seq: Sequence, known: int) -> list[int]:
         """Chain hashes of seq's pages whose tokens are all among its first `known` tokens."""
-        hashes, k = seq.page_hashes, len(seq.page_hashes)
+        hashes = self._hashes[seq.seq_id].pages
+        k = len(hashes)
         while self.page_end(k) <= known:
             parent = hashes[-1] if hashes else self.salt
             hashes.append(chain_hash(parent, seq.token_ids[self.page_end(k - 1) if k else 0:self.page_end(k)]))
@@ -125,31 +200,39 @@ class KVCacheBase:
         """After a step: offer seq's newly complete pages to the prefix cache."""
         if not self.prefix_cache:
             return
-        hashes = self.page_hashes(seq, seq.num_computed_tokens)
-        complete = seq.num_committed_pages
-        while complete < len(hashes) and self.page_end(complete) <= seq.num_computed_tokens:
-            self.prefix_cache.insert(hashes[complete], self.pages_at(seq, complete))
-            complete += 1
-        seq.num_committed_pages = complete
+        state = self._hashes[seq.seq_id]
+        hashes = self._page_hashes(seq, seq.num_computed_tokens)
+        while state.committed < len(hashes) and self.page_end(state.committed) <= seq.num_computed_tokens:
+            self.prefix_cache.insert(hashes[state.committed], self.pages_at(seq, state.committed))
+            state.committed += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child continues from parent's state: same tokens so far, the pages holding their
-        K/V shared."""
+        K/V shared. The scheduler counts the child's computed tokens as the parent's."""
         self.allocate(child)
         shared = self.page_range(0, parent.num_computed_tokens)
         for k in shared:
             self.install(child, k, self.pages_at(parent, k))
         self.after_install(child, len(shared))
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.page_hashes, child.num_committed_pages = parent.page_hashes[:], parent.num_committed_pages
+        mine = self._hashes[parent.seq_id]
+        self._hashes[child.seq_id] = _Hashes(mine.pages[:], mine.committed)
+
+    def release(self, seq: Sequence, keep_pages: bool = True) -> None:
+        """seq is done (keep_pages: its slot may stay mapped for the next) or preempted."""
+        self._hashes.pop(seq.seq_id, None)
+        self.free(seq, keep_pages)
 
     # -- numbers --------------------------------------------------------------------------
-    def prefix_stats(self) -> dict:
-        c = self.prefix_cache
-        return {"prefix_cache_queries": c.queries if c else 0, "prefix_cache_hits": c.hits if c else 0,
-                "evictions": c.evictions if c else 0, "cow_copies": self.cow_copies,
-                "pages_shared": self.pool.stats().shared,
-                "pages_cached": sum(1 for p in (c.held() if c else {}) if self.pool.ref_counts[p] == 1)}
-
     def held_by_cache(self):
         return self.prefix_cache.held() if self.prefix_cache else {}
+
+    def stats(self) -> KVStats:
+        pool, c = self.pool.stats(), self.prefix_cache
+        idle = self.pages_idle()
+        cached = sum(1 for p in (c.held() if c else {}) if self.pool.ref_counts[p] == 1)
+        return KVStats(
+            layout=self.layout, page_size=self.page_size, pages_total=pool.total, pages_free=pool.free,
+            pages_in_use=pool.in_use - idle - cached, pages_idle=idle, pages_cached=cached,
+            pages_shared=pool.shared, peak_pages_mapped=pool.peak_in_use, map_seconds=self.map_seconds,
+            cow_copies=self.cow_copies, prefix_cache_queries=c.queries if c else 0,
+            prefix_cache_hits=c.hits if c else 0, evictions=c.evictions if c else 0)

@@ -1,8 +1,8 @@
 """Block-table KV cache: the PagedAttention baseline, in the same engine.
 
 Per layer, K and V are pools of blocks [num_blocks, block_size, kv_heads, head_dim]. A sequence
-owns a block table (`seq.block_table`: page k of the sequence is block table[k]) and takes one
-more block every `block_size` tokens. Block ids and their reference counts live in a
+owns a block table (page k of the sequence is `tables[seq_id][k]`) and takes one more block
+every `block_size` tokens. Block ids and their reference counts live in a
 `vmm.PageAllocator`, the bookkeeping the virtual caches use, and prefix caching, forks and
 copy-on-write come from the same base class, so the two differ only in where K/V live.
 Attention gathers a sequence's blocks into one contiguous K and V and runs the same kernel as
@@ -30,14 +30,21 @@ class PagedKVCache(KVCacheBase):
                  device: torch.device, enable_prefix_caching: bool = False):
         H, D = cfg.num_kv_heads, cfg.head_dim
         self.block_size = block_size
-        self.token_bytes = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
-        self.page_size = block_size * self.token_bytes  # one block, all layers, K and V
-        self.pool = vmm.PageAllocator(num_blocks, self.page_size)
+        self._token_bytes = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+        super().__init__(vmm.PageAllocator(num_blocks, block_size * self._token_bytes), enable_prefix_caching)
         shape = (num_blocks, block_size, H, D)
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.tables: dict[int, list[int]] = {}  # seq_id -> its block table, for audits
-        super().__init__(enable_prefix_caching)
+        self.tables: dict[int, list[int]] = {}  # seq_id -> its block table
+
+    @property
+    def page_size(self) -> int:
+        """One block, all layers, K and V."""
+        return self.pool.page_size
+
+    @property
+    def token_bytes(self) -> int:
+        return self._token_bytes
 
     # -- geometry -------------------------------------------------------------------------
     def page_end(self, k: int) -> int:
@@ -49,55 +56,47 @@ class PagedKVCache(KVCacheBase):
     def page_range(self, start: int, end: int) -> range:
         return range(start // self.block_size, math.ceil(end / self.block_size))
 
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.tables[seq.seq_id]
+
     def pages_at(self, seq: Sequence, k: int) -> tuple[int, ...] | None:
-        return (seq.block_table[k],) if k < len(seq.block_table) else None
+        table = self.tables[seq.seq_id]
+        return (table[k],) if k < len(table) else None
 
     # -- blocks ---------------------------------------------------------------------------
     def can_allocate(self) -> bool:
         return True
 
     def allocate(self, seq: Sequence) -> None:
-        seq.block_table = []
-        self.tables[seq.seq_id] = seq.block_table
+        self.tables[seq.seq_id] = []
 
     def install(self, seq: Sequence, k: int, pages: tuple[int, ...]) -> None:
         self.pool.hold(pages[0])
-        seq.block_table.append(pages[0])
-
-    def after_install(self, seq: Sequence, num_installed: int) -> None:
-        pass
+        self.tables[seq.seq_id].append(pages[0])
 
     def map_fresh(self, seq: Sequence, indices: list[int]) -> None:
-        seq.block_table += self.pool.alloc_many(len(indices))  # indices always extend the table
+        self.tables[seq.seq_id] += self.pool.alloc_many(len(indices))  # indices always extend the table
 
     def copy_on_write(self, seq: Sequence, k: int) -> None:
-        old, new = seq.block_table[k], self.pool.alloc()
+        table = self.tables[seq.seq_id]
+        old, new = table[k], self.pool.alloc()
         for cache in self.k_caches + self.v_caches:
             cache[new] = cache[old]
-        seq.block_table[k] = new
+        table[k] = new
         self.pool.drop(old)
 
-    def release(self, seq: Sequence, keep_pages: bool = True) -> None:
+    def free(self, seq: Sequence, keep_pages: bool) -> None:
         """Blocks go straight back: a block table has nothing to gain from keeping them."""
-        for block in seq.block_table:
+        for block in self.tables.pop(seq.seq_id):
             self.pool.drop(block)
-        self.tables.pop(seq.seq_id, None)
-        seq.block_table = []
 
-    # -- checks and numbers ---------------------------------------------------------------
+    # -- checks ---------------------------------------------------------------------------
     def audit(self) -> None:
         expected = Counter(b for table in self.tables.values() for b in table)
         expected.update(self.held_by_cache())
         self.pool.check(expected)
 
-    def stats(self) -> dict:
-        pool = self.pool.stats()
-        in_use = len({b for table in self.tables.values() for b in table})
-        return {"pages_total": pool.total, "pages_free": pool.free, "pages_in_use": in_use,
-                "pages_idle": 0, "peak_pages_mapped": pool.peak_in_use, "page_size": self.page_size,
-                "map_seconds": self.map_seconds, **self.prefix_stats()}
-
-    def attention(self, batch: StepBatch, kernel: str) -> PagedAttention:
+    def attention(self, batch: StepBatch) -> PagedAttention:
         return PagedAttention(self, batch)
 
     def close(self) -> None:
@@ -111,7 +110,7 @@ class PagedAttention:
     def __init__(self, kv: PagedKVCache, batch: StepBatch):
         self.kv, self.batch = kv, batch
         device, bs = batch.positions.device, kv.block_size
-        self.tables = [torch.tensor(seq.block_table[:math.ceil(ctx / bs)], device=device)
+        self.tables = [torch.tensor(kv.block_table(seq)[:math.ceil(ctx / bs)], device=device)
                        for seq, _, _, ctx in batch.spans()]
         positions = batch.positions
         self.token_blocks = torch.cat([table[positions[s:s + n] // bs] for table, s, n in

@@ -18,7 +18,7 @@ are unmapped from a reused slot instead, so nobody's shared bytes get overwritte
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 
 import torch
 
@@ -28,6 +28,7 @@ from engine.kv.base import KVCacheBase
 from engine.kv.batch import StepBatch
 from engine.models.config import ModelConfig
 from engine.sequence import Sequence
+from vmm.backend import consecutive_runs
 
 LAYOUTS = ("interleaved", "per_layer")
 
@@ -35,27 +36,28 @@ LAYOUTS = ("interleaved", "per_layer")
 class VirtualKVCache(KVCacheBase):
     def __init__(self, cfg: ModelConfig, layout: str, num_slots: int, max_model_len: int,
                  dtype: torch.dtype, backend: vmm.Backend, num_pages: int,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, attention_backend: str = "sdpa"):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown virtual kv_layout {layout!r}: choose one of {LAYOUTS}")
         self.layout, self.num_slots, self.dtype = layout, num_slots, dtype
+        self.kernel = attention_backend
         L, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.row_elems = L * 2 * H * D if layout == "interleaved" else H * D
         self.row_bytes = self.row_elems * itemsize
-        self.page_size = backend.page_size
+        self._page_size = backend.page_size
         align = math.lcm(self.row_bytes, self.page_size) // self.row_bytes
         self.rows = math.ceil(max_model_len / align) * align
         self.slot_pages = self.rows * self.row_bytes // self.page_size
-        self.pool = vmm.PagePool(backend, num_pages)
         self.num_regions = 1 if layout == "interleaved" else 2 * L
+        super().__init__(vmm.PagePool(backend, num_pages), enable_prefix_caching)
         self.regions = [vmm.Reservation(self.pool, num_slots * self.slot_pages * self.page_size)
                         for _ in range(self.num_regions)]
         self.k_caches, self.v_caches = self._views(L, H, D)
         self.mapped = [0] * num_slots  # pages mapped in each region of each slot
+        self.slots: dict[int, int] = {}  # seq_id -> its slot
         self.free_slots: deque[int] = deque(range(num_slots))
         self.idle_slots: OrderedDict[int, None] = OrderedDict()
-        super().__init__(enable_prefix_caching)
 
     def _views(self, L: int, H: int, D: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer, K and V as [slots, rows, H, D] views (row stride = row_elems)."""
@@ -66,8 +68,11 @@ class VirtualKVCache(KVCacheBase):
         return [rows[:, :, l, 0] for l in range(L)], [rows[:, :, l, 1] for l in range(L)]
 
     @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
     def token_bytes(self) -> int:
-        """KV bytes one token occupies, all layers."""
         return self.row_bytes * self.num_regions
 
     # -- geometry -------------------------------------------------------------------------
@@ -80,8 +85,11 @@ class VirtualKVCache(KVCacheBase):
     def page_range(self, start: int, end: int) -> range:
         return range(start * self.row_bytes // self.page_size, -(-end * self.row_bytes // self.page_size))
 
+    def slot(self, seq: Sequence) -> int:
+        return self.slots[seq.seq_id]
+
     def _index(self, seq: Sequence, k: int) -> int:
-        return seq.slot * self.slot_pages + k
+        return self.slots[seq.seq_id] * self.slot_pages + k
 
     def pages_at(self, seq: Sequence, k: int) -> tuple[int, ...] | None:
         first = self.regions[0].page_at(self._index(seq, k))
@@ -93,39 +101,39 @@ class VirtualKVCache(KVCacheBase):
 
     def allocate(self, seq: Sequence) -> None:
         if self.idle_slots:  # reuse mapped pages: deferred reclamation pays off here
-            seq.slot, _ = self.idle_slots.popitem(last=True)
+            self.slots[seq.seq_id], _ = self.idle_slots.popitem(last=True)
         else:
-            seq.slot = self.free_slots.popleft()
+            self.slots[seq.seq_id] = self.free_slots.popleft()
 
     def install(self, seq: Sequence, k: int, pages: tuple[int, ...]) -> None:
         if self.pages_at(seq, k) == pages:
             return
         if self.pages_at(seq, k) is not None:
-            self._unmap(seq.slot, [k])
+            self._unmap(self.slot(seq), [k])
         for region, page in zip(self.regions, pages):
             region.map(self._index(seq, k), page)
-        self.mapped[seq.slot] += 1
+        self.mapped[self.slot(seq)] += 1
 
     def after_install(self, seq: Sequence, num_installed: int) -> None:
         """A reused slot keeps its private pages past the installed prefix; shared ones go."""
         stale = [k for k in range(num_installed, self.slot_pages)
                  if self.pages_at(seq, k) is not None and self.is_shared(seq, k)]
-        self._unmap(seq.slot, stale)
+        self._unmap(self.slot(seq), stale)
 
     def map_fresh(self, seq: Sequence, indices: list[int]) -> None:
-        for first, count in vmm.backend.consecutive_runs(indices):
+        for first, count in consecutive_runs(indices):
             for region in self.regions:
                 region.map_new(self._index(seq, first), count)
-            self.mapped[seq.slot] += count
+            self.mapped[self.slot(seq)] += count
 
     def copy_on_write(self, seq: Sequence, k: int) -> None:
         for region in self.regions:
             region.copy_on_write(self._index(seq, k))
 
-    def release(self, seq: Sequence, keep_pages: bool = True) -> None:
-        """seq is done with its slot; its pages stay mapped for the next one unless keep_pages
-        is False (preemption: the memory is needed now)."""
-        slot, seq.slot = seq.slot, None
+    def free(self, seq: Sequence, keep_pages: bool) -> None:
+        """The slot's pages stay mapped for the next sequence unless keep_pages is False
+        (preemption: the memory is needed now)."""
+        slot = self.slots.pop(seq.seq_id)
         if keep_pages and self.mapped[slot]:
             self.idle_slots[slot] = None
         else:
@@ -144,14 +152,17 @@ class VirtualKVCache(KVCacheBase):
         super().reclaim(want_free)
 
     def _unmap(self, slot: int, indices: list[int]) -> None:
-        for first, count in vmm.backend.consecutive_runs(indices):
+        for first, count in consecutive_runs(indices):
             for region in self.regions:
                 region.unmap(slot * self.slot_pages + first, count)
             self.mapped[slot] -= count
 
+    def _slot_pages(self, slot: int) -> list[int]:
+        base = slot * self.slot_pages
+        return [i for i in range(self.slot_pages) if self.regions[0].page_at(base + i) is not None]
+
     def _unmap_slot(self, slot: int) -> None:
-        mapped = [i for i in range(self.slot_pages) if self.regions[0].page_at(slot * self.slot_pages + i) is not None]
-        self._unmap(slot, mapped)
+        self._unmap(slot, self._slot_pages(slot))
 
     # -- checks and numbers ---------------------------------------------------------------
     def audit(self) -> None:
@@ -163,16 +174,15 @@ class VirtualKVCache(KVCacheBase):
                 per_slot[index // self.slot_pages] += 1
             assert per_slot == self.mapped, (per_slot, self.mapped)
 
-    def stats(self) -> dict:
-        pool = self.pool.stats()
-        idle = sum(self.mapped[s] for s in self.idle_slots) * self.num_regions
-        active = sum(self.mapped) * self.num_regions - idle
-        return {"pages_total": pool.total, "pages_free": pool.free, "pages_in_use": active,
-                "pages_idle": idle, "peak_pages_mapped": pool.peak_in_use, "page_size": self.page_size,
-                "map_seconds": self.map_seconds, **self.prefix_stats()}
+    def pages_idle(self) -> int:
+        """Pages that only idle slots (and maybe the prefix cache) reference."""
+        refs = Counter(region.page_at(slot * self.slot_pages + i) for slot in self.idle_slots
+                       for i in self._slot_pages(slot) for region in self.regions)
+        held = self.held_by_cache()
+        return sum(1 for page, n in refs.items() if self.pool.ref_counts[page] == n + held.get(page, 0))
 
-    def attention(self, batch: StepBatch, kernel: str) -> VirtualAttention:
-        return VirtualAttention(self, batch, kernel)
+    def attention(self, batch: StepBatch) -> VirtualAttention:
+        return VirtualAttention(self, batch, self.kernel)
 
     def close(self) -> None:
         if self.prefix_cache:
@@ -181,6 +191,7 @@ class VirtualKVCache(KVCacheBase):
             if not region.released:
                 region.release()
         self.pool.close()
+        self.pool.backend.close()
 
 
 class VirtualAttention:
@@ -190,10 +201,10 @@ class VirtualAttention:
     def __init__(self, kv: VirtualKVCache, batch: StepBatch, kernel: str):
         self.kv, self.batch, self.kernel = kv, batch, kernel
         device = batch.positions.device
-        slots = [seq.slot for seq in batch.seqs]
-        self.token_slots = batch.per_token(slots, device)
+        self.slots = [kv.slot(seq) for seq in batch.seqs]
+        self.token_slots = batch.per_token(self.slots, device)
         if kernel == "flash":
-            starts = [slot * kv.rows for slot in slots] + [kv.num_slots * kv.rows]
+            starts = [slot * kv.rows for slot in self.slots] + [kv.num_slots * kv.rows]
             self.slot_starts = torch.tensor(starts, dtype=torch.int32, device=device)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -206,7 +217,7 @@ class VirtualAttention:
             return flash_varlen(q, flatten_slots(k_cache), flatten_slots(v_cache), b.cu_seqlens_q,
                                 self.slot_starts, b.max_query_len, b.max_context_len, b.context_lens)
         out = torch.empty_like(q)
-        for seq, start, q_len, ctx in b.spans():
-            out[start:start + q_len] = sdpa_sequence(q[start:start + q_len], k_cache[seq.slot, :ctx],
-                                                     v_cache[seq.slot, :ctx])
+        for slot, (_, start, q_len, ctx) in zip(self.slots, b.spans()):
+            out[start:start + q_len] = sdpa_sequence(q[start:start + q_len], k_cache[slot, :ctx],
+                                                     v_cache[slot, :ctx])
         return out

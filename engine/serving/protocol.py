@@ -96,10 +96,10 @@ def usage(outputs: list[RequestOutput]) -> dict:
 def completion_logprobs(c: CompletionOutput, tokenizer, start: int = 0) -> dict | None:
     if c.logprobs is None:
         return None
-    ids, lps = c.token_ids[start:], c.logprobs[start:]
-    return {"tokens": [tokenizer.decode([t]) for t in ids],
-            "token_logprobs": [lp[t] for t, lp in zip(ids, lps)],
-            "top_logprobs": [{tokenizer.decode([k]): v for k, v in lp.items()} for lp in lps],
+    records = c.logprobs[start:]
+    return {"tokens": [tokenizer.decode([r.token_id]) for r in records],
+            "token_logprobs": [r.logprob for r in records],
+            "top_logprobs": [{tokenizer.decode([t]): v for t, v in r.top} for r in records],
             "text_offset": []}
 
 
@@ -108,8 +108,8 @@ def chat_logprobs(c: CompletionOutput, tokenizer, start: int = 0) -> dict | None
         return None
     entry = lambda t, v: {"token": tokenizer.decode([t]), "logprob": v,
                           "bytes": list(tokenizer.decode([t]).encode())}
-    return {"content": [{**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in list(lp.items())[1:]]}
-                        for t, lp in zip(c.token_ids[start:], c.logprobs[start:])]}
+    return {"content": [{**entry(r.token_id, r.logprob), "top_logprobs": [entry(t, v) for t, v in r.top]}
+                        for r in c.logprobs[start:]]}
 
 
 def envelope(kind: str, request_id: str, model: str, choices: list, extra: dict | None = None) -> dict:

@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
+from engine.inputs import Prompt
 from engine.llm_engine import LLMEngine
-from engine.metrics import Metrics
+from engine.serving.metrics import Metrics
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -103,10 +104,10 @@ class AsyncEngine:
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
-            mapped_before = self.engine.kv.map_seconds
+            mapped_before = self.engine.map_seconds
             outputs = self.engine.step()
             now = time.monotonic()
-            self.metrics.observe_step(self.engine.kv.map_seconds - mapped_before)
+            self.metrics.observe_step(self.engine.map_seconds - mapped_before)
             for out in outputs:
                 self._deliver(out, now)
             self.stats = self.engine.stats()
@@ -125,8 +126,7 @@ class AsyncEngine:
                 continue
             prompt_ids, params, text = args
             try:
-                self.engine.add_request(request_id, prompt_ids, params)
-                self.engine.requests[request_id].prompt = text
+                self.engine.add_request(request_id, Prompt(prompt_ids, text), params)
             except Exception as exc:  # refused: the handler raises it as an HTTP error
                 self._put(self.streams.pop(request_id, None), exc)
 
@@ -135,7 +135,7 @@ class AsyncEngine:
         if stream is None:
             return
         if isinstance(out, BeamSearchOutput):
-            out = out.to_request_output(self.engine.tokenizer)
+            out = out.to_request_output()
         tokens = sum(len(o.token_ids) for o in out.outputs)
         if tokens > stream.tokens_seen:
             if stream.first_token_time is None:

@@ -20,9 +20,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.openai_api import (ChatCompletionRequest, CompletionRequest, chat_logprobs,
+from engine.serving.async_engine import AsyncEngine, EngineDeadError
+from engine.serving.protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs,
                                completion_logprobs, envelope, error_body, new_id, usage)
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.inputs import Prompt
 from engine.outputs import RequestOutput
 
 
@@ -108,12 +111,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     def prepare(prompts: list, body, max_tokens: int | None, logprobs: int | None):
         """Tokenize and check every prompt before any runs; 400 with the reason if bad."""
         try:
-            ids = [engine.engine.tokenize(p)[1] for p in prompts]
+            ids = [engine.engine.tokenize(p).token_ids for p in prompts]
             if max_tokens is None:  # as much as fits after the longest prompt
                 max_tokens = max(1, max_len - max(len(i) for i in ids))
             params = body.sampling_params(max_tokens, logprobs)
             for prompt_ids in ids:
-                engine.engine.check_fits(len(prompt_ids), params)
+                engine.engine.validate(Prompt(prompt_ids), params)
             return params, ids
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
@@ -246,11 +249,7 @@ async def _stream_chunks(engine: AsyncEngine, rid: str, ids, params, texts, kind
 def serve(args) -> None:
     import uvicorn
 
-    from engine.cli import engine_options
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(EngineConfig(**engine_options(args)))
+    engine = LLMEngine(EngineConfig.from_cli_args(args))
     name = args.served_model_name or (args.model.rstrip("/").split("/")[-1] if args.model
                                       else "SmolLM2-135M-Instruct")
     async_engine = AsyncEngine(engine)

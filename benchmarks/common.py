@@ -1,6 +1,7 @@
-"""What a result file must say about where it was measured."""
+"""What every benchmark shares: where it was measured, and how its results are written."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
@@ -45,8 +46,12 @@ def _driver_version() -> str | None:
     return f"{version // 1000}.{version % 1000 // 10}" if err == cu.CUresult.CUDA_SUCCESS else None
 
 
-def result_dir_name() -> str:
-    """benchmarks/results/<this>: the GPU's name, or `cpu`."""
-    if not torch.cuda.is_available():
-        return "cpu"
-    return torch.cuda.get_device_name().lower().replace(" ", "-")
+def save(result: dict, json_path: str | None, plot_path: str | None, plot) -> None:
+    """Write a benchmark's JSON and PNG where asked."""
+    if json_path:
+        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if plot_path:
+        os.makedirs(os.path.dirname(plot_path) or ".", exist_ok=True)
+        plot(result, plot_path)

@@ -1,0 +1,54 @@
+"""Prompts as the engine takes them: token ids, with the text they came from when there is one.
+
+Prompts are tokenized once, here, and checked against the vocabulary; chat conversations go
+through the model's chat template in `chat_prompt` and nowhere else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None = None
+
+
+def tokenize(tokenizer, vocab_size: int, prompt) -> Prompt:
+    """A string, a list of token ids, vLLM's {"prompt": ...} / {"prompt_token_ids": ...}, or a
+    Prompt; ValueError, with the reason, for anything empty or out of the vocabulary."""
+    if isinstance(prompt, Prompt):
+        return prompt
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        _check_text(prompt)
+        return Prompt(tokenizer.encode(prompt), prompt)
+    if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                        for t in prompt):
+        raise ValueError("a prompt must be a string or a list of token ids")
+    if not prompt:
+        raise ValueError("the prompt has no tokens")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    return Prompt(list(prompt))
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> Prompt:
+    """One conversation through the model's chat template, ready for the assistant's turn."""
+    for message in messages:
+        _check_text(message.get("content") or "")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # templates raise their own errors for conversations they refuse
+        raise ValueError(f"cannot apply the chat template: {exc}") from exc
+    return Prompt(tokenizer.encode(text, add_special_tokens=False), text)
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text is not valid Unicode ({exc.reason} at position {exc.start})") from exc

@@ -1,0 +1,70 @@
+"""Prometheus metrics, all prefixed `vkv:`.
+
+Latency histograms are observed by the engine thread as tokens come out; everything else is
+read from a fresh engine statistics snapshot when Prometheus scrapes.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.stats import EngineStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+MAP_BUCKETS = (1e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1)
+
+GAUGES = {  # metric: (how to read it from EngineStats, help)
+    "vkv:num_requests_running": (lambda s: s.num_running, "Sequences in the running batch."),
+    "vkv:num_requests_waiting": (lambda s: s.num_waiting, "Sequences waiting for admission."),
+    "vkv:kv_cache_usage_ratio": (lambda s: s.kv.pages_in_use / max(s.kv.pages_total, 1),
+                                 "Share of KV pages mapped for unfinished sequences."),
+    "vkv:kv_utilization_ratio": (lambda s: s.kv_utilization, "Token bytes in use / bytes mapped."),
+    "vkv:pages_total": (lambda s: s.kv.pages_total, "Physical KV pages in the pool."),
+    "vkv:pages_free": (lambda s: s.kv.pages_free, "Free KV pages."),
+    "vkv:pages_in_use": (lambda s: s.kv.pages_in_use, "Pages mapped for unfinished sequences."),
+    "vkv:pages_idle": (lambda s: s.kv.pages_idle, "Pages finished sequences keep mapped for reuse."),
+    "vkv:pages_cached": (lambda s: s.kv.pages_cached, "Pages held only by the prefix cache."),
+    "vkv:pages_shared": (lambda s: s.kv.pages_shared, "Pages referenced more than once."),
+    "vkv:peak_pages_mapped": (lambda s: s.kv.peak_pages_mapped, "Most pages referenced at once."),
+}
+COUNTERS = {
+    "vkv:prefix_cache_queries": (lambda s: s.kv.prefix_cache_queries, "Prompt tokens looked up in the prefix cache."),
+    "vkv:prefix_cache_hits": (lambda s: s.kv.prefix_cache_hits, "Prompt tokens found in the prefix cache."),
+    "vkv:num_preemptions": (lambda s: s.preemptions, "Sequences preempted for memory."),
+    "vkv:cow_copies": (lambda s: s.kv.cow_copies, "Pages copied on write."),
+    "vkv:prefix_cache_evictions": (lambda s: s.kv.evictions, "Prefix-cache entries evicted."),
+    "vkv:prompt_tokens": (lambda s: s.prompt_tokens, "Prompt tokens received."),
+    "vkv:generation_tokens": (lambda s: s.generation_tokens, "Tokens generated."),
+    "vkv:request_success": (lambda s: s.requests_finished, "Requests finished."),
+    "vkv:request_failure": (lambda s: s.requests_failed, "Requests that failed inside the engine."),
+    "vkv:page_map_seconds": (lambda s: s.kv.map_seconds, "Time spent mapping KV pages."),
+}
+
+
+class _Snapshot:
+    def __init__(self, read_stats):
+        self.read_stats = read_stats
+
+    def collect(self):
+        stats: EngineStats = self.read_stats()
+        for name, (read, doc) in GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=read(stats))
+        for name, (read, doc) in COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=read(stats))
+
+
+class Metrics:
+    def __init__(self, read_stats):
+        self.registry = CollectorRegistry()
+        hist = lambda name, doc, buckets: Histogram(name, doc, buckets=buckets, registry=self.registry)
+        self.ttft = hist("vkv:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.itl = hist("vkv:inter_token_latency_seconds", "Time between tokens of a request.", LATENCY_BUCKETS)
+        self.e2e = hist("vkv:e2e_request_latency_seconds", "Request latency, arrival to finish.", LATENCY_BUCKETS)
+        self.map_time = hist("vkv:page_map_seconds_per_step", "Page mapping time in one engine step.", MAP_BUCKETS)
+        self.registry.register(_Snapshot(read_stats))
+
+    def observe_step(self, map_seconds: float) -> None:
+        self.map_time.observe(map_seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,37 @@
+"""What the engine reports about itself: typed snapshots, taken between steps."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class KVStats:
+    """The KV cache's pages, sharing and mapping cost. Pages count over all regions."""
+    layout: str
+    page_size: int  # bytes
+    pages_total: int
+    pages_free: int
+    pages_in_use: int  # mapped for unfinished sequences
+    pages_idle: int  # still mapped in the slots of finished sequences (deferred reclamation)
+    pages_cached: int  # held by the prefix cache alone
+    pages_shared: int  # referenced more than once
+    peak_pages_mapped: int
+    map_seconds: float  # time spent mapping and copying pages on the critical path
+    cow_copies: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found
+    evictions: int  # prefix-cache entries dropped for memory
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    kv: KVStats
+    attention_backend: str
+    num_running: int
+    num_waiting: int
+    preemptions: int
+    kv_utilization: float  # bytes of computed tokens / bytes mapped
+    prompt_tokens: int
+    generation_tokens: int
+    requests_finished: int
+    requests_failed: int
