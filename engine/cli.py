@@ -6,6 +6,7 @@ import json
 import sys
 
 from engine.config import EngineConfig
+from engine.serving.options import ServerOptions
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -56,12 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    srv.add_argument("--served-model-name", default=None)
-    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
-    srv.add_argument("--log-level", default="info")
+    ServerOptions.add_cli_args(srv)
     EngineConfig.add_cli_args(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -12,6 +12,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 KV_LAYOUTS = ("interleaved", "per_layer", "paged")
 ATTENTION_BACKENDS = ("sdpa", "flash")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_HOST_PAGE = 64 << 10  # small pages: the host backend's advantage over 2 MiB GPU pages
 
 
@@ -30,6 +31,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # one of ATTENTION_BACKENDS; default: best present
+    scheduling_policy: str = "fcfs"  # or "priority": a request's priority value, lower first
     seed: int = 0
 
     def __post_init__(self):
@@ -44,6 +46,9 @@ class EngineConfig:
             self.dtype = DTYPES[self.dtype]
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"unknown kv_layout {self.kv_layout!r}: choose one of {KV_LAYOUTS}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}: "
+                             f"choose one of {SCHEDULING_POLICIES}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}: "
                              f"choose one of {ATTENTION_BACKENDS}")
@@ -89,11 +94,13 @@ class EngineConfig:
         g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
         g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        g.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, choices=SCHEDULING_POLICIES,
+                       help="priority: requests' priority values decide admission and preemption")
         g.add_argument("--model-seed", type=int, default=EngineConfig.seed, help="weights of random:<preset> models")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = ("model", "device", "dtype", "kv_layout", "kv_cache_memory", "page_size", "block_size",
                  "max_num_seqs", "max_model_len", "max_num_batched_tokens", "attention_backend",
-                 "enable_prefix_caching")
+                 "enable_prefix_caching", "scheduling_policy")
         return cls(**{name: getattr(args, name) for name in names}, seed=args.model_seed)

@@ -31,35 +31,37 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """Prompts are strings or token-id lists (or vLLM's {"prompt": ...} and
         {"prompt_token_ids": ...}); outputs come back in input order. A request that fails
-        comes back with finish_reason "error" and the reason in `error`."""
+        comes back with finish_reason "error" and the reason in `error`. `priority` (one per
+        prompt, lower first) matters under scheduling_policy="priority"."""
         prompts = as_prompt_list(prompts)
         params = params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        return self._submit("gen", prompts, params, use_tqdm)
+        priority = priority if priority is not None else [0] * len(prompts)
+        if not len(params) == len(priority) == len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams and {len(priority)} priorities")
+        return self._submit("gen", prompts, params, use_tqdm, priority)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's offline beam search: each prompt's beam_width best continuations, best first."""
         prompts = as_prompt_list(prompts)
-        return self._submit("beam", prompts, [params] * len(prompts), use_tqdm)
+        return self._submit("beam", prompts, [params] * len(prompts), use_tqdm, [0] * len(prompts))
 
     def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool = True):
         """One conversation (a list of {"role", "content"}) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([chat_prompt(self.tokenizer, c) for c in conversations], params, use_tqdm)
 
-    def _submit(self, kind: str, prompts: list, params: list, use_tqdm: bool) -> list:
+    def _submit(self, kind: str, prompts: list, params: list, use_tqdm: bool, priority: list[int]) -> list:
         """Tokenize and check every prompt before any runs, so a bad one leaves the engine as it was."""
         prompts = [self.engine.tokenize(p) for p in prompts]
         for prompt, p in zip(prompts, params):
             self.engine.validate(prompt, p)
         ids = [f"{kind}-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt, p in zip(ids, prompts, params):
-            self.engine.add_request(request_id, prompt, p)
+        for request_id, prompt, p, urgency in zip(ids, prompts, params, priority):
+            self.engine.add_request(request_id, prompt, p, priority=urgency)
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list:

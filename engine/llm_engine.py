@@ -31,6 +31,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
+from engine.structured import Grammars, consume
 
 log = logging.getLogger("vkv.engine")
 
@@ -64,8 +65,9 @@ class LLMEngine:
         self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.attention = pick_attention(c.attention_backend, c.device, c.dtype, c.kv_layout)
         self.kv = self._make_kv_cache()
-        self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, policy=c.scheduling_policy)
         self.runner = ModelRunner(self.model, self.kv, c.device)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.num_finished = self.num_failed = 0
@@ -100,9 +102,12 @@ class LLMEngine:
         tokens outside the vocabulary. A beam group runs in lockstep, so all its beams must be
         able to run at once."""
         vocab = self.model_config.vocab_size
-        if isinstance(params, SamplingParams) and any(t >= vocab for t in params.token_ids_used()):
-            raise ValueError(f"stop_token_ids and logit_bias must name token ids below the vocabulary "
-                             f"size {vocab}")
+        if isinstance(params, SamplingParams):
+            if any(t >= vocab for t in params.token_ids_used()):
+                raise ValueError(f"stop_token_ids and logit_bias must name token ids below the vocabulary "
+                                 f"size {vocab}")
+            if params.structured_outputs:
+                self.grammars.compile(params.structured_outputs)
         num_prompt_tokens = len(prompt.token_ids)
         total = num_prompt_tokens + params.max_tokens
         if total > self.max_model_len:
@@ -117,11 +122,15 @@ class LLMEngine:
             raise ValueError(f"{total} tokens{beams} need {pages} KV pages, more than the "
                              f"whole KV budget of {self.kv.pool.num_pages} pages")
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams, *,
+                    group: str | None = None, priority: int = 0) -> None:
         """prompt: text, token ids or a Prompt. With BeamSearchParams the request is a beam
-        search: its beams are greedy sequences that a BeamGroup steers."""
+        search: its beams are greedy sequences that a BeamGroup steers. Requests of one
+        `group` (one client's) share fairly with other groups; lower `priority` runs first."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         prompt = self.tokenize(prompt)
         self.validate(prompt, params)
         beam = None
@@ -129,8 +138,12 @@ class LLMEngine:
             beam = BeamGroup(params, self.eos_ids, self.max_model_len)
             params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
         now, ids = time.monotonic(), prompt.token_ids
-        seqs = [Sequence(request_id, i, list(ids), params, now, generator=self._generator(params, i))
-                for i in range(params.num_samples)]
+        seqs = [Sequence(request_id, i, list(ids), params, now, group or request_id, priority,
+                         generator=self._generator(params, i)) for i in range(params.num_samples)]
+        if params.structured_outputs:
+            grammar = self.grammars.compile(params.structured_outputs)
+            for seq in seqs:
+                seq.grammar = self.grammars.matcher(grammar)
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
         self.requests[request_id] = Request(request_id, prompt, params, seqs, detoks, [""] * len(seqs),
                                             seqs[1:], beam)
@@ -181,7 +194,8 @@ class LLMEngine:
             else:
                 plain.append((row, seq))
         rows, seqs = self._with_forks(plain)
-        for seq, result in zip(seqs, sample(logits[rows], seqs, self.eos_ids)):
+        masks = self.grammars.masks([s.grammar for s in seqs])
+        for seq, result in zip(seqs, sample(logits[rows], seqs, self.eos_ids, masks)):
             request = touched[seq.request_id]
             if isinstance(result, Exception):
                 self._fail(request, result)
@@ -253,24 +267,27 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, sampled: Sampled, request: Request) -> None:
         seq.token_ids.append(sampled.token_id)
+        detokenizer = request.detokenizers[seq.index]
         if sampled.logprob is not None:
             seq.cum_logprob += sampled.logprob
         if sampled.top is not None:
-            seq.output_logprobs.append(TokenLogprob(sampled.token_id, sampled.logprob, sampled.top))
+            seq.output_logprobs.append(TokenLogprob(sampled.token_id, sampled.logprob, sampled.top,
+                                                    len(detokenizer.text)))
         self.num_generation_tokens += 1
-        request.detokenizers[seq.index].add(sampled.token_id)
-        reason = self._finish_reason(seq, request)
+        detokenizer.add(sampled.token_id)
+        complete = seq.grammar is not None and consume(seq.grammar, sampled.token_id)
+        reason = self._finish_reason(seq, request, complete)
         if reason:
             self.scheduler.finish(seq, reason)
             self.num_finished += request.finished
 
-    def _finish_reason(self, seq: Sequence, request: Request) -> str | None:
+    def _finish_reason(self, seq: Sequence, request: Request, grammar_complete: bool) -> str | None:
         """Why seq stops now, if it does; also sets the text it shows so far. While it runs,
         text that may be the start of a stop string is held back, so a stream never shows it."""
         p, token = seq.params, seq.token_ids[-1]
         text = request.detokenizers[seq.index].text
         stops = [at for at in (text.find(stop) for stop in p.stop) if at >= 0]
-        reason = "stop" if stops else None
+        reason = "stop" if stops or grammar_complete else None
         if not reason and seq.num_output_tokens >= p.min_tokens:
             if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 reason = "stop"

@@ -10,6 +10,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
+    text_offset: int = 0  # where the token's text starts in the completion's text
 
 
 @dataclass

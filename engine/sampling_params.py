@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.structured import StructuredOutputsParams
+
 GREEDY_BELOW = 1e-5
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 MAX_LOGPROBS = 20
@@ -34,8 +36,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | dict | None = None  # a grammar the output follows
 
     def __post_init__(self):
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -81,6 +86,8 @@ class SamplingParams:
             (all(integer(t) and t >= 0 for t in self.logit_bias), "logit_bias keys must be token ids >= 0"),
             (all(real(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
              "logit_bias values must be in [-100, 100]"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs must be StructuredOutputsParams or a dict of its fields"),
         ]
         for ok, message in checks:
             if not ok:

@@ -4,8 +4,14 @@ scheduler alone drives the KV cache's life cycle and alone advances `num_compute
 Each step first serves running sequences, oldest first (a decode token, or the next chunk of a
 prefill); if their pages cannot be mapped the newest running sequence is preempted by
 recompute: its pages go back and it waits at the front of the queue with every token it has
-generated. Then waiting sequences are admitted first come, first served, while the token
-budget, the sequence limit and free pages above a headroom allow.
+generated. Then waiting sequences are admitted while the token budget, the sequence limit
+and free pages above a headroom allow.
+
+Admission order: first come, first served, except that a group (the sequences of one client
+request) that has had fewer sequences admitted goes before one that has had more, so a request
+of many prompts cannot hold the head of the queue for everyone: groups take turns. With `policy="priority"` the lowest priority
+value goes first (ties: fairness, then arrival) and the least urgent running sequence is the
+one preempted; otherwise the newest is.
 
 A running sequence may have nothing to compute: a beam waiting for its siblings' logprobs.
 If such idle sequences hold the seats or pages a waiting one needs, so that nothing at all
@@ -14,8 +20,9 @@ can run, they step aside (newest first, to the back of the queue) until it fits.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 
+from engine.config import SCHEDULING_POLICIES
 from engine.kv.base import KVCacheBase
 from engine.sequence import Sequence, SequenceStatus
 
@@ -24,12 +31,15 @@ Scheduled = list[tuple[Sequence, int]]  # (sequence, number of its tokens comput
 
 class Scheduler:
     def __init__(self, kv: KVCacheBase, max_num_seqs: int, max_num_batched_tokens: int,
-                 headroom: float = 0.01):
-        self.kv = kv
+                 headroom: float = 0.01, policy: str = "fcfs"):
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r}: choose one of {SCHEDULING_POLICIES}")
+        self.kv, self.policy = kv, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.headroom_pages = max(1, math.ceil(headroom * kv.pool.num_pages))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.admitted: Counter[str] = Counter()  # per group with sequences here: admissions so far
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -42,6 +52,9 @@ class Scheduler:
     def schedule(self) -> Scheduled:
         """What this step computes; every page it writes is mapped and private."""
         budget = self.max_num_batched_tokens
+        if len(self.admitted) > 2 * (len(self.waiting) + len(self.running)):  # forget groups gone
+            live = {s.group for s in (*self.waiting, *self.running)}
+            self.admitted = Counter({g: n for g, n in self.admitted.items() if g in live})
         scheduled = self._schedule_running(budget)
         budget -= sum(n for _, n in scheduled)
         scheduled += self._admit_waiting(budget)
@@ -75,6 +88,8 @@ class Scheduler:
         itself had to go."""
         while not self.kv.ensure_mapped(seq, num_tokens):
             victim = self.running[-1]
+            if self.policy == "priority":
+                victim = max(self.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
             self.preempt(victim)
             if victim is seq:
                 return False
@@ -83,7 +98,7 @@ class Scheduler:
     def _admit_waiting(self, budget: int) -> Scheduled:
         scheduled = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             if not self._fits(seq, budget):
                 break
             seq.num_computed_tokens = self.kv.admit(seq)  # a cached prefix counts as computed
@@ -92,11 +107,21 @@ class Scheduler:
                 self.kv.release(seq, keep_pages=False)
                 seq.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            self.admitted[seq.group] += 1
             self._run(seq)
             scheduled.append((seq, n))
             budget -= n
         return scheduled
+
+    def _next_waiting(self) -> Sequence:
+        """The waiting sequence to admit next (queue order breaks ties: preempted ones are at
+        the front)."""
+        if len(self.waiting) == 1:
+            return self.waiting[0]
+        urgency = (lambda s: s.priority) if self.policy == "priority" else (lambda s: 0)
+        key = lambda i: (urgency(self.waiting[i]), self.admitted[self.waiting[i].group], i)
+        return self.waiting[min(range(len(self.waiting)), key=key)]
 
     def _fits(self, seq: Sequence, budget: int) -> bool:
         headroom = self.headroom_pages if self.running else 0
@@ -104,7 +129,7 @@ class Scheduler:
 
     def _unblock(self, budget: int) -> None:
         idle = [s for s in self.running if s.num_pending_tokens == 0]
-        head = self.waiting[0]
+        head = self._next_waiting()
         while idle and (len(self.running) >= self.max_num_seqs or not self._fits(head, budget)):
             self.preempt(idle.pop(), to_front=False)
 

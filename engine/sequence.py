@@ -30,6 +30,8 @@ class Sequence:
     token_ids: list[int]
     params: SamplingParams
     arrival: float
+    group: str | None = None  # who asked (one client request); admission is fair between groups
+    priority: int = 0  # lower runs first (scheduling_policy="priority")
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
@@ -38,13 +40,15 @@ class Sequence:
     finish_reason: str | None = None
     output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked
     cum_logprob: float = 0.0  # of the output tokens, when logprobs or best_of ask for it
+    grammar: object | None = None  # structured outputs: the matcher that masks its next token
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)
 
     def branch(self) -> Sequence:
         """A new sequence with the same tokens so far, its prompt the same (a beam's fork)."""
-        child = Sequence(self.request_id, self.index, list(self.token_ids), self.params, self.arrival)
+        child = Sequence(self.request_id, self.index, list(self.token_ids), self.params, self.arrival,
+                         group=self.group, priority=self.priority)
         child.num_prompt_tokens = self.num_prompt_tokens
         return child
 

@@ -2,6 +2,7 @@
 import asyncio
 import json
 import random
+import re
 import socket
 import threading
 import time
@@ -14,6 +15,7 @@ import uvicorn
 from engine.serving.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.serving.options import ServerOptions
 from engine.serving.server import build_app
 
 KEY = "sk-test-key"
@@ -31,7 +33,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server():
     engine = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=32, kv_cache_memory=256 << 20)))
-    app = build_app(engine, MODEL, api_key=KEY, max_body_bytes=64 << 10)
+    app = build_app(engine, MODEL, ServerOptions(api_key=KEY, max_body_bytes=64 << 10))
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -217,7 +219,7 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_stops_the_engine():
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port),
-                             "--log-level", "warning", "--max-num-seqs", "4"],
+                             "--log-level", "warning", "--max-num-seqs", "4", "--shutdown-timeout", "120"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -244,3 +246,122 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_stops_the_engine():
     assert usage["completion_tokens"] == 48  # the stream ran to its end after the signal
     assert "KV memory released" in output, output
     assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once shut down
+
+
+def test_a_stream_longer_than_the_grace_period_ends_with_an_error_event_and_done():
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--model", "random:tiny",
+                             "--log-level", "warning", "--shutdown-timeout", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 2:
+                        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert events[-1] == "data: [DONE]"
+    assert "shutting down" in json.loads(events[-2][6:])["error"]["message"]
+    assert "KV memory released" in output, output
+
+
+def test_chat_and_completion_logprobs_are_exact(client):
+    for k in (1, 3):
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                              max_tokens=5, temperature=0, logprobs=True, top_logprobs=k)
+        for entry in chat.choices[0].logprobs.content:
+            assert len(entry.top_logprobs) == k
+            assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Write 世界 twice."}],
+                                          max_tokens=24, temperature=0, logprobs=True, top_logprobs=0)
+    content = chat.choices[0].logprobs.content
+    if chat.choices[0].finish_reason == "stop":
+        content = content[:-1]  # the end-of-turn token, a special token the text leaves out
+    assert bytes(b for e in content for b in e.bytes).decode() == chat.choices[0].message.content
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                    logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for offset, token in zip(lp.text_offset, lp.tokens):
+        assert out.choices[0].text[offset:].startswith(token) or "\ufffd" in token
+
+
+def test_echo_logit_bias_and_best_of_work(client):
+    plain = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0)
+    echoed = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == "The sky is" + plain.choices[0].text
+    forced = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0,
+                                       logit_bias={"1234": 100}, extra_body={"ignore_eos": True})
+    assert forced.usage.completion_tokens == 3
+    from engine.models import load_tokenizer
+    assert forced.choices[0].text == load_tokenizer(None).decode([1234] * 3)
+    best = client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=6, temperature=1.0,
+                                     n=2, best_of=5, seed=11)
+    assert sorted(c.index for c in best.choices) == [0, 1]
+    assert best.usage.completion_tokens <= 5 * 6
+
+
+def test_best_of_returns_the_n_most_likely_samples():
+    from engine import LLM, SamplingParams
+    llm = LLM(max_num_seqs=8)
+    best = llm.generate("My favourite animal is", SamplingParams(n=2, best_of=5, temperature=1.0, seed=11,
+                                                                 max_tokens=6), use_tqdm=False)[0].outputs
+    every = llm.generate("My favourite animal is", SamplingParams(n=5, temperature=1.0, seed=11, max_tokens=6,
+                                                                  logprobs=0), use_tqdm=False)[0].outputs
+    ranked = sorted(every, key=lambda c: c.cumulative_logprob, reverse=True)
+    assert [c.token_ids for c in best] == [c.token_ids for c in ranked[:2]]
+    assert [c.index for c in best] == [0, 1]
+
+
+def test_structured_outputs_with_the_openai_client(client, server):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a city and its country as JSON."}], max_tokens=60,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+    assert set(json.loads(chat.choices[0].message.content)) == {"city", "country"}
+    assert chat.choices[0].finish_reason == "stop"
+    ask = 'Output a JSON object with a key "answer" set to "yes".'
+    obj = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ask}],
+                                         max_tokens=60, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    choice = client.completions.create(model=MODEL, prompt="Is water wet? Answer:", max_tokens=5, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": [" yes", " no"]}})
+    assert choice.choices[0].text in (" yes", " no")
+    regex = client.completions.create(model=MODEL, prompt="A phone number:", max_tokens=12, temperature=0,
+                                      extra_body={"guided_regex": r" \d{3}-\d{4}"})
+    assert re.fullmatch(r" \d{3}-\d{4}", regex.choices[0].text)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="Is water wet? Answer:", max_tokens=5, temperature=0, stream=True,
+        extra_body={"guided_choice": [" yes", " no"]}) if c.choices)
+    assert streamed == choice.choices[0].text
+    assert wait_idle(server[1]).kv.pages_in_use == 0
+
+
+def test_token_bytes_are_the_tokens_own_bytes():
+    from engine.models import load_tokenizer
+    from engine.serving.protocol import TokenText
+
+    tokenizer = load_tokenizer(None)
+    text = "Größe: 世界 🎉 naïve"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    tokens = TokenText(tokenizer)
+    assert any("\ufffd" in tokens.text(t) for t in ids)  # pieces of characters do not decode alone
+    assert bytes(b for t in ids for b in tokens.bytes(t)).decode() == text

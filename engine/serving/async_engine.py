@@ -1,31 +1,45 @@
 """The engine loop on a background thread, for a server's many concurrent requests.
 
-Handlers (asyncio) submit and abort through a command queue; the loop thread owns the engine
-alone: it applies commands between steps, runs `step()`, and hands each request's outputs to
-its asyncio queue. A request whose consumer goes away (client disconnect) is aborted, so its
-pages go back at once. If a step raises, the engine is dead: every request in flight gets
-EngineDeadError, new ones are refused with it, and the server reports itself unhealthy.
+Handlers (asyncio) submit, abort and ask for statistics through a command queue; the loop
+thread owns the engine alone: it applies commands between steps, runs `step()`, and hands
+each request's outputs to its asyncio queue. A request whose consumer goes away (client
+disconnect) is aborted, so its pages go back at once. A request that fails inside the engine
+ends with its error and the others go on; if a step itself raises, the engine is dead: every
+request in flight gets EngineDeadError, new ones are refused with it, and the server reports
+itself unhealthy.
+
+Tokenization and chat templating run on a worker thread with their own tokenizer, so a large
+prompt never blocks the event loop and never shares a tokenizer with the engine thread.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
+import logging
 import queue
 import threading
 import time
-import traceback
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
-from engine.inputs import Prompt
+from engine.inputs import Prompt, chat_prompt, tokenize
 from engine.llm_engine import LLMEngine
-from engine.serving.metrics import Metrics
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.serving.metrics import Metrics
+from engine.stats import EngineStats
+
+log = logging.getLogger("vkv.server")
 
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class RequestCancelled(RuntimeError):
+    """The server ended the request (it is shutting down); the message says why."""
 
 
 @dataclass
@@ -41,25 +55,45 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.metrics = Metrics(lambda: self.stats)
+        self.tokenizer = copy.deepcopy(engine.tokenizer)  # the handlers' own
+        self.max_model_len = engine.max_model_len
+        self.metrics = Metrics()
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self.streams: dict[str, _Stream] = {}
-        self.stats = engine.stats()
-        self.running = True
+        self.stats: EngineStats = engine.stats()  # the latest snapshot
+        self.running = True  # the loop thread goes on
+        self.accepting = True  # new requests are taken
         self.dead: EngineDeadError | None = None
+        self.preprocessor = ThreadPoolExecutor(1, thread_name_prefix="vkv-tokenize")
         self.thread = threading.Thread(target=self._loop, name="vkv-engine", daemon=True)
         self.thread.start()
 
     # -- called from the event loop -------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams | BeamSearchParams,
-                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def tokenize(self, prompt) -> Prompt:
+        return await self._preprocess(tokenize, self.tokenizer, self.engine.model_config.vocab_size, prompt)
+
+    async def chat_prompt(self, messages: list[dict]) -> Prompt:
+        return await self._preprocess(chat_prompt, self.tokenizer, messages)
+
+    async def _preprocess(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.preprocessor, fn, *args)
+
+    def validate(self, prompt: Prompt, params: SamplingParams | BeamSearchParams) -> None:
+        """ValueError, with the reason, for a request the engine would refuse (it reads only
+        what never changes, so any thread may ask)."""
+        self.engine.validate(prompt, params)
+
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | BeamSearchParams,
+                       group: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """The request's outputs as it advances; a beam search yields once, at its end."""
         if self.dead:
             raise self.dead
+        if not self.accepting:
+            raise RequestCancelled("the server is shutting down")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
         self.streams[request_id] = stream
-        self._command("add", request_id, prompt_ids, params, prompt_text)
+        self._command("add", request_id, prompt, params, group, priority)
         finished = False
         try:
             while not finished:
@@ -72,6 +106,22 @@ class AsyncEngine:
             if not finished:
                 self._command("abort", request_id)
 
+    async def fresh_stats(self, timeout: float = 2.0) -> EngineStats:
+        """Statistics taken now by the engine thread (between steps); the latest snapshot if
+        the engine is dead or busier than `timeout`."""
+        if self.dead or not self.running:
+            return self.stats
+        future = asyncio.get_running_loop().create_future()
+        self._command("stats", future)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            return self.stats
+
+    def cancel_all(self, reason: str) -> None:
+        """End every request in flight with RequestCancelled(reason); new ones are refused."""
+        self._command("cancel", reason)
+
     def shutdown(self) -> None:
         """Stop the loop (requests still running are aborted) and give the KV memory back."""
         if not self.running:
@@ -79,6 +129,7 @@ class AsyncEngine:
         self.running = False
         self.wake.set()
         self.thread.join(timeout=10)
+        self.preprocessor.shutdown(wait=False, cancel_futures=True)
         if not self.thread.is_alive():
             self.engine.close()
 
@@ -91,7 +142,7 @@ class AsyncEngine:
         try:
             self._run_steps()
         except Exception as exc:
-            traceback.print_exc()
+            log.exception("the engine failed")
             self.dead = EngineDeadError(f"the engine failed and stopped: {exc!r}")
             for stream in self.streams.values():
                 self._put(stream, self.dead)
@@ -110,25 +161,36 @@ class AsyncEngine:
             self.metrics.observe_step(self.engine.map_seconds - mapped_before)
             for out in outputs:
                 self._deliver(out, now)
-            self.stats = self.engine.stats()
         for request_id in list(self.streams):
             self.engine.abort(request_id)
 
     def _apply_commands(self) -> None:
         while True:
             try:
-                kind, request_id, *args = self.commands.get_nowait()
+                kind, *args = self.commands.get_nowait()
             except queue.Empty:
                 return
             if kind == "abort":
-                self.engine.abort(request_id)
-                self.streams.pop(request_id, None)
-                continue
-            prompt_ids, params, text = args
-            try:
-                self.engine.add_request(request_id, Prompt(prompt_ids, text), params)
-            except Exception as exc:  # refused: the handler raises it as an HTTP error
-                self._put(self.streams.pop(request_id, None), exc)
+                self.engine.abort(args[0])
+                self.streams.pop(args[0], None)
+            elif kind == "add":
+                self._add(*args)
+            elif kind == "stats":
+                self.stats = self.engine.stats()
+                future = args[0]
+                future.get_loop().call_soon_threadsafe(_resolve, future, self.stats)
+            elif kind == "cancel":
+                self.accepting = False
+                for request_id, stream in list(self.streams.items()):
+                    self.engine.abort(request_id)
+                    self._put(stream, RequestCancelled(args[0]))
+                self.streams.clear()
+
+    def _add(self, request_id: str, prompt: Prompt, params, group: str | None, priority: int) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params, group=group, priority=priority)
+        except Exception as exc:  # refused: the handler raises it as an HTTP error
+            self._put(self.streams.pop(request_id, None), exc)
 
     def _deliver(self, out: RequestOutput | BeamSearchOutput, now: float) -> None:
         stream = self.streams.get(out.request_id)
@@ -153,3 +215,8 @@ class AsyncEngine:
     def _put(stream: _Stream | None, item) -> None:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)

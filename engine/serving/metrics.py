@@ -1,7 +1,7 @@
 """Prometheus metrics, all prefixed `vkv:`.
 
 Latency histograms are observed by the engine thread as tokens come out; everything else is
-read from a fresh engine statistics snapshot when Prometheus scrapes.
+read from the statistics snapshot the engine thread takes when Prometheus scrapes.
 """
 from __future__ import annotations
 
@@ -42,11 +42,12 @@ COUNTERS = {
 
 
 class _Snapshot:
-    def __init__(self, read_stats):
-        self.read_stats = read_stats
+    stats: EngineStats | None = None
 
     def collect(self):
-        stats: EngineStats = self.read_stats()
+        stats = self.stats
+        if stats is None:
+            return
         for name, (read, doc) in GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=read(stats))
         for name, (read, doc) in COUNTERS.items():
@@ -54,17 +55,19 @@ class _Snapshot:
 
 
 class Metrics:
-    def __init__(self, read_stats):
+    def __init__(self):
         self.registry = CollectorRegistry()
         hist = lambda name, doc, buckets: Histogram(name, doc, buckets=buckets, registry=self.registry)
         self.ttft = hist("vkv:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
         self.itl = hist("vkv:inter_token_latency_seconds", "Time between tokens of a request.", LATENCY_BUCKETS)
         self.e2e = hist("vkv:e2e_request_latency_seconds", "Request latency, arrival to finish.", LATENCY_BUCKETS)
         self.map_time = hist("vkv:page_map_seconds_per_step", "Page mapping time in one engine step.", MAP_BUCKETS)
-        self.registry.register(_Snapshot(read_stats))
+        self.snapshot = _Snapshot()
+        self.registry.register(self.snapshot)
 
     def observe_step(self, map_seconds: float) -> None:
         self.map_time.observe(map_seconds)
 
-    def render(self) -> bytes:
+    def render(self, stats: EngineStats) -> bytes:
+        self.snapshot.stats = stats
         return generate_latest(self.registry)

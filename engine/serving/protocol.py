@@ -1,62 +1,129 @@
-"""OpenAI's request and response shapes, with vLLM's extra sampling fields."""
+"""OpenAI's request and response shapes, with vLLM's extra sampling fields.
+
+Requests forbid fields they do not know, so nothing a client sends is silently ignored: each
+field either works as OpenAI (or vLLM) defines it or is refused with a 400 that names it. The
+sampling fields shared with `SamplingParams` (same names, types and defaults) are declared
+there only and copied into the request models here.
+"""
 from __future__ import annotations
 
+import dataclasses
 import time
+import typing
 import uuid
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from engine.beam_search import BeamSearchParams
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutputsParams
+
+SHARED_WITH_SAMPLING_PARAMS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens")
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _sampling_fields() -> dict:
+    hints = typing.get_type_hints(SamplingParams)
+    fields = {}
+    for f in dataclasses.fields(SamplingParams):
+        if f.name in SHARED_WITH_SAMPLING_PARAMS:
+            default = f.default if f.default is not dataclasses.MISSING else Field(default_factory=f.default_factory)
+            fields[f.name] = (hints[f.name], default)
+    return fields
+
+
+_SamplingFields = create_model("_SamplingFields", __config__=ConfigDict(extra="forbid"), **_sampling_fields())
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Request(_SamplingFields):
     model: str | None = None
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    # vLLM's extras
-    top_k: int = 0
-    min_p: float = 0.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    repetition_penalty: float = 1.0
-    stop_token_ids: list[int] = Field(default_factory=list)
-    skip_special_tokens: bool = True
-    use_beam_search: bool = False  # n is the beam width
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # OpenAI's end-user id, for the caller's own bookkeeping: it changes nothing
+    priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
+    use_beam_search: bool = False  # vLLM's: n is the beam width
     length_penalty: float = 1.0
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None  # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    guided_json: dict | str | None = None  # vLLM's older names for the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams | BeamSearchParams:
-        """Raises ValueError, with the reason, for values out of range."""
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one structured-output request among its spellings; ValueError if several."""
+        given = {}
+        if self.response_format and self.response_format.type != "text":
+            if self.response_format.type == "json_object":
+                given["response_format"] = {"json_object": True}
+            elif not (self.response_format.json_schema and self.response_format.json_schema.json_schema):
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            else:
+                given["response_format"] = {"json": self.response_format.json_schema.json_schema}
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        for kind in ("json", "regex", "choice", "grammar"):
+            if getattr(self, f"guided_{kind}") is not None:
+                given[f"guided_{kind}"] = {kind: getattr(self, f"guided_{kind}")}
+        if len(given) > 1:
+            raise ValueError(f"give one structured output, not {' and '.join(given)}")
+        if not given:
+            return None
+        (name, spec), = given.items()
+        if not isinstance(spec, dict) or set(spec) - {f.name for f in dataclasses.fields(StructuredOutputsParams)}:
+            raise ValueError(f"{name} takes one of json, json_object, regex, choice, grammar")
+        return StructuredOutputsParams(**spec)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        best_of: int | None = None) -> SamplingParams | BeamSearchParams:
+        """Raises ValueError, with the reason, for values out of range or combinations refused."""
         if self.use_beam_search:
-            if logprobs is not None:
-                raise ValueError("logprobs are not supported with beam search")
+            refused = [name for name, value in (("logprobs", logprobs), ("stop", self.stop or None),
+                                                ("best_of", best_of), ("structured output", self.structured()),
+                                                ("logit_bias", self.logit_bias or None)) if value is not None]
+            if refused:
+                raise ValueError(f"{refused[0]} is not supported with beam search")
             return BeamSearchParams(self.n, max_tokens, self.ignore_eos, self.length_penalty)
-        return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, skip_special_tokens=self.skip_special_tokens)
+        try:
+            bias = {int(token): value for token, value in (self.logit_bias or {}).items()}
+        except ValueError as exc:
+            raise ValueError("logit_bias keys must be token ids") from exc
+        shared = {name: getattr(self, name) for name in SHARED_WITH_SAMPLING_PARAMS}
+        return SamplingParams(**shared, max_tokens=max_tokens, logprobs=logprobs, best_of=best_of, logit_bias=bias,
+                              structured_outputs=self.structured())
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
     def prompts(self) -> list:
         p = self.prompt
@@ -65,24 +132,52 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
+class ContentPart(BaseModel):
+    """OpenAI's part types; only text is read, the others are refused by name."""
+    model_config = ConfigDict(extra="allow")  # checked by hand, for messages that name the part
+    type: Literal["text", "image_url", "input_audio", "file", "refusal"]
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[dict] | None = None
+    """Tool messages, participant names and non-text parts are refused: the model and its chat
+    template have no place for them."""
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]  # developer is OpenAI's new name for system
+    content: str | list[ContentPart]
 
-    def text(self) -> str:
-        if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
-        return self.content or ""
+    def to_dict(self, i: int) -> dict:
+        """{"role", "content"} for the chat template; ValueError naming what is refused."""
+        if isinstance(self.content, str):
+            return {"role": CHAT_ROLES[self.role], "content": self.content}
+        texts = []
+        for j, part in enumerate(self.content):
+            where = f"messages[{i}].content[{j}]"
+            if part.type != "text":
+                raise ValueError(f"{where}: parts of type {part.type!r} are not supported (the model reads text only)")
+            if part.text is None:
+                raise ValueError(f"{where}.text is required")
+            if part.model_extra:
+                raise ValueError(f"{where}: unknown field {next(iter(part.model_extra))!r}")
+            texts.append(part.text)
+        return {"role": CHAT_ROLES[self.role], "content": "".join(texts)}
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+
+    def conversation(self) -> list[dict]:
+        return [m.to_dict(i) for i, m in enumerate(self.messages)]
 
 
+# -- responses -----------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -93,25 +188,6 @@ def usage(outputs: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_logprobs(c: CompletionOutput, tokenizer, start: int = 0) -> dict | None:
-    if c.logprobs is None:
-        return None
-    records = c.logprobs[start:]
-    return {"tokens": [tokenizer.decode([r.token_id]) for r in records],
-            "token_logprobs": [r.logprob for r in records],
-            "top_logprobs": [{tokenizer.decode([t]): v for t, v in r.top} for r in records],
-            "text_offset": []}
-
-
-def chat_logprobs(c: CompletionOutput, tokenizer, start: int = 0) -> dict | None:
-    if c.logprobs is None:
-        return None
-    entry = lambda t, v: {"token": tokenizer.decode([t]), "logprob": v,
-                          "bytes": list(tokenizer.decode([t]).encode())}
-    return {"content": [{**entry(r.token_id, r.logprob), "top_logprobs": [entry(t, v) for t, v in r.top]}
-                        for r in c.logprobs[start:]]}
-
-
 def envelope(kind: str, request_id: str, model: str, choices: list, extra: dict | None = None) -> dict:
     return {"id": request_id, "object": kind, "created": int(time.time()), "model": model,
             "choices": choices, **(extra or {})}
@@ -120,3 +196,64 @@ def envelope(kind: str, request_id: str, model: str, choices: list, extra: dict 
 def error_body(message: str, kind: str = "invalid_request_error", code: int | str | None = None,
                param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class TokenText:
+    """How tokens read in logprobs: their text and their exact bytes, cached per token id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._bytes: dict[int, bytes] = {}
+        self._byte_level = _byte_decoder() if _is_byte_level(tokenizer) else None
+
+    def text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes: a byte-fallback token is its one byte, not U+FFFD."""
+        if token_id not in self._bytes:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if self._byte_level and all(ch in self._byte_level for ch in piece):
+                raw = bytes(self._byte_level[ch] for ch in piece)
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                raw = bytes([int(piece[3:5], 16)])
+            else:
+                raw = piece.replace("\u2581", " ").encode()
+            self._bytes[token_id] = raw
+        return list(self._bytes[token_id])
+
+    def completion_logprobs(self, c: CompletionOutput, start: int = 0, offset: int = 0) -> dict | None:
+        """The completions API's form, for tokens from `start`; text offsets shifted by `offset`."""
+        if c.logprobs is None:
+            return None
+        records = c.logprobs[start:]
+        return {"tokens": [self.text(r.token_id) for r in records],
+                "token_logprobs": [r.logprob for r in records],
+                "top_logprobs": [{self.text(t): v for t, v in r.top} for r in records],
+                "text_offset": [offset + r.text_offset for r in records]}
+
+    def chat_logprobs(self, c: CompletionOutput, start: int = 0) -> dict | None:
+        """The chat API's form: per token, its top_logprobs are exactly the k most likely."""
+        if c.logprobs is None:
+            return None
+        entry = lambda t, v: {"token": self.text(t), "logprob": v, "bytes": self.bytes(t)}
+        return {"content": [{**entry(r.token_id, r.logprob), "top_logprobs": [entry(t, v) for t, v in r.top]}
+                            for r in c.logprobs[start:]]}
+
+
+def _is_byte_level(tokenizer) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and "ByteLevel" in type(backend.decoder).__name__ + str(backend.decoder)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: printable stand-in character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table

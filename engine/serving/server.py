@@ -1,32 +1,45 @@
 """`vkv serve`: an OpenAI-compatible HTTP server over the engine, with Prometheus metrics.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events that
-end with `data: [DONE]`; vLLM's `use_beam_search` turns `n` into a beam width), GET /v1/models,
-GET /health, GET /metrics. Binds 127.0.0.1 unless told otherwise; with an API key, /v1 routes want `Authorization: Bearer <key>`. Bodies over
-the size limit get 413; bad JSON, bad values and prompts that can never fit get 400; all
-errors carry OpenAI's error object, and the server keeps serving. A client that disconnects
-aborts its request, which frees its pages. On SIGTERM uvicorn stops accepting, lets requests
-in flight finish (up to 10 s), then the app's shutdown stops the engine and frees its memory.
+end with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics, GET /openapi.json. Binds
+127.0.0.1 unless told otherwise; with an API key, /v1 routes want `Authorization: Bearer <key>`.
+
+No request can hurt another's: bad JSON, unknown fields, bad values and prompts that can never
+fit get a 400 naming the problem (unknown model 404, wrong key 401, too large 413, too slow
+408), each with OpenAI's error object, and nothing reaches the engine. A request that fails
+inside the engine fails alone (500, or an error event in its stream). One request may ask for
+at most `max_prompts_per_request` sequences (prompts x n), and admission is fair between requests.
+A client that disconnects aborts its request, which frees its pages. On SIGTERM the server
+stops accepting, lets requests in flight finish for `--shutdown-timeout` seconds, ends the
+streams still running with an error event and [DONE], then stops the engine and frees its
+memory.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.serving.async_engine import AsyncEngine, EngineDeadError
-from engine.serving.protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs,
-                               completion_logprobs, envelope, error_body, new_id, usage)
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from engine.inputs import Prompt
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.serving.async_engine import AsyncEngine, EngineDeadError, RequestCancelled
+from engine.serving.http import BodyGuard, GuardedH11Protocol
+from engine.serving.options import ServerOptions
+from engine.serving.protocol import (ChatCompletionRequest, CompletionRequest, TokenText, envelope, error_body,
+                                     new_id, usage)
+
+log = logging.getLogger("vkv.server")
 
 
 class HTTPError(Exception):
@@ -38,37 +51,9 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
     return JSONResponse(error_body(message, kind, status), status_code=status)
 
 
-class BodyLimit:
-    """ASGI middleware: refuse request bodies over max_bytes with 413, declared or streamed."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        too_large = error(413, f"request body exceeds {self.max_bytes} bytes")
-        if declared is not None and int(declared) > self.max_bytes:
-            return await too_large(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise HTTPError(413, f"request body exceeds {self.max_bytes} bytes")
-            return message
-
-        try:
-            await self.app(scope, limited, send)
-        except HTTPError:
-            await too_large(scope, receive, send)
-
-
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = 1 << 20, max_n: int = 16) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = ServerOptions()) -> FastAPI:
+    """The app; of `options` it reads the API key and the limits."""
+    api_key, limits = options.api_key, options
     @asynccontextmanager
     async def lifespan(_):
         yield
@@ -76,9 +61,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         print("vkv: engine stopped, KV memory released", flush=True)
 
     app = FastAPI(title="vkv", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    tokenizer = engine.engine.tokenizer
-    max_len = engine.engine.max_model_len
+    app.add_middleware(BodyGuard, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout)
+    tokens = TokenText(engine.tokenizer)
 
     @app.exception_handler(HTTPError)
     async def _http_error(_, exc: HTTPError):
@@ -88,11 +72,25 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def _dead(_, exc: EngineDeadError):
         return error(503, str(exc), "engine_dead")
 
+    @app.exception_handler(RequestCancelled)
+    async def _cancelled(_, exc: RequestCancelled):
+        return error(503, str(exc), "service_unavailable")
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}")
+        return error(400, f"invalid request: {where or 'body'}: {first.get('msg', 'malformed body')}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette(_, exc: StarletteHTTPException):
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return error(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _bug(_, exc: Exception):
+        log.exception("unexpected error", exc_info=exc)
+        return error(500, f"internal error: {type(exc).__name__}", "internal_error")
 
     def authorize(request: Request) -> None:
         if api_key is None:
@@ -101,25 +99,42 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if not hmac.compare_digest(sent.encode(), f"Bearer {api_key}".encode()):
             raise HTTPError(401, "invalid or missing API key", "authentication_error")
 
-    def check(body) -> None:
+    def check(body, best_of: int | None = None) -> None:
         if body.model not in (None, model_name):
             raise HTTPError(404, f"model {body.model!r} does not exist; this server has {model_name!r}",
                             "model_not_found")
-        if not 1 <= body.n <= max_n:
-            raise HTTPError(400, f"n must be in [1, {max_n}], got {body.n}")
+        for name, value in (("n", body.n), ("best_of", best_of)):
+            if value is not None and not 1 <= value <= limits.max_n:
+                raise HTTPError(400, f"{name} must be in [1, {limits.max_n}], got {value}")
+        if body.stream_options is not None and not body.stream:
+            raise HTTPError(400, "stream_options needs stream: true")
 
-    def prepare(prompts: list, body, max_tokens: int | None, logprobs: int | None):
-        """Tokenize and check every prompt before any runs; 400 with the reason if bad."""
+    async def prepare(prompts: list[Prompt], body, max_tokens: int | None, logprobs: int | None,
+                      best_of: int | None = None):
+        """Check the request whole before any of it runs; 400 with the reason if bad."""
+        per_prompt = max(body.n, best_of or 0)
+        if len(prompts) * per_prompt > limits.max_prompts_per_request:
+            raise HTTPError(400, f"{len(prompts)} prompts x {per_prompt} sequences exceed the "
+                                 f"{limits.max_prompts_per_request} one request may ask for")
         try:
-            ids = [engine.engine.tokenize(p).token_ids for p in prompts]
             if max_tokens is None:  # as much as fits after the longest prompt
-                max_tokens = max(1, max_len - max(len(i) for i in ids))
-            params = body.sampling_params(max_tokens, logprobs)
-            for prompt_ids in ids:
-                engine.engine.validate(Prompt(prompt_ids), params)
-            return params, ids
+                max_tokens = max(1, engine.max_model_len - max(len(p.token_ids) for p in prompts))
+            params = body.sampling_params(max_tokens, logprobs, best_of)
+            for prompt in prompts:
+                engine.validate(prompt, params)
+            return params
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
+
+    async def tokenize(raw_prompts: list) -> list[Prompt]:
+        prompts = []
+        for i, raw in enumerate(raw_prompts):
+            try:
+                prompts.append(await engine.tokenize(raw))
+            except ValueError as exc:
+                where = f"prompt[{i}]: " if len(raw_prompts) > 1 else ""
+                raise HTTPError(400, where + str(exc)) from exc
+        return prompts
 
     @app.get("/health")
     async def health():
@@ -129,29 +144,40 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/metrics")
     async def metrics():
-        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(engine.metrics.render(await engine.fresh_stats()), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "vkv",
-                                            "max_model_len": max_len}]}
+                                            "max_model_len": engine.max_model_len}]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request):
-        check(body)
-        params, ids = prepare(body.prompts(), body, body.max_tokens, body.logprobs)
+        check(body, body.best_of)
+        if body.suffix:
+            raise HTTPError(400, "suffix is not supported: the model has no fill-in-the-middle mode")
+        if body.echo and body.logprobs is not None:
+            raise HTTPError(400, "echo with logprobs needs the prompt's logprobs, which vkv does not compute")
+        if body.stream and body.best_of is not None and body.best_of > body.n:
+            raise HTTPError(400, "best_of > n cannot be streamed: the best are known only at the end")
+        raw = body.prompts()
+        if not raw:
+            raise HTTPError(400, "prompt must not be empty")
+        prompts = await tokenize(raw)
+        params = await prepare(prompts, body, body.max_tokens, body.logprobs, body.best_of)
         rid = new_id("cmpl")
-        texts = [p if isinstance(p, str) else None for p in body.prompts()]
+        echoes = [(p.text if p.text is not None else engine.tokenizer.decode(p.token_ids)) if body.echo else ""
+                  for p in prompts]
 
-        def choice(prompt_index: int, c, text: str, start: int = 0) -> dict:
-            return {"index": prompt_index * body.n + c.index, "text": text,
-                    "logprobs": completion_logprobs(c, tokenizer, start), "finish_reason": c.finish_reason}
+        def choice(i: int, c, text: str, start: int = 0, first: bool = True) -> dict:
+            return {"index": i * body.n + c.index, "text": (echoes[i] if first else "") + text,
+                    "logprobs": tokens.completion_logprobs(c, start), "finish_reason": c.finish_reason}
 
         if body.stream:
-            chunks = _stream_chunks(engine, rid, ids, params, texts, "text_completion", model_name,
-                                    lambda i, c, delta, start: choice(i, c, delta, start), body)
+            chunks = _stream(engine, rid, prompts, params, body, "text_completion", model_name,
+                             lambda i, c, delta, start: choice(i, c, delta, start, first=start == 0))
             return StreamingResponse(chunks, media_type="text/event-stream")
-        outs = await _collect(engine, rid, ids, params, texts, request)
+        outs = await _collect(engine, rid, prompts, params, body.priority, request)
         return envelope("text_completion", rid, model_name,
                         [choice(i, c, c.text) for i, o in enumerate(outs) for c in o.outputs],
                         {"usage": usage(outs)})
@@ -159,64 +185,80 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(body: ChatCompletionRequest, request: Request):
         check(body)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        if body.tools:
+            raise HTTPError(400, "tools are not supported: vkv has no tool-call parser for this model family")
+        for name, value in (("tool_choice", body.tool_choice if body.tool_choice != "none" else None),
+                            ("parallel_tool_calls", body.parallel_tool_calls)):
+            if value is not None:
+                raise HTTPError(400, f"{name} is not supported: vkv does not support tools")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise HTTPError(400, "top_logprobs needs logprobs: true")
         try:
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:
-            raise HTTPError(400, f"cannot apply the chat template: {exc}") from exc
-        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+            conversation = body.conversation()
+            prompt = await engine.chat_prompt(conversation)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc)) from exc
+        for name in ("max_completion_tokens", "max_tokens"):
+            if getattr(body, name) is not None and getattr(body, name) < 1:
+                raise HTTPError(400, f"{name} must be >= 1, got {getattr(body, name)}")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params, ids = prepare([prompt_ids], body, body.max_completion_tokens or body.max_tokens, logprobs)
+        params = await prepare([prompt], body, max_tokens, logprobs)
         rid = new_id("chatcmpl")
 
         def choice(_, c, delta: str, start: int) -> dict:
             return {"index": c.index, "delta": ({"role": "assistant"} if start == 0 else {}) | {"content": delta},
-                    "logprobs": chat_logprobs(c, tokenizer, start), "finish_reason": c.finish_reason}
+                    "logprobs": tokens.chat_logprobs(c, start), "finish_reason": c.finish_reason}
 
         if body.stream:
-            chunks = _stream_chunks(engine, rid, ids, params, [prompt], "chat.completion.chunk", model_name,
-                                    choice, body)
+            chunks = _stream(engine, rid, [prompt], params, body, "chat.completion.chunk", model_name, choice)
             return StreamingResponse(chunks, media_type="text/event-stream")
-        outs = await _collect(engine, rid, ids, params, [prompt], request)
+        outs = await _collect(engine, rid, [prompt], params, body.priority, request)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c, tokenizer), "finish_reason": c.finish_reason}
+                    "logprobs": tokens.chat_logprobs(c), "finish_reason": c.finish_reason}
                    for c in outs[0].outputs]
         return envelope("chat.completion", rid, model_name, choices, {"usage": usage(outs)})
 
     return app
 
 
-async def _collect(engine: AsyncEngine, rid: str, ids: list[list[int]], params, texts, request: Request):
+async def _collect(engine: AsyncEngine, rid: str, prompts: list[Prompt], params, priority: int,
+                   request: Request) -> list[RequestOutput]:
     """Run every prompt to the end; abort them all if the client goes away first."""
     async def last(i: int) -> RequestOutput:
         out = None
-        async for out in engine.generate(f"{rid}-{i}", ids[i], params, texts[i]):
+        async for out in engine.generate(f"{rid}-{i}", prompts[i], params, rid, priority):
             pass
         return out
 
-    task = asyncio.ensure_future(asyncio.gather(*(last(i) for i in range(len(ids)))))
+    task = asyncio.ensure_future(asyncio.gather(*(last(i) for i in range(len(prompts)))))
     while not task.done():
         await asyncio.wait([task], timeout=0.5)
         if not task.done() and await request.is_disconnected():
             task.cancel()
             raise HTTPError(499, "client disconnected")
-    return task.result()
+    outs = task.result()
+    failed = next((o.error for o in outs if o.error), None)
+    if failed:
+        raise HTTPError(500, f"the request failed inside the engine: {failed}", "internal_error")
+    return outs
 
 
-async def _stream_chunks(engine: AsyncEngine, rid: str, ids, params, texts, kind: str, model: str,
-                         choice, body) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per new text of any completion, then usage, then [DONE]."""
+async def _stream(engine: AsyncEngine, rid: str, prompts: list[Prompt], params, body, kind: str, model: str,
+                  choice) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per new text of any completion, then usage, then [DONE].
+    An error ends the stream with an error event and [DONE]."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            async for out in engine.generate(f"{rid}-{i}", ids[i], params, texts[i]):
+            async for out in engine.generate(f"{rid}-{i}", prompts[i], params, rid, body.priority):
                 await queue.put((i, out))
-        except Exception as exc:  # the engine died or refused it: the stream ends with the error
+        except Exception as exc:  # the engine died, refused it, or the server is shutting down
             await queue.put((i, exc))
         await queue.put((i, None))
 
-    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(ids))]
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(prompts))]
     sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, completion) -> (chars, tokens)
     finals: dict[int, RequestOutput] = {}
     try:
@@ -226,38 +268,61 @@ async def _stream_chunks(engine: AsyncEngine, rid: str, ids, params, texts, kind
             if out is None:
                 running -= 1
                 continue
-            if isinstance(out, Exception):
-                yield f"data: {json.dumps(error_body(str(out), type(out).__name__, 500))}\n\n"
+            failure = out if isinstance(out, Exception) else (out.error and RuntimeError(out.error))
+            if failure:
+                status = 503 if isinstance(failure, (EngineDeadError, RequestCancelled)) else 500
+                yield f"data: {json.dumps(error_body(str(failure), type(failure).__name__, status))}\n\n"
                 break
             finals[i] = out
             choices = []
             for c in out.outputs:
                 chars, tokens = sent.get((i, c.index), (0, 0))
-                if len(c.text) > chars or c.finish_reason or len(c.token_ids) > tokens and c.logprobs:
+                if (i, c.index) not in sent or len(c.text) > chars or c.finish_reason \
+                        or len(c.token_ids) > tokens and c.logprobs:
                     choices.append(choice(i, c, c.text[chars:], tokens))
                     sent[(i, c.index)] = (len(c.text), len(c.token_ids))
             if choices:
                 yield f"data: {json.dumps(envelope(kind, rid, model, choices))}\n\n"
-        if body.stream_options and body.stream_options.include_usage:
-            yield f"data: {json.dumps(envelope(kind, rid, model, [], {'usage': usage(list(finals.values()))}))}\n\n"
+        else:
+            if body.stream_options and body.stream_options.include_usage:
+                yield f"data: {json.dumps(envelope(kind, rid, model, [], {'usage': usage(list(finals.values()))}))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         for task in tasks:
             task.cancel()
 
 
-def serve(args) -> None:
-    import uvicorn
+def _graceful_server(config: uvicorn.Config, engine: AsyncEngine, grace: float) -> uvicorn.Server:
+    """uvicorn's server, except that streams still running at the end of the grace period end
+    with an error event and [DONE] instead of being cut off mid-body."""
 
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            cut = asyncio.get_running_loop().call_later(max(grace - 1.0, 0.0), engine.cancel_all,
+                                                        "the server is shutting down")
+            try:
+                await super().shutdown(sockets)
+            finally:
+                cut.cancel()
+
+    return Server(config)
+
+
+def serve(args) -> None:
+    options = ServerOptions.from_cli_args(args)
     engine = LLMEngine(EngineConfig.from_cli_args(args))
-    name = args.served_model_name or (args.model.rstrip("/").split("/")[-1] if args.model
-                                      else "SmolLM2-135M-Instruct")
+    name = options.served_model_name or (args.model.rstrip("/").split("/")[-1] if args.model
+                                         else "SmolLM2-135M-Instruct")
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, name, args.api_key, args.max_body_bytes)
-    print(f"vkv: serving {name} on http://{args.host}:{args.port} "
+    app = build_app(async_engine, name, options)
+    protocol = type("GuardedH11", (GuardedH11Protocol,), {"header_timeout": options.header_timeout})
+    print(f"vkv: serving {name} on http://{options.host}:{options.port} "
           f"({engine.config.kv_layout} KV, {engine.attention} attention)", flush=True)
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level, http=protocol,
+                            timeout_keep_alive=options.timeout_keep_alive,
+                            limit_concurrency=options.limit_concurrency,
+                            timeout_graceful_shutdown=options.shutdown_timeout)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=10)
+        _graceful_server(config, async_engine, options.shutdown_timeout).run()
     finally:  # when uvicorn did not get as far as the app's shutdown
         async_engine.shutdown()

@@ -1,0 +1,50 @@
+"""The server's settings and its command-line flags, declared once (no heavy imports here, so
+`vkv --help` stays fast)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "info"
+    max_body_bytes: int = 1 << 20
+    body_timeout: float = 30.0  # seconds for a whole request body to arrive
+    header_timeout: float = 10.0  # seconds for a request's line and headers to arrive
+    timeout_keep_alive: int = 5  # seconds an idle kept-alive connection stays open
+    limit_concurrency: int = 512  # connections at once; more get 503
+    max_n: int = 16  # n, best_of and beam width
+    max_prompts_per_request: int = 64  # sequences (prompts x max(n, best_of)) one request may ask for
+    shutdown_timeout: float = 30.0  # seconds requests in flight get to finish on SIGTERM
+
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        d = ServerOptions()
+        p.add_argument("--host", default=d.host, help="address to bind (default: loopback only)")
+        p.add_argument("--port", type=int, default=d.port)
+        p.add_argument("--api-key", default=d.api_key, help="require 'Authorization: Bearer KEY' on /v1")
+        p.add_argument("--served-model-name", default=d.served_model_name)
+        p.add_argument("--log-level", default=d.log_level)
+        g = p.add_argument_group("limits")
+        g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body accepted")
+        g.add_argument("--body-timeout", type=float, default=d.body_timeout, help="seconds for a body to arrive")
+        g.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                       help="seconds for a request's headers to arrive")
+        g.add_argument("--timeout-keep-alive", type=int, default=d.timeout_keep_alive,
+                       help="seconds an idle connection stays open")
+        g.add_argument("--limit-concurrency", type=int, default=d.limit_concurrency,
+                       help="connections at once; more get 503")
+        g.add_argument("--max-n", type=int, default=d.max_n, help="largest n, best_of or beam width")
+        g.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
+                       help="most sequences (prompts x n) one request may ask for")
+        g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                       help="seconds requests in flight get to finish on SIGTERM")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerOptions:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})

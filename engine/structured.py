@@ -1,0 +1,134 @@
+"""Structured outputs: a grammar decides which tokens may come next, as a mask on the logits.
+
+A request asks for one of: a JSON schema (`json`), any JSON object (`json_object`), a regular
+expression (`regex`), one of a list of strings (`choice`), or a grammar (`grammar`: Lark, or
+GBNF/EBNF). llguidance (the grammar engine vLLM also offers) compiles it against the
+tokenizer; every sequence of the request gets its own matcher, which yields the allowed-token
+mask before each sample and consumes each sampled token after. When the grammar is complete
+the sequence stops ("stop"), with or without an EOS token.
+
+Preemption by recompute keeps a sequence's generated tokens, so its matcher stays where it is;
+anything that takes tokens back (speculative decoding) rolls the matcher back by as many.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's names. Exactly one of the fields is set."""
+    json: dict | str | None = None  # a JSON schema (object or its text)
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs need exactly one of {', '.join(KINDS)}; got "
+                             f"{', '.join(given) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from exc
+        checks = [(self.json is None or isinstance(self.json, dict), "json must be a JSON schema object"),
+                  (self.json_object in (None, True, False), "json_object must be a boolean"),
+                  (self.regex is None or isinstance(self.regex, str), "regex must be a string"),
+                  (self.grammar is None or isinstance(self.grammar, str), "grammar must be a string"),
+                  (self.choice is None or (isinstance(self.choice, list) and self.choice
+                                           and all(isinstance(c, str) and c for c in self.choice)),
+                   "choice must be a non-empty list of non-empty strings")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def to_llguidance(self) -> str:
+        """The request as llguidance's grammar text."""
+        from llguidance import LLMatcher
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        compact = {"whitespace_flexible": False}  # no runs of whitespace a small model may loop in
+        if self.json is not None:
+            return LLMatcher.grammar_from_json_schema(self.json, defaults=compact)
+        if self.json_object:
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=compact)
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        return LLMatcher.grammar_from_lark(any_to_lark(self.grammar))
+
+
+class Grammars:
+    """Compiles requests' grammars and makes their matchers; wraps the tokenizer once, on first use."""
+
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64):
+        self.hf_tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._tokenizer = None
+        self._compiled: dict[str, str] = {}  # request's grammar, as JSON -> checked grammar
+        self.cache_size = cache_size
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+        return self._tokenizer
+
+    def compile(self, params: StructuredOutputsParams) -> str:
+        """The grammar, checked against the tokenizer; ValueError with llguidance's reason."""
+        from llguidance import LLMatcher
+
+        key = json.dumps(asdict(params), sort_keys=True)
+        if key in self._compiled:
+            return self._compiled[key]
+        try:
+            grammar = params.to_llguidance()
+        except Exception as exc:  # llguidance raises plain errors for malformed input
+            raise ValueError(f"invalid structured output: {exc}") from exc
+        error = LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise ValueError(f"invalid structured output: {error.strip()}")
+        if len(self._compiled) >= self.cache_size:
+            self._compiled.pop(next(iter(self._compiled)))
+        self._compiled[key] = grammar
+        return grammar
+
+    def matcher(self, grammar: str):
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid structured output: {matcher.get_error()}")
+        return matcher
+
+    def masks(self, matchers: list) -> torch.Tensor | None:
+        """bool [rows, vocab]: True where a token may come next; None when no row has a grammar."""
+        if all(m is None for m in matchers):
+            return None
+        import llguidance.torch as lt
+
+        bits = lt.allocate_token_bitmask(len(matchers), self.vocab_size)
+        bits.fill_(-1)
+        for row, matcher in enumerate(matchers):
+            if matcher is not None:
+                lt.fill_next_token_bitmask(matcher, bits, row)
+        shifts = torch.arange(32, dtype=torch.int32)
+        allowed = (bits[:, :, None] >> shifts) & 1
+        return allowed.flatten(1)[:, :self.vocab_size].bool()
+
+
+def consume(matcher, token_id: int) -> bool:
+    """Advance a matcher by one sampled token; True when its grammar is now complete."""
+    if not matcher.consume_token(token_id):
+        raise RuntimeError(f"the grammar refused token {token_id}: {matcher.get_error()}")
+    return matcher.is_stopped()

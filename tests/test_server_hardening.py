@@ -1,0 +1,265 @@
+"""No request can take the server down or hurt another's: each reproducer that once killed the
+engine, answered 500 or hung a connection, now gets a clear 4xx (OpenAI's error object) or
+works, and the server goes on serving. Runs on `random:tiny` with small limits, so it is fast."""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.http import GuardedH11Protocol
+from engine.serving.options import ServerOptions
+from engine.serving.server import build_app
+from helpers import assert_pool_whole
+
+OPTIONS = ServerOptions(max_body_bytes=4 << 20, body_timeout=1.5, max_prompts_per_request=16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = AsyncEngine(LLMEngine(EngineConfig(model="random:tiny", max_num_seqs=4, kv_cache_memory=16 << 20,
+                                                page_size=4096, max_model_len=256)))
+    app = build_app(engine, "tiny", OPTIONS)
+    port = free_port()
+    protocol = type("H", (GuardedH11Protocol,), {"header_timeout": 1.0})
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=protocol))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine, port
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+def post(base: str, path: str, body, **kw) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(base + path, content=content, headers={"Content-Type": "application/json"}, timeout=60, **kw)
+
+
+def assert_still_serving(base: str, engine: AsyncEngine) -> None:
+    assert httpx.get(base + "/health", timeout=10).status_code == 200
+    ok = post(base, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 1, ok.text
+    deadline = time.monotonic() + 10
+    while engine.streams and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.streams
+
+
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+CASES = {  # name: (path, body, status, words the error must contain)
+    "tiny temperature is greedy": ("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "temperature": 1e-300}, 200, ()),
+    "tiny repetition penalty": ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 1e-300}, 400, ("repetition_penalty",)),
+    "stop token past the vocabulary": ("/v1/completions", {"prompt": "Hi", "min_tokens": 1, "stop_token_ids": [50000]},
+                                       400, ("stop_token_ids", "vocabulary")),
+    "logit bias past the vocabulary": ("/v1/completions", {"prompt": "Hi", "logit_bias": {"99999": 5}}, 400, ("logit_bias",)),
+    "empty prompt list": ("/v1/completions", {"prompt": []}, 400, ("prompt",)),
+    "max_completion_tokens 0": (CHAT, {"messages": HI, "max_completion_tokens": 0}, 400, ("max_completion_tokens",)),
+    "text part that is a number": (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+                                   400, ("messages",)),
+    "text part that is null": (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+                               400, ("text",)),
+    "lone surrogate": ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', 400, ("Unicode",)),
+    "seed too large": ("/v1/completions", {"prompt": "Hi", "seed": 2 ** 64}, 400, ("seed",)),
+    "seed too large, streaming": ("/v1/completions", {"prompt": "Hi", "seed": 2 ** 64, "stream": True}, 400, ("seed",)),
+    "seed too small": (CHAT, {"messages": HI, "seed": -2 ** 63 - 1}, 400, ("seed",)),
+    "invalid UTF-8": ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, ("UTF-8",)),
+    "deeply nested JSON": ("/v1/completions", "[" * 100_000, 400, ()),
+    "unknown field": ("/v1/completions", {"prompt": "Hi", "frobnicate": 1}, 400, ("frobnicate",)),
+    "suffix": ("/v1/completions", {"prompt": "Hi", "suffix": "end"}, 400, ("suffix",)),
+    "echo with logprobs": ("/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1}, 400, ("echo",)),
+    "best_of below n": ("/v1/completions", {"prompt": "Hi", "n": 3, "best_of": 2}, 400, ("best_of",)),
+    "best_of streamed": ("/v1/completions", {"prompt": "Hi", "best_of": 3, "stream": True}, 400, ("best_of",)),
+    "stop under beam search": ("/v1/completions", {"prompt": "Hi", "n": 2, "use_beam_search": True, "stop": ["x"]},
+                               400, ("stop", "beam")),
+    "tools": (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, ("tools",)),
+    "tool_choice": (CHAT, {"messages": HI, "tool_choice": "auto"}, 400, ("tool_choice",)),
+    "top_logprobs without logprobs": (CHAT, {"messages": HI, "top_logprobs": 2}, 400, ("top_logprobs",)),
+    "image part": (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+                   400, ("image_url",)),
+    "tool role": (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, ("role", "user")),
+    "unknown role": (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, ("role", "user")),
+    "message name": (CHAT, {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400, ("name",)),
+    "message without content": (CHAT, {"messages": [{"role": "user"}]}, 400, ("content",)),
+    "stream_options without stream": (CHAT, {"messages": HI, "stream_options": {"include_usage": True}}, 400,
+                                      ("stream_options",)),
+    "two structured outputs": (CHAT, {"messages": HI, "guided_regex": "a", "response_format": {"type": "json_object"}},
+                               400, ("structured",)),
+    "bad regex": (CHAT, {"messages": HI, "guided_regex": "["}, 400, ("structured output",)),
+    "json_schema without a schema": (CHAT, {"messages": HI, "response_format": {"type": "json_schema",
+                                                                               "json_schema": {"name": "x"}}},
+                                     400, ("schema",)),
+    "too many sequences": ("/v1/completions", {"prompt": ["a"] * 4, "n": 5}, 400, ("sequences",)),
+    "unknown route": ("/v1/nothing", {"prompt": "Hi"}, 404, ()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_and_odd_requests_get_clear_answers_and_hurt_no_one(server, case):
+    base, engine, _ = server
+    path, body, status, words = CASES[case]
+    r = post(base, path, body)
+    assert r.status_code == status, r.text
+    if status != 200:
+        message = r.json()["error"]["message"]
+        assert all(w in message for w in words), message
+    assert_still_serving(base, engine)
+
+
+def test_body_limits_and_deadlines(server):
+    base, engine, port = server
+
+    def raw(data: bytes, wait: float = 0.0) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(data)
+            time.sleep(wait)
+            chunks = []
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+    def chunks():  # a chunked body larger than the limit, never declared
+        for _ in range(5):
+            yield b"x" * (1 << 20)
+
+    r = httpx.post(base + "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["message"]
+    both = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n"
+               b"Content-Type: application/json\r\n\r\n0\r\n\r\n")
+    assert both.split(b"\r\n")[0].split()[1] in (b"400",), both[:200]
+    start = time.monotonic()  # a body shorter than its Content-Length: 408 after the body deadline
+    short = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                b"Content-Type: application/json\r\n\r\n{\"prompt\"")
+    assert b" 408 " in short.split(b"\r\n")[0] and time.monotonic() - start < 10
+    start = time.monotonic()  # a silent connection is closed after the header deadline
+    assert raw(b"") == b"" and time.monotonic() - start < 5
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # slowloris: a byte at a time
+        start, closed = time.monotonic(), False
+        for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+            try:
+                s.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.1)
+            s.setblocking(False)
+            try:
+                if s.recv(1) == b"":
+                    closed = True
+                    break
+            except BlockingIOError:
+                pass
+            finally:
+                s.setblocking(True)
+        assert closed and time.monotonic() - start < 5
+    assert_still_serving(base, engine)
+
+
+def test_metrics_are_fresh_after_an_abort_and_count_exactly(server):
+    base, engine, _ = server
+
+    def scrape() -> dict[str, float]:
+        lines = httpx.get(base + "/metrics").text.splitlines()
+        return {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("vkv:")}
+
+    before = scrape()
+    post(base, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 7, "ignore_eos": True, "n": 2})
+    after = scrape()
+    assert after["vkv:generation_tokens_total"] - before["vkv:generation_tokens_total"] == 14
+    assert after["vkv:prompt_tokens_total"] - before["vkv:prompt_tokens_total"] == 3
+    assert after["vkv:request_success_total"] - before["vkv:request_success_total"] == 1
+    body = {"prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i == 3:
+                break  # the client goes away mid-stream
+    deadline = time.monotonic() + 10
+    while (m := scrape())["vkv:num_requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert m["vkv:num_requests_running"] == 0 and m["vkv:pages_in_use"] == 0, m
+    assert {"vkv:pages_idle", "vkv:pages_cached", "vkv:pages_free"} <= set(m)
+    assert m["vkv:pages_free"] + m["vkv:pages_idle"] + m["vkv:pages_cached"] == m["vkv:pages_total"]
+
+
+def test_a_request_of_many_prompts_does_not_starve_a_small_one(server):
+    base, engine, _ = server
+    big = {"prompt": [[i + 1, i + 2] for i in range(16)], "max_tokens": 48, "ignore_eos": True}
+    small = {"prompt": [7, 7, 7], "max_tokens": 4, "ignore_eos": True}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+            order = []
+
+            async def send(name, body, delay):
+                await asyncio.sleep(delay)
+                r = await c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                order.append(name)
+            await asyncio.gather(send("big", big, 0), send("small", small, 0.3))
+            return order
+
+    # 4 seats: the big request fills them and queues 12 more; the small one gets the next seat.
+    assert asyncio.run(scenario()) == ["small", "big"]
+
+
+def test_tokenization_does_not_block_the_event_loop(server):
+    base, engine, _ = server
+    prompt = "hello world, this is a test. " * 33_000  # about 1 MB, 270k tokens: too long, after tokenizing
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+            big = [asyncio.ensure_future(c.post("/v1/completions", json={"prompt": prompt})) for _ in range(4)]
+            await asyncio.sleep(0.2)
+            worst = 0.0
+            while not all(b.done() for b in big):
+                start = time.monotonic()
+                assert (await c.get("/health")).status_code == 200
+                worst = max(worst, time.monotonic() - start)
+                await asyncio.sleep(0.05)
+            return worst, [b.result().status_code for b in big]
+
+    worst, statuses = asyncio.run(scenario())
+    assert statuses == [400] * 4
+    assert worst < 1.0, worst  # four 1 MB tokenizations take several seconds together
+
+
+def test_offline_engine_fails_one_request_and_serves_the_rest():
+    """A bug inside one request's processing (here: its detokenizer raises) fails that request
+    with finish reason "error" and its message; the others finish as they would alone."""
+    llm = LLM(model="random:tiny", max_num_seqs=4, kv_cache_memory=8 << 20, page_size=4096)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6]], greedy, use_tqdm=False)]
+    engine = llm.engine
+    engine.add_request("ok-0", [1, 2, 3], greedy)
+    engine.add_request("doomed", [9, 9, 9], SamplingParams(n=2, max_tokens=6, ignore_eos=True))
+    engine.add_request("ok-1", [4, 5, 6], greedy)
+
+    def broken(token_id):
+        raise RuntimeError("simulated detokenizer bug")
+    for detokenizer in engine.requests["doomed"].detokenizers:
+        detokenizer.add = broken
+    done = {}
+    while engine.has_unfinished():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert "simulated detokenizer bug" in done["doomed"].error
+    assert {c.finish_reason for c in done["doomed"].outputs} == {"error"}
+    assert [done["ok-0"].outputs[0].token_ids, done["ok-1"].outputs[0].token_ids] == alone
+    assert llm.stats().requests_failed == 1
+    assert_pool_whole(llm)
