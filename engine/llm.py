@@ -21,9 +21,10 @@ class LLM:
         self._ids = count()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLM:
+    def from_config(cls, config: EngineConfig, loaded: tuple | None = None) -> LLM:
+        """An LLM for an EngineConfig; `loaded` as LLMEngine takes it."""
         llm = cls.__new__(cls)
-        llm.engine, llm._ids = LLMEngine(config), count()
+        llm.engine, llm._ids = LLMEngine(config, loaded), count()
         return llm
 
     @property

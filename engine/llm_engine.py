@@ -56,12 +56,15 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, loaded: tuple | None = None):
+        """loaded: (model, tokenizer) already in memory for config.model, to run another engine
+        over the same weights (a fresh KV cache and scheduler) without loading them again."""
         self.config = c = config
         self.model_config = load_config(c.model)
-        self.tokenizer = load_tokenizer(c.model)
         self.max_model_len = c.resolve_max_model_len(self.model_config.max_position_embeddings)
-        self.model = load_model(c.model, self.model_config, c.device, c.dtype, c.seed)
+        if loaded is None:
+            loaded = (load_model(c.model, self.model_config, c.device, c.dtype, c.seed), load_tokenizer(c.model))
+        self.model, self.tokenizer = loaded
         self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.attention = pick_attention(c.attention_backend, c.device, c.dtype, c.kv_layout)
         self.kv = self._make_kv_cache()
@@ -145,10 +148,10 @@ class LLMEngine:
             for seq in seqs:
                 seq.grammar = self.grammars.matcher(grammar)
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
-        self.requests[request_id] = Request(request_id, prompt, params, seqs, detoks, [""] * len(seqs),
-                                            seqs[1:], beam)
-        if beam:
+        if beam:  # the group holds the live beams
             beam.live[seqs[0]] = 0.0
+        self.requests[request_id] = Request(request_id, prompt, params, [] if beam else seqs, detoks,
+                                            [""] * len(seqs), seqs[1:], beam)
         self.scheduler.add(seqs[0])
         self.num_prompt_tokens += len(ids)
 

@@ -44,9 +44,14 @@ def test_max_tokens_min_tokens_and_stop_strings(llm):
                        use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and stop not in cut.text
     assert full.text.startswith(cut.text)
-    eos_first = llm.generate("Say nothing.", SamplingParams(temperature=0, min_tokens=5, max_tokens=6),
-                             use_tqdm=False)[0].outputs[0]
-    assert len(eos_first.token_ids) >= 5
+    say = [{"role": "user", "content": "Say OK."}]
+    baseline = llm.chat(say, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    assert baseline.finish_reason == "stop" and baseline.token_ids[-1] == llm.tokenizer.eos_token_id
+    least = len(baseline.token_ids) + 4
+    held = llm.chat(say, SamplingParams(temperature=0, min_tokens=least, max_tokens=least + 10),
+                    use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= least and held.token_ids[:len(baseline.token_ids) - 1] == baseline.token_ids[:-1]
+    assert llm.tokenizer.eos_token_id not in held.token_ids[:least - 1]
 
 
 def test_chat_answers_sensibly(llm):

@@ -11,6 +11,7 @@ import functools
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from engine import LLM, BeamSearchParams, SamplingParams
+from engine.config import EngineConfig
 from helpers import assert_pool_whole
 
 PAGE = 4096
@@ -21,20 +22,33 @@ PAGES = {"interleaved": (24, 15), "per_layer": (32, 24), "paged": (12, 9)}
 
 
 @functools.cache
+def weights() -> tuple:
+    """The tiny model and its tokenizer, loaded once; every engine below gets fresh KV state."""
+    engine = LLM(model="random:tiny", seed=0, kv_cache_memory=1 << 20).engine
+    return engine.model, engine.tokenizer
+
+
 def engine_for(layout: str, pages: int, seats: int, caching: bool) -> LLM:
     kv_memory = pages * (16 * 512 if layout == "paged" else PAGE)  # paged: blocks of 16 tokens
-    return LLM(model="random:tiny", kv_layout=layout, page_size=PAGE, kv_cache_memory=kv_memory,
-               max_num_seqs=seats, enable_prefix_caching=caching, max_num_batched_tokens=32, seed=0)
+    config = EngineConfig(model="random:tiny", kv_layout=layout, page_size=PAGE, kv_cache_memory=kv_memory,
+                          max_num_seqs=seats, enable_prefix_caching=caching, max_num_batched_tokens=32, seed=0)
+    return LLM.from_config(config, weights())
+
+
+@functools.cache
+def roomy() -> LLM:
+    return engine_for("interleaved", 512, 8, False)
 
 
 @functools.cache
 def alone(kind: str, prompt: tuple[int, ...], width: int, max_tokens: int):
-    """What the request produces by itself in a roomy engine."""
-    roomy = engine_for("interleaved", 512, 8, False)
+    """What the request produces by itself in a roomy engine (its outputs are a function of the
+    request alone, so they are computed once)."""
+    roomy_llm = roomy()
     if kind == "beam":
-        out = roomy.beam_search(list(prompt), BeamSearchParams(width, max_tokens, ignore_eos=True))[0]
+        out = roomy_llm.beam_search(list(prompt), BeamSearchParams(width, max_tokens, ignore_eos=True))[0]
         return [s.tokens for s in out.sequences]
-    out = roomy.generate(list(prompt), params(kind, width, max_tokens), use_tqdm=False)[0]
+    out = roomy_llm.generate(list(prompt), params(kind, width, max_tokens), use_tqdm=False)[0]
     return [o.token_ids for o in out.outputs]
 
 
@@ -60,7 +74,6 @@ request = st.fixed_dictionaries({
 def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, seats, caching, requests):
     llm = engine_for(layout, PAGES[layout][tight], seats, caching)
     engine, done, step = llm.engine, {}, 0
-    preempted = llm.stats().preemptions
     while step < 2000 and (engine.has_unfinished() or step <= 8):
         for i, r in enumerate(requests):
             if r["arrive"] == step:
@@ -70,7 +83,7 @@ def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, sea
         done |= {out.request_id: out for out in engine.step() if out.finished}
         step += 1
     assert not engine.has_unfinished(), f"stalled: {llm.stats()}"
-    event(f"preempted: {llm.stats().preemptions > preempted}")
+    event(f"preempted: {llm.stats().preemptions > 0}")
     for i, r in enumerate(requests):
         if f"r{i}" in done and r["abort"] is None:
             out = done[f"r{i}"]
@@ -79,6 +92,7 @@ def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, sea
         else:
             assert r["abort"] is not None, f"request {i} never finished"
     assert_pool_whole(llm)
+    llm.engine.close()
 
 
 def add(engine, request_id: str, r: dict) -> None:

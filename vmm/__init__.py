@@ -20,6 +20,18 @@ Threads: every pool and reservation method takes the pool's lock, so a worker th
 while another thread computes. All memory goes back at `release()`/`close()`, on garbage
 collection, or at interpreter exit.
 
+Limitations. Pages are all one size, fixed when the backend is made: CUDA's granularity is 2 MiB
+(a per-layer layout then wastes most of a page on short sequences; the engine's interleaved
+layout is the answer, not this library). The pool is created whole up front, so its size is a
+decision made before any traffic, and growing it means creating pages on the critical path.
+Address space is reserved for the worst case (every slot at max length): cheap on 64-bit
+hosts, but on the host backend each mapped page is a memory area of its own, and Linux allows
+`vm.max_map_count` (65,530 by default) of them per process, which bounds the pool
+(`max_mapped_pages`). Mapping and unmapping take the pool's lock and, on CUDA, unmapping waits
+for the device, so they cost microseconds per page on whatever thread calls them; nothing
+here hides that cost (the engine decides when to map). A view is only as safe as the mappings
+behind it: the library cannot stop a kernel from reading past what is mapped.
+
     pool = PagePool(HostBackend(page_size=4096), num_pages=64)
     seq = Reservation(pool, 1 << 20)
     seq.map_new(0, count=2)

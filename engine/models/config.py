@@ -1,7 +1,7 @@
 """The shape of a Llama-family model, read from a Hugging Face config or a preset."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,6 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """K and V of every layer for one token."""

@@ -79,10 +79,10 @@ class AsyncEngine:
     async def _preprocess(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.preprocessor, fn, *args)
 
-    def validate(self, prompt: Prompt, params: SamplingParams | BeamSearchParams) -> None:
-        """ValueError, with the reason, for a request the engine would refuse (it reads only
-        what never changes, so any thread may ask)."""
-        self.engine.validate(prompt, params)
+    async def validate(self, prompt: Prompt, params: SamplingParams | BeamSearchParams) -> None:
+        """ValueError, with the reason, for a request the engine would refuse. It reads only what
+        never changes (and compiles grammars, which may take a while), so it runs on the worker."""
+        await self._preprocess(self.engine.validate, prompt, params)
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | BeamSearchParams,
                        group: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:

@@ -121,7 +121,7 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
                 max_tokens = max(1, engine.max_model_len - max(len(p.token_ids) for p in prompts))
             params = body.sampling_params(max_tokens, logprobs, best_of)
             for prompt in prompts:
-                engine.validate(prompt, params)
+                await engine.validate(prompt, params)
             return params
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
