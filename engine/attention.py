@@ -1,15 +1,96 @@
-"""Stock attention kernels, and the choice between them.
+"""Attention kernels, and the choice between them.
 
-  sdpa   torch's scaled_dot_product_attention, one call per sequence (CPU, and anywhere)
-  flash  PyTorch's built-in FlashAttention-2, one varlen call for the whole batch (CUDA, fp16/bf16)
+Every KV layout hands its caches over in one shape: per layer, K and V as [blocks, rows, heads,
+D] (a virtual slot is one block as long as the slot; the block table's blocks are 16 rows),
+and per sequence a row of a block table. A kernel reads sequence b's position p at
+`cache[table[b, p // rows], p % rows]`, in place.
 
-KV caches (engine/kv) decide what K and V each sequence's call sees: the virtual caches pass
-views of the sequence's own slot, read in place; the block-table cache gathers its blocks.
+  native  vkv's CPU kernel (ext/cpu/kernels.cpp): rotary embedding and the K/V store in one
+          call, then one attention call per layer for the whole batch, prefill and decode mixed
+  sdpa    the reference: torch's rotary math, an indexed store, and one
+          scaled_dot_product_attention call per sequence over its slot (a block table's blocks
+          are gathered first)
+  flash   PyTorch's built-in FlashAttention-2 on CUDA (fp16/bf16, virtual layouts), one varlen
+          call per layer with slot offsets in `cum_seq_k` and lengths in `seqused_k`
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+import ext
+from engine.kv.batch import StepBatch
+from engine.ops import rope_reference
+
+
+def pick_attention(name: str | None, device: torch.device, dtype: torch.dtype, kv_layout: str,
+                   head_dim: int) -> str:
+    """The user's choice, checked; else the best kernel present for this device, dtype, layout."""
+    reasons = {
+        "native": None if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim % 2 == 0
+        and ext.cpu_kernels() is not None else
+        f"needs the CPU, fp32 or bf16, an even head_dim and the built kernels ({ext.cpu_kernels_error()})",
+        "flash": None if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and kv_layout != "paged"
+        and head_dim % 8 == 0 and head_dim <= 256 else
+        "needs a CUDA device, fp16/bf16, a virtual kv_layout and head_dim a multiple of 8 up to 256",
+        "sdpa": None,
+    }
+    if name is None:
+        return next(kernel for kernel, why in reasons.items() if why is None)
+    if reasons[name]:
+        raise ValueError(f"attention {name!r} {reasons[name]}")
+    return name
+
+
+class StepAttention:
+    """One step's attention, called by every layer: rotate q and k, store k and v at their
+    positions, attend over each sequence's cached context."""
+
+    def __init__(self, kernel: str, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 batch: StepBatch, cos_sin: torch.Tensor):
+        self.kernel, self.k_caches, self.v_caches, self.batch = kernel, k_caches, v_caches, batch
+        self.cos_sin = cos_sin
+        if kernel == "native" and ext.cpu_kernels() is None:
+            raise RuntimeError(f"the native attention kernel is unavailable: {ext.cpu_kernels_error()}")
+        if kernel != "native":
+            self.tables = batch.block_table.tolist()
+            self.rows = cos_sin[batch.positions]
+            block = batch.block_table[batch.token_seq.long(), batch.positions // batch.block_size]
+            self.store_at = (block.long(), batch.positions % batch.block_size)
+        if kernel == "flash":
+            slots = batch.block_table[:, 0]
+            rows = k_caches[0].shape[1]
+            total = torch.tensor([k_caches[0].shape[0] * rows], dtype=torch.int32, device=slots.device)
+            self.slot_starts = torch.cat([slots * rows, total]).to(torch.int32)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache, b = self.k_caches[layer], self.v_caches[layer], self.batch
+        if self.kernel == "native":
+            torch.ops.vkv.rope_store(q, k, v, b.positions, self.cos_sin, k_cache, v_cache, b.block_table,
+                                     b.block_size, b.token_seq)
+            out = torch.empty_like(q)
+            torch.ops.vkv.attention(q, k_cache, v_cache, b.block_table, b.block_size, b.q_start, b.q_len,
+                                    b.ctx_len, q.shape[-1] ** -0.5, out)
+            return out
+        q, k = rope_reference(q, self.rows), rope_reference(k, self.rows)
+        k_cache[self.store_at] = k
+        v_cache[self.store_at] = v
+        if self.kernel == "flash":
+            return flash_varlen(q, flatten_slots(k_cache), flatten_slots(v_cache), b.cu_seqlens_q,
+                                self.slot_starts, b.max_query_len, b.max_context_len, b.ctx_len)
+        out = torch.empty_like(q)
+        for table, start, q_len, ctx in zip(self.tables, b.starts, b.q_lens, b.ctx_lens):
+            keys, values = sequence_rows(k_cache, table, ctx), sequence_rows(v_cache, table, ctx)
+            out[start:start + q_len] = sdpa_sequence(q[start:start + q_len], keys, values)
+        return out
+
+
+def sequence_rows(cache: torch.Tensor, table: list[int], ctx: int) -> torch.Tensor:
+    """A sequence's first ctx rows: a view of its slot, or its blocks gathered."""
+    blocks = -(-ctx // cache.shape[1])
+    if blocks == 1:
+        return cache[table[0], :ctx]
+    return cache[table[:blocks]].flatten(0, 1)[:ctx]
 
 
 def causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor:
@@ -48,14 +129,3 @@ def flash_varlen(q, k_flat, v_flat, cu_seqlens_q, k_starts, max_q: int, max_k: i
     return torch.ops.aten._flash_attention_forward(
         q, k_flat, v_flat, cu_seqlens_q, k_starts, max_q, max_k, 0.0, True, False,
         seqused_k=seqused_k)[0]
-
-
-def pick_attention(name: str | None, device: torch.device, dtype: torch.dtype, kv_layout: str) -> str:
-    """The user's choice, checked; else the best kernel present for this device, dtype and
-    layout. The block-table layout gathers its blocks for sdpa (no paged kernel wired yet)."""
-    flash_ok = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and kv_layout != "paged"
-    if name is None:
-        return "flash" if flash_ok else "sdpa"
-    if name == "flash" and not flash_ok:
-        raise ValueError("attention 'flash' needs a CUDA device, fp16/bf16 and a virtual kv_layout")
-    return name

@@ -66,10 +66,11 @@ class LLMEngine:
             loaded = (load_model(c.model, self.model_config, c.device, c.dtype, c.seed), load_tokenizer(c.model))
         self.model, self.tokenizer = loaded
         self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
-        self.attention = pick_attention(c.attention_backend, c.device, c.dtype, c.kv_layout)
+        self.attention = pick_attention(c.attention_backend, c.device, c.dtype, c.kv_layout,
+                                        self.model_config.head_dim)
         self.kv = self._make_kv_cache()
         self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, policy=c.scheduling_policy)
-        self.runner = ModelRunner(self.model, self.kv, c.device)
+        self.runner = ModelRunner(self.model, self.kv, self.attention, self.max_model_len, c.device, c.dtype)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = self.num_generation_tokens = 0
@@ -94,7 +95,7 @@ class LLMEngine:
             backend.close()
             raise ValueError(f"kv_cache_memory {c.kv_budget_bytes()} is below one page ({backend.page_size} bytes)")
         return VirtualKVCache(self.model_config, c.kv_layout, c.max_num_seqs, self.max_model_len,
-                              c.dtype, backend, num_pages, c.enable_prefix_caching, self.attention)
+                              c.dtype, backend, num_pages, c.enable_prefix_caching)
 
     # -- requests -------------------------------------------------------------------------
     def tokenize(self, prompt) -> Prompt:

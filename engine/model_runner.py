@@ -3,21 +3,28 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention import StepAttention
+from engine.kv.base import KVCacheBase
 from engine.kv.batch import StepBatch
+from engine.ops import rope_table
+from engine.scheduler import Scheduled
 from engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache, device: torch.device):
-        self.model, self.kv, self.device = model, kv_cache, device
+    def __init__(self, model, kv: KVCacheBase, kernel: str, max_model_len: int, device: torch.device,
+                 dtype: torch.dtype):
+        self.model, self.kv, self.kernel, self.device = model, kv, kernel, device
+        self.cos_sin = rope_table(model.inv_freq, max_model_len, dtype, device)
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]):
-        input_ids, positions, starts, q_lens, ctx_lens = [], [], [], [], []
+    def prepare(self, scheduled: Scheduled) -> tuple[torch.Tensor, StepBatch, torch.Tensor, list[Sequence]]:
+        input_ids, positions, token_seq, starts, q_lens, ctx_lens = [], [], [], [], [], []
         logits_indices, sampling, row = [], [], 0
-        for seq, n in scheduled:
+        for i, (seq, n) in enumerate(scheduled):
             first, ctx = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids += seq.token_ids[first:ctx]
             positions += range(first, ctx)
+            token_seq += [i] * n
             starts.append(row)
             q_lens.append(n)
             ctx_lens.append(ctx)
@@ -25,14 +32,16 @@ class ModelRunner:
             if ctx == len(seq):  # the step reaches the end of what is known: sample after it
                 logits_indices.append(row - 1)
                 sampling.append(seq)
-        tensor = lambda x, dtype=torch.long: torch.tensor(x, dtype=dtype, device=self.device)
-        batch = StepBatch([s for s, _ in scheduled], starts, q_lens, ctx_lens, tensor(positions),
-                          tensor([0] + [s + n for s, n in zip(starts, q_lens)], torch.int32),
-                          tensor(ctx_lens, torch.int32))
-        return tensor(input_ids), batch, tensor(logits_indices), sampling
+        seqs = [s for s, _ in scheduled]
+        table, block_size = self.kv.block_table(seqs, ctx_lens)
+        width = max(map(len, table))
+        tensor = lambda x, dtype=torch.int32: torch.tensor(x, dtype=dtype, device=self.device)
+        batch = StepBatch(seqs, starts, q_lens, ctx_lens, tensor(positions, torch.long), tensor(token_seq),
+                          tensor(starts), tensor(q_lens), tensor(ctx_lens), tensor([0] + [s + n for s, n in zip(starts, q_lens)]),
+                          tensor([t + [0] * (width - len(t)) for t in table]), block_size)
+        return tensor(input_ids, torch.long), batch, tensor(logits_indices, torch.long), sampling
 
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+    def run(self, scheduled: Scheduled) -> tuple[torch.Tensor, list[Sequence]]:
         input_ids, batch, logits_indices, sampling = self.prepare(scheduled)
-        attn = self.kv.attention(batch)
-        logits = self.model(input_ids, batch.positions, attn, logits_indices)
-        return logits, sampling
+        attn = StepAttention(self.kernel, self.kv.k_caches, self.kv.v_caches, batch, self.cos_sin)
+        return self.model(input_ids, attn, logits_indices), sampling

@@ -45,20 +45,31 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], eos_ids: tuple[int, ...],
 
 
 def _sample_batch(logits, seqs, eos_ids, masks) -> list[Sampled]:
-    x = logits.float().clone()
+    adjusted = [row for row, seq in enumerate(seqs) if _adjusts(seq)]
+    x = logits.float()
+    if masks is not None or adjusted:  # the raw logits stay for logprobs and a row-by-row retry
+        x = x.clone()
     if masks is not None:
         x.masked_fill_(~masks, float("-inf"))
-    for row, seq in enumerate(seqs):
-        _adjust_row(x[row], seq, eos_ids)
-    _check_finite(x, seqs)
-    tokens = torch.empty(len(seqs), dtype=torch.long)
-    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+    for row in adjusted:
+        _adjust_row(x[row], seqs[row], eos_ids)
+    best, tokens = x.max(-1)  # the greedy tokens, and (max propagates NaN) a check of every row
+    bad = torch.isnan(best) | torch.isinf(best)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        what = "allows no token" if best[row] == float("-inf") else "has non-finite logits"
+        raise SamplingError(f"request {seqs[row].request_id!r}: the processed distribution {what}")
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    if greedy:
-        tokens[greedy] = x[greedy].argmax(-1).cpu()
+    tokens = tokens.cpu()
     if sampled:
         tokens[sampled] = _draw(x[sampled], [seqs[i] for i in sampled]).cpu()
     return _with_logprobs(logits, tokens.tolist(), seqs)
+
+
+def _adjusts(seq: Sequence) -> bool:
+    p = seq.params
+    return bool(p.logit_bias or p.repetition_penalty != 1.0 or (p.presence_penalty or p.frequency_penalty)
+                or (seq.num_output_tokens < p.min_tokens and (p.stop_token_ids or not p.ignore_eos)))
 
 
 def _adjust_row(x: torch.Tensor, seq: Sequence, eos_ids: tuple[int, ...]) -> None:
@@ -80,14 +91,6 @@ def _adjust_row(x: torch.Tensor, seq: Sequence, eos_ids: tuple[int, ...]) -> Non
             x[torch.tensor(banned, device=x.device)] = float("-inf")
 
 
-def _check_finite(x: torch.Tensor, seqs) -> None:
-    bad = torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | torch.isneginf(x).all(-1)
-    if bad.any():
-        row = int(bad.nonzero()[0])
-        what = "allows no token" if torch.isneginf(x[row]).all() else "has non-finite logits"
-        raise SamplingError(f"request {seqs[row].request_id!r}: the processed distribution {what}")
-
-
 def _draw(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Sample one token per row: temperature, top-k, top-p, min-p, then an exponential race
     (argmax of p / E with E ~ Exp(1) draws from p)."""
@@ -95,9 +98,10 @@ def _draw(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     temperature = torch.tensor([s.params.temperature for s in seqs], device=device)
     x = _filter(x / temperature[:, None], [s.params for s in seqs])
     probs = x.softmax(-1)
-    noise = torch.empty_like(probs)
+    noise = torch.empty_like(probs).exponential_()
     for row, seq in enumerate(seqs):
-        noise[row].exponential_(generator=seq.generator)
+        if seq.generator is not None:
+            noise[row].exponential_(generator=seq.generator)
     noise.clamp_(min=1e-30)  # never 0: a 0/0 would win the argmax
     return (probs / noise).argmax(-1)
 

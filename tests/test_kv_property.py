@@ -49,7 +49,7 @@ class TrafficMachine(RuleBasedStateMachine):
         """K of `layer` for seq's first `count` tokens, first element of each row."""
         if isinstance(self.kv, PagedKVCache):
             bs = self.kv.block_size
-            blocks = torch.tensor(self.kv.block_table(seq)[:-(-count // bs)], dtype=torch.long)
+            blocks = torch.tensor(self.kv.tables[seq.seq_id][:-(-count // bs)], dtype=torch.long)
             return self.kv.k_caches[layer][blocks].flatten(0, 1)[:count, 0, 0]
         return self.kv.k_caches[layer][self.kv.slot(seq), :count, 0, 0]
 
@@ -92,7 +92,7 @@ class TrafficMachine(RuleBasedStateMachine):
             bs = self.kv.block_size
             for i, v in enumerate(values):
                 pos = first + i
-                self.kv.k_caches[layer][self.kv.block_table(seq)[pos // bs], pos % bs] = v
+                self.kv.k_caches[layer][self.kv.tables[seq.seq_id][pos // bs], pos % bs] = v
         else:
             self.kv.k_caches[layer][self.kv.slot(seq), first:count] = values[:, None, None]
 

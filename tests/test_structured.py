@@ -24,7 +24,7 @@ def tiny():
 
 @pytest.mark.parametrize("kind, spec, check", [
     ("json", SCHEMA, lambda t: set(json.loads(t)) == {"ok", "count", "kind"}),
-    ("regex", r"[a-c]{2}-\d{3}", lambda t: re.fullmatch(r"[a-c]{2}-\d{3}", t)),
+    ("regex", r"[a-c]{2}-[0-9]{3}", lambda t: re.fullmatch(r"[a-c]{2}-[0-9]{3}", t)),
     ("choice", ["alpha", "beta", "gamma"], lambda t: t in ("alpha", "beta", "gamma")),
     ("grammar", 'root ::= "(" [0-9] ("+" [0-9])? ")"', lambda t: re.fullmatch(r"\(\d(\+\d)?\)", t)),
     ("grammar", 'start: "x" NUM\nNUM: /[0-9]{2}/', lambda t: re.fullmatch(r"x\d\d", t)),

@@ -19,7 +19,8 @@ its slot; paged: its block table). The scheduler alone drives the life cycle:
              committed pages: whole, named by chain hash, shareable
 
 Subclasses say where pages live (`allocate`, `free`, `pages_at`, `install`, `map_fresh`,
-`copy_on_write`), the geometry of rows over pages, and how a step attends (`attention`).
+`copy_on_write`), the geometry of rows over pages, and where kernels find a sequence's rows
+(`k_caches`, `v_caches`, `block_table`).
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ class _Hashes:
 class KVCacheBase(ABC):
     layout: str
     num_regions: int = 1  # pages per page index: 2 x layers for per_layer, else 1
+    k_caches: list  # per layer, [blocks, rows, heads, D]
+    v_caches: list
 
     def __init__(self, pool: PageAllocator, enable_prefix_caching: bool, cache_salt: int = NO_PARENT):
         self.pool = pool
@@ -107,8 +110,9 @@ class KVCacheBase(ABC):
         """Give seq a private copy of its (shared) page k."""
 
     @abstractmethod
-    def attention(self, batch):
-        """The per-step object each layer calls: `write(layer, k, v)`, `attend(layer, q)`."""
+    def block_table(self, seqs: list[Sequence], ctx_lens: list[int]) -> tuple[list[list[int]], int]:
+        """Where the kernels find each sequence's first ctx_len rows: per sequence the blocks of
+        `k_caches[l]` / `v_caches[l]` ([blocks, rows, heads, D]) holding them, and rows per block."""
 
     @abstractmethod
     def audit(self) -> None:

@@ -4,9 +4,9 @@ Per layer, K and V are pools of blocks [num_blocks, block_size, kv_heads, head_d
 owns a block table (page k of the sequence is `tables[seq_id][k]`) and takes one more block
 every `block_size` tokens. Block ids and their reference counts live in a
 `vmm.PageAllocator`, the bookkeeping the virtual caches use, and prefix caching, forks and
-copy-on-write come from the same base class, so the two differ only in where K/V live.
-Attention gathers a sequence's blocks into one contiguous K and V and runs the same kernel as
-the virtual layouts: that gather is the cost a block table adds without a paged kernel.
+copy-on-write come from the same base class, so the two differ only in where K/V live. The
+native CPU kernel reads blocks through the table, as it reads virtual slots; the sdpa
+reference gathers them first.
 """
 from __future__ import annotations
 
@@ -16,9 +16,7 @@ from collections import Counter
 import torch
 
 import vmm
-from engine.attention import sdpa_sequence
 from engine.kv.base import KVCacheBase
-from engine.kv.batch import StepBatch
 from engine.models.config import ModelConfig
 from engine.sequence import Sequence
 
@@ -96,36 +94,11 @@ class PagedKVCache(KVCacheBase):
         expected.update(self.held_by_cache())
         self.pool.check(expected)
 
-    def attention(self, batch: StepBatch) -> PagedAttention:
-        return PagedAttention(self, batch)
+    def block_table(self, seqs: list[Sequence], ctx_lens: list[int]) -> tuple[list[list[int]], int]:
+        return [self.tables[s.seq_id][:-(-ctx // self.block_size)] for s, ctx in zip(seqs, ctx_lens)], self.block_size
 
     def close(self) -> None:
         if self.prefix_cache:
             self.prefix_cache.clear()
         self.k_caches.clear()
         self.v_caches.clear()
-
-
-class PagedAttention:
-    def __init__(self, kv: PagedKVCache, batch: StepBatch):
-        self.kv, self.batch = kv, batch
-        device, bs = batch.positions.device, kv.block_size
-        self.tables = [torch.tensor(kv.block_table(seq)[:math.ceil(ctx / bs)], device=device)
-                       for seq, _, _, ctx in batch.spans()]
-        positions = batch.positions
-        self.token_blocks = torch.cat([table[positions[s:s + n] // bs] for table, s, n in
-                                       zip(self.tables, batch.starts, batch.q_lens)])
-        self.token_offsets = positions % bs
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv.k_caches[layer][self.token_blocks, self.token_offsets] = k
-        self.kv.v_caches[layer][self.token_blocks, self.token_offsets] = v
-
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = self.kv.k_caches[layer], self.kv.v_caches[layer]
-        out = torch.empty_like(q)
-        for table, (_, start, q_len, ctx) in zip(self.tables, self.batch.spans()):
-            k = k_cache[table].flatten(0, 1)[:ctx]
-            v = v_cache[table].flatten(0, 1)[:ctx]
-            out[start:start + q_len] = sdpa_sequence(q[start:start + q_len], k, v)
-        return out

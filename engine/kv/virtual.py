@@ -23,9 +23,7 @@ from collections import Counter, OrderedDict, deque
 import torch
 
 import vmm
-from engine.attention import flash_varlen, flatten_slots, sdpa_sequence
 from engine.kv.base import KVCacheBase
-from engine.kv.batch import StepBatch
 from engine.models.config import ModelConfig
 from engine.sequence import Sequence
 from vmm.backend import consecutive_runs
@@ -36,11 +34,10 @@ LAYOUTS = ("interleaved", "per_layer")
 class VirtualKVCache(KVCacheBase):
     def __init__(self, cfg: ModelConfig, layout: str, num_slots: int, max_model_len: int,
                  dtype: torch.dtype, backend: vmm.Backend, num_pages: int,
-                 enable_prefix_caching: bool = False, attention_backend: str = "sdpa"):
+                 enable_prefix_caching: bool = False):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown virtual kv_layout {layout!r}: choose one of {LAYOUTS}")
         self.layout, self.num_slots, self.dtype = layout, num_slots, dtype
-        self.kernel = attention_backend
         L, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.row_elems = L * 2 * H * D if layout == "interleaved" else H * D
@@ -181,8 +178,9 @@ class VirtualKVCache(KVCacheBase):
         held = self.held_by_cache()
         return sum(1 for page, n in refs.items() if self.pool.ref_counts[page] == n + held.get(page, 0))
 
-    def attention(self, batch: StepBatch) -> VirtualAttention:
-        return VirtualAttention(self, batch, self.kernel)
+    def block_table(self, seqs: list[Sequence], ctx_lens: list[int]) -> tuple[list[list[int]], int]:
+        """A slot is one block as long as the slot: K/V rows are read in place."""
+        return [[self.slots[s.seq_id]] for s in seqs], self.rows
 
     def close(self) -> None:
         if self.prefix_cache:
@@ -192,32 +190,3 @@ class VirtualKVCache(KVCacheBase):
                 region.release()
         self.pool.close()
         self.pool.backend.close()
-
-
-class VirtualAttention:
-    """What the model calls each layer: store the new K/V rows in the slots, then attend with
-    each sequence's slot as its contiguous K/V, read in place."""
-
-    def __init__(self, kv: VirtualKVCache, batch: StepBatch, kernel: str):
-        self.kv, self.batch, self.kernel = kv, batch, kernel
-        device = batch.positions.device
-        self.slots = [kv.slot(seq) for seq in batch.seqs]
-        self.token_slots = batch.per_token(self.slots, device)
-        if kernel == "flash":
-            starts = [slot * kv.rows for slot in self.slots] + [kv.num_slots * kv.rows]
-            self.slot_starts = torch.tensor(starts, dtype=torch.int32, device=device)
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv.k_caches[layer][self.token_slots, self.batch.positions] = k
-        self.kv.v_caches[layer][self.token_slots, self.batch.positions] = v
-
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache, b = self.kv.k_caches[layer], self.kv.v_caches[layer], self.batch
-        if self.kernel == "flash":
-            return flash_varlen(q, flatten_slots(k_cache), flatten_slots(v_cache), b.cu_seqlens_q,
-                                self.slot_starts, b.max_query_len, b.max_context_len, b.context_lens)
-        out = torch.empty_like(q)
-        for slot, (_, start, q_len, ctx) in zip(self.slots, b.spans()):
-            out[start:start + q_len] = sdpa_sequence(q[start:start + q_len], k_cache[slot, :ctx],
-                                                     v_cache[slot, :ctx])
-        return out

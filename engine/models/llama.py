@@ -1,19 +1,27 @@
 """The Llama family in one file: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
-The model runs on a flat batch of tokens from many sequences at once (no padding). Each
-attention layer writes its new K/V into the KV cache, then reads every sequence's whole
-context back from the cache through the attention backend. Parameter names follow Hugging
-Face's, so checkpoints load as they are.
+The model runs on a flat batch of tokens from many sequences at once (no padding). Each layer
+does, in order, the same arithmetic as Hugging Face's modules:
+
+    x, residual = add_rms_norm(x, residual)      residual += x; x = norm(residual)
+    q, k, v = qkv_proj(x)                        one GEMM for the three projections
+    x = o_proj(attn(layer, q, k, v))             rotary embedding, K/V stored, attention
+    x, residual = add_rms_norm(x, residual)
+    x = down_proj(silu_and_mul(gate_up_proj(x))) one GEMM for gate and up
+
+Checkpoints load as they are (`load_checkpoint` fuses q/k/v and gate/up once). The small fused
+operations run native on the CPU where the kernels build (engine/ops.py).
 """
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine import ops
 from engine.models.config import ModelConfig
+from engine.models.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -22,10 +30,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, native)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -42,48 +49,37 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos, sin: [tokens, head_dim // 2] (rotate-half convention)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.num_heads, self.num_kv_heads = layer, cfg.num_heads, cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
-        h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.head_dim = d = cfg.head_dim
+        self.split = (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d)
+        self.qkv_proj = Linear(cfg.hidden_size, sum(self.split), bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn) -> torch.Tensor:
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn.write(self.layer, k, v)
-        out = attn.attend(self.layer, q)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+            q, k = self.q_norm(q.contiguous())[0], self.k_norm(k.contiguous())[0]
+        out = attn(self.layer, q, k, v)
+        return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, native: bool) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), native))
 
 
 class DecoderLayer(nn.Module):
@@ -94,9 +90,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, attn, native: bool):
+        x, residual = self.input_layernorm(x, residual, native)
+        x = self.self_attn(x, attn)
+        x, residual = self.post_attention_layernorm(x, residual, native)
+        return self.mlp(x, native), residual
 
 
 class Backbone(nn.Module):
@@ -112,21 +110,49 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie(self.model.embed_tokens.weight)
         self.inv_freq = rope_inv_freq(cfg)  # fp32 on purpose: not a buffer, so .to(dtype) skips it
+        self.native = False  # run the native small ops (set by `prepare`)
+
+    def load_checkpoint(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a Hugging Face state dict: q/k/v and gate/up projections are fused here."""
+        state = dict(state)
+        for i in range(self.config.num_layers):
+            pre = f"model.layers.{i}."
+            for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                                 ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))):
+                for kind in ("weight", "bias"):
+                    names = [f"{pre}{p}.{kind}" for p in parts]
+                    if all(n in state for n in names):
+                        state[f"{pre}{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
+        missing = [k for k in missing if not (self.config.tie_word_embeddings and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit a {self.config.model_type} model "
+                             f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
+        if self.config.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens.weight)
+
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+        """Move to the device and dtype, then put every projection's weight in the layout its
+        GEMM runs fastest from, and decide whether the native small ops run."""
+        self.to(device=device, dtype=dtype).eval()
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self.native = ops.native(device) is not None and dtype in (torch.float32, torch.bfloat16)
+        return self
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, attn, logits_indices) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attn, logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits of the tokens at `logits_indices` (each sequence's last scheduled token).
-        `attn` stores each layer's new K/V in the cache and attends over the cached context."""
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
-        x = self.model.embed_tokens(input_ids)
+        `attn(layer, q, k, v)` rotates, stores the new K/V and attends over the cached context."""
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
-        x = self.model.norm(x[logits_indices])
+            x, residual = layer(x, residual, attn, self.native)
+        x, _ = self.model.norm(x[logits_indices], residual[logits_indices], self.native)  # rows that sample
         return self.lm_head(x).float()

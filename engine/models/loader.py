@@ -96,18 +96,14 @@ def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: 
             model = LlamaForCausalLM(cfg).to(dtype)
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
-        return model.eval()
+        return model.prepare(device, dtype)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    state = _read_safetensors(path)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"{path}: weights do not fit a {cfg.model_type} model "
-                         f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model.to(device=device, dtype=dtype).eval()
+    try:
+        model.load_checkpoint(_read_safetensors(path))
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    return model.prepare(device, dtype)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

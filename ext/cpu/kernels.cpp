@@ -1,0 +1,434 @@
+// vkv's CPU kernels, registered as torch.ops.vkv.*; each has a pure-torch reference in
+// engine/ops.py that the tests hold it to.
+//
+//   attention            one call per layer for the whole batch (prefill chunks and decode
+//                        tokens mixed): each sequence's K/V rows are read where they lie,
+//                        through a block table (a virtual slot is one block as long as the
+//                        slot), never past the sequence's context length
+//   rope_store           rotary embedding of q and k in the activation dtype, and k, v stored
+//                        at their positions
+//   add_rms_norm         residual += x; x = rmsnorm(residual) * weight (the first layer's
+//                        norm has no residual)
+//   silu_and_mul         silu(gate) * up over a fused [gate | up] projection
+//
+// Compiled once per machine by ext/__init__.py with -O3 -march=native -ffp-contract=off
+// -fopenmp-simd (the elementwise kernels round like torch's ops; the dot products ask for fma
+// or a simd reduction explicitly).
+// Floats are fp32 or bf16 (activations, cache); every accumulation is fp32.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float load(float x) { return x; }
+inline float load(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void store(float* p, float x) { *p = x; }
+inline void store(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // round to nearest even
+
+// exp(x), vectorizable (no branches, no calls): Cephes' expf, 2^n * p(r) with r = x - n ln2 in
+// [-ln2/2, ln2/2]; relative error about 1e-7. x is clamped to [-87, 88].
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const float r = std::fma(n, -1.428606765330187e-06f, std::fma(n, -0.693145751953125f, x));
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r + 1.0f);
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return p * scale;
+}
+
+constexpr int64_t kKeyBlock = 64;    // keys per tile
+constexpr int64_t kQueryBlock = 16;  // query positions per work item
+
+struct Item {
+  int64_t seq, head, q_lo, q_hi, k_lo, k_hi;
+  int64_t part;  // -1: writes the output; else index of its partial result
+};
+
+template <typename T>
+struct Rows {  // where sequence b's positions live in a cache tensor [blocks, rows, heads, D]
+  const T* base;
+  int64_t s_block, s_row, s_head;
+  const int32_t* table;
+  int64_t table_stride, block_size;
+  inline const T* row(int64_t b, int64_t block, int64_t row, int64_t h) const {  // position block * size + row
+    return base + table[b * table_stride + block] * s_block + row * s_row + h * s_head;
+  }
+};
+
+// One work item: query positions [q_lo, q_hi) of one sequence, the G query heads of one KV
+// head, keys [k_lo, k_hi). Per block of keys: each key's row is read once (K and V, converted
+// to fp32), dotted with every query row, then an online softmax folds the block into the
+// running (max, sum, weighted V) of each row. Writes normalized output, or (m, l, acc) for a
+// later merge.
+template <typename T>
+void attend_item(const Item& it, const T* q, int64_t sq_t, int64_t sq_h, const Rows<T>& K, const Rows<T>& V,
+                 const int32_t* q_start, const int32_t* q_len, const int32_t* ctx_len, int64_t G, int64_t D,
+                 float scale, T* out, int64_t so_t, int64_t so_h, float* partials, std::vector<float>& buf) {
+  const int64_t b = it.seq, nq = it.q_hi - it.q_lo, R = nq * G;
+  const int64_t first_pos = ctx_len[b] - q_len[b];  // absolute position of query 0
+  buf.resize(R * D * 2 + R * kKeyBlock + 2 * kKeyBlock * D + 2 * R);
+  float* Q = buf.data();
+  float* acc = Q + R * D;
+  float* S = acc + R * D;
+  float* Kf = S + R * kKeyBlock;
+  float* Vf = Kf + kKeyBlock * D;
+  float* m = Vf + kKeyBlock * D;
+  float* l = m + R;
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = q + (q_start[b] + it.q_lo + i) * sq_t + (it.head * G + g) * sq_h;
+      float* dst = Q + (i * G + g) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) dst[d] = load(src[d]) * scale;
+    }
+  std::fill(acc, acc + R * D, 0.0f);
+  std::fill(m, m + R, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + R, 0.0f);
+  const int64_t k_end = std::min(it.k_hi, first_pos + it.q_hi);  // the last query sees keys < this
+  for (int64_t k0 = it.k_lo; k0 < k_end; k0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, k_end - k0);
+    int64_t block = k0 / K.block_size, row = k0 % K.block_size;  // walked, not divided, per key
+    for (int64_t j = 0; j < n; ++j) {
+      const T* kr = K.row(b, block, row, it.head);
+      const T* vr = V.row(b, block, row, it.head);
+      if (++row == K.block_size) {
+        row = 0;
+        ++block;
+      }
+      float* kf = Kf + j * D;
+      float* vf = Vf + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) kf[d] = load(kr[d]);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) vf[d] = load(vr[d]);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t visible = std::min(n, first_pos + it.q_lo + r / G + 1 - k0);  // causal
+      if (visible <= 0) continue;
+      float* s = S + r * kKeyBlock;
+      const float* qr = Q + r * D;
+      for (int64_t j = 0; j < visible; ++j) {
+        const float* kf = Kf + j * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * kf[d];
+        s[j] = dot;
+      }
+      float mx = m[r];
+#pragma omp simd reduction(max : mx)
+      for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, s[j]);
+      const float correction = exp_approx(m[r] - mx);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < visible; ++j) {
+        s[j] = exp_approx(s[j] - mx);
+        sum += s[j];
+      }
+      m[r] = mx;
+      l[r] = l[r] * correction + sum;
+      float* a = acc + r * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] *= correction;
+      for (int64_t j = 0; j < visible; ++j) {
+        const float p = s[j];
+        const float* vf = Vf + j * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] = std::fma(p, vf[d], a[d]);
+      }
+    }
+  }
+  if (it.part >= 0) {  // partial: (m, l, acc) per row, merged by the caller
+    float* dst = partials + it.part * R * (D + 2);
+    for (int64_t r = 0; r < R; ++r) {
+      dst[r * (D + 2)] = m[r];
+      dst[r * (D + 2) + 1] = l[r];
+      std::memcpy(dst + r * (D + 2) + 2, acc + r * D, D * sizeof(float));
+    }
+    return;
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    T* o = out + (q_start[b] + it.q_lo + r / G) * so_t + (it.head * G + r % G) * so_h;
+    const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) store(o + d, acc[r * D + d] * inv);
+  }
+}
+
+template <typename T>
+void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_table, int64_t block_size, const at::Tensor& q_start,
+                    const at::Tensor& q_len, const at::Tensor& ctx_len, double scale, at::Tensor& out) {
+  const int64_t B = q_start.size(0), Hq = q.size(1), Hkv = k_cache.size(2), D = q.size(2), G = Hq / Hkv;
+  const int32_t* qs = q_start.data_ptr<int32_t>();
+  const int32_t* ql = q_len.data_ptr<int32_t>();
+  const int32_t* cl = ctx_len.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const Rows<T> K{k_cache.data_ptr<T>(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table,
+                  block_table.stride(0), block_size};
+  const Rows<T> V{v_cache.data_ptr<T>(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table,
+                  block_table.stride(0), block_size};
+  // Work: every (sequence, KV head, block of query positions). When that is too little to keep
+  // the threads busy (a few long decodes), decode items split their keys and merge after.
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t lo = 0; lo < ql[b]; lo += kQueryBlock)
+        items.push_back({b, h, lo, std::min<int64_t>(ql[b], lo + kQueryBlock), 0, cl[b], -1});
+  const int64_t threads = at::get_num_threads(), want = 4 * threads;
+  struct Merge {
+    Item item;
+    int64_t first, parts;
+  };
+  std::vector<Merge> merges;
+  if (static_cast<int64_t>(items.size()) < want) {
+    std::vector<Item> split;
+    int64_t parts = 0;
+    for (const auto& it : items) {
+      const int64_t keys = cl[it.seq];
+      const int64_t n = std::min<int64_t>(want / static_cast<int64_t>(items.size()) + 1, keys / 256);
+      if (ql[it.seq] != 1 || n < 2) {
+        split.push_back(it);
+        continue;
+      }
+      merges.push_back({it, parts, n});
+      for (int64_t c = 0; c < n; ++c)
+        split.push_back({it.seq, it.head, it.q_lo, it.q_hi, keys * c / n, keys * (c + 1) / n, parts++});
+    }
+    items.swap(split);
+  }
+  std::vector<float> partials((merges.empty() ? 0 : merges.back().first + merges.back().parts) * G * (D + 2));
+  // Longest first, handed out one at a time: prefill chunks and decodes mix unevenly.
+  auto cost = [&](const Item& it) { return (it.q_hi - it.q_lo) * (std::min<int64_t>(it.k_hi, cl[it.seq]) - it.k_lo); };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  std::atomic<int64_t> next{0};
+  const int64_t total = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min(threads, total), 1, [&](int64_t, int64_t) {
+    std::vector<float> buf;
+    for (int64_t i = next++; i < total; i = next++)
+      attend_item<T>(items[i], qp, q.stride(0), q.stride(1), K, V, qs, ql, cl, G, D, static_cast<float>(scale),
+                     op, out.stride(0), out.stride(1), partials.data(), buf);
+  });
+  // Split decodes: out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c.
+  std::vector<float> acc(D);
+  for (const auto& [it, first, n] : merges)
+    for (int64_t g = 0; g < G; ++g) {
+      float M = -std::numeric_limits<float>::infinity(), L = 0.0f;
+      for (int64_t c = 0; c < n; ++c) M = std::max(M, partials[((first + c) * G + g) * (D + 2)]);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t c = 0; c < n; ++c) {
+        const float* p = partials.data() + ((first + c) * G + g) * (D + 2);
+        if (p[1] == 0.0f) continue;
+        const float w = exp_approx(p[0] - M);
+        L += w * p[1];
+        for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(w, p[2 + d], acc[d]);
+      }
+      T* o = op + (qs[it.seq] + it.q_lo) * out.stride(0) + (it.head * G + g) * out.stride(1);
+      for (int64_t d = 0; d < D; ++d) store(o + d, L > 0 ? acc[d] / L : 0.0f);
+    }
+}
+
+void check_cache(const at::Tensor& q, const at::Tensor& cache, const char* name) {
+  TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1, name, " must be [blocks, rows, heads, D] with D contiguous");
+  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), name, " and q must share a dtype");
+  TORCH_CHECK(cache.size(3) == q.size(2) && q.size(1) % cache.size(2) == 0, name, ": head shapes do not fit q");
+}
+
+void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+               const at::Tensor& block_table, int64_t block_size, const at::Tensor& q_start, const at::Tensor& q_len,
+               const at::Tensor& ctx_len, double scale, at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.sizes() == q.sizes() && out.stride(2) == 1,
+              "q and out must be [tokens, heads, D] with D contiguous");
+  check_cache(q, k_cache, "k_cache");
+  check_cache(q, v_cache, "v_cache");
+  for (const auto* t : {&block_table, &q_start, &q_len, &ctx_len})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "index tensors must be contiguous int32");
+  if (q.scalar_type() == at::kFloat)
+    attention_impl<float>(q, k_cache, v_cache, block_table, block_size, q_start, q_len, ctx_len, scale, out);
+  else if (q.scalar_type() == at::kBFloat16)
+    attention_impl<c10::BFloat16>(q, k_cache, v_cache, block_table, block_size, q_start, q_len, ctx_len, scale, out);
+  else
+    TORCH_CHECK(false, "vkv attention runs fp32 and bf16, not ", q.scalar_type());
+}
+
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                     const at::Tensor& cos_sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                     const at::Tensor& block_table, int64_t block_size, const at::Tensor& token_seq) {
+  const int64_t Tn = q.size(0), Hq = q.size(1), Hkv = k.size(1), D = q.size(2), half = D / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int32_t* seq = token_seq.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const T* cs = cos_sin.data_ptr<T>();  // [positions, D]: cos of the D/2 frequencies, then sin
+  T* qp = q.data_ptr<T>();
+  T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  at::parallel_for(0, Tn, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cs + pos[t] * cos_sin.stride(0);
+      const T* s = c + half;
+      // x * cos + rotate_half(x) * sin, each product rounded to T as torch does
+      auto rotate = [&](T* x) {
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = load(x[i]), x2 = load(x[i + half]);
+          T a, b, e, f;
+          store(&a, x1 * load(c[i]));
+          store(&b, -x2);
+          store(&b, load(b) * load(s[i]));
+          store(&e, x2 * load(c[i]));
+          store(&f, x1 * load(s[i]));
+          store(x + i, load(a) + load(b));
+          store(x + i + half, load(e) + load(f));
+        }
+      };
+      for (int64_t h = 0; h < Hq; ++h) rotate(qp + t * q.stride(0) + h * q.stride(1));
+      const int64_t block = table[seq[t] * block_table.stride(0) + pos[t] / block_size];
+      const int64_t row = pos[t] % block_size;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        T* kr = kp + t * k.stride(0) + h * k.stride(1);
+        rotate(kr);
+        T* kd = kc + block * k_cache.stride(0) + row * k_cache.stride(1) + h * k_cache.stride(2);
+        T* vd = vc + block * v_cache.stride(0) + row * v_cache.stride(1) + h * v_cache.stride(2);
+        std::memcpy(kd, kr, D * sizeof(T));
+        std::memcpy(vd, vp + t * v.stride(0) + h * v.stride(1), D * sizeof(T));
+      }
+    }
+  });
+}
+
+void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tensor& positions,
+                const at::Tensor& cos_sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& block_table,
+                int64_t block_size, const at::Tensor& token_seq) {
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v need D contiguous");
+  TORCH_CHECK(q.size(2) % 2 == 0 && cos_sin.size(1) == q.size(2), "cos_sin must be [positions, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && token_seq.scalar_type() == at::kInt, "index dtypes");
+  TORCH_CHECK(cos_sin.scalar_type() == q.scalar_type() && k.scalar_type() == q.scalar_type(), "dtypes must match");
+  check_cache(q, k_cache, "k_cache");
+  check_cache(q, v_cache, "v_cache");
+  if (q.scalar_type() == at::kFloat)
+    rope_store_impl<float>(q, k, v, positions, cos_sin, k_cache, v_cache, block_table, block_size, token_seq);
+  else if (q.scalar_type() == at::kBFloat16)
+    rope_store_impl<c10::BFloat16>(q, k, v, positions, cos_sin, k_cache, v_cache, block_table, block_size,
+                                   token_seq);
+  else
+    TORCH_CHECK(false, "rope_store runs fp32 and bf16");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hugging Face's RMSNorm: in fp32, x * rsqrt(mean(x^2) + eps), cast back, times the weight.
+template <typename T>
+void add_rms_norm_impl(at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps) {
+  const int64_t N = x.size(0), H = x.size(1);
+  T* xp = x.data_ptr<T>();
+  T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  const T* w = weight.data_ptr<T>();
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(H);
+    for (int64_t i = begin; i < end; ++i) {
+      T* xr = xp + i * H;
+      if (rp) {
+        T* rr = rp + i * H;
+        for (int64_t j = 0; j < H; ++j) store(rr + j, load(rr[j]) + load(xr[j]));
+        for (int64_t j = 0; j < H; ++j) row[j] = load(rr[j]);
+      } else {
+        for (int64_t j = 0; j < H; ++j) row[j] = load(xr[j]);
+      }
+      float sum = 0.0f;
+      for (int64_t j = 0; j < H; ++j) sum += row[j] * row[j];
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
+      for (int64_t j = 0; j < H; ++j) {
+        T normed;
+        store(&normed, row[j] * inv);
+        store(xr + j, load(w[j]) * load(normed));
+      }
+    }
+  });
+}
+
+void add_rms_norm(at::Tensor x, std::optional<at::Tensor> residual, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.size(0) == x.size(1),
+              "x must be [tokens, hidden] contiguous, weight [hidden]");
+  at::Tensor* r = residual ? &*residual : nullptr;
+  TORCH_CHECK(!r || (r->is_contiguous() && r->sizes() == x.sizes()), "residual must match x");
+  if (x.scalar_type() == at::kFloat)
+    add_rms_norm_impl<float>(x, r, weight, eps);
+  else if (x.scalar_type() == at::kBFloat16)
+    add_rms_norm_impl<c10::BFloat16>(x, r, weight, eps);
+  else
+    TORCH_CHECK(false, "add_rms_norm runs fp32 and bf16");
+}
+
+// silu(gate) * up, each step rounded to T as torch's F.silu(g) * u is.
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t N = gate_up.size(0), I = out.size(1);
+  const T* g = gate_up.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t j = 0; j < I; ++j) {
+        const float x = load(g[i * 2 * I + j]);
+        T act;
+        store(&act, x / (1.0f + exp_approx(-x)));
+        store(o + i * I + j, load(act) * load(g[i * 2 * I + I + j]));
+      }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, "[tokens, 2 * I]");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat)
+    silu_and_mul_impl<float>(gate_up, out);
+  else if (gate_up.scalar_type() == at::kBFloat16)
+    silu_and_mul_impl<c10::BFloat16>(gate_up, out);
+  else
+    TORCH_CHECK(false, "silu_and_mul runs fp32 and bf16");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(vkv, m) {
+  m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int block_size, "
+        "Tensor q_start, Tensor q_len, Tensor ctx_len, float scale, Tensor(a!) out) -> ()");
+  m.def("rope_store(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos_sin, Tensor(c!) k_cache, "
+        "Tensor(d!) v_cache, Tensor block_table, int block_size, Tensor token_seq) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vkv, CPU, m) {
+  m.impl("attention", &attention);
+  m.impl("rope_store", &rope_store);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
