@@ -40,7 +40,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def silu_and_mul(gate_up: torch.Tensor, use_native: bool) -> torch.Tensor:
     if use_native:
-        return torch.ops.vkv.silu_and_mul(gate_up)
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        torch.ops.vkv.silu_and_mul(gate_up, out)
+        return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).parent / "cpu" / "kernels.cpp"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"]
+# -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, expanded in our code; the libgomp.so.1
+# it links is the one torch already loaded (same soname), so there is one thread pool.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 _lock = threading.Lock()
 _loaded: bool | None = None
 _error: str | None = None
@@ -62,7 +64,7 @@ def _build_and_load() -> None:
     if not (build / f"vkv_cpu_{key}.so").exists():
         print("vkv: compiling the CPU kernels once for this machine (about 20 s) ...", file=sys.stderr, flush=True)
     cpp_extension.load(name=f"vkv_cpu_{key}", sources=[str(SOURCE)], build_directory=str(build),
-                       extra_cflags=FLAGS, is_python_module=False, verbose=False)
+                       extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
 def _cpu_features() -> bytes:

@@ -18,9 +18,11 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+
+#include <dlfcn.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -28,23 +30,41 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-inline float load(float x) { return x; }
-inline float load(c10::BFloat16 x) {
+#define VKV_INLINE inline __attribute__((always_inline))  // the vectorized loops need these inlined
+
+VKV_INLINE float load(float x) { return x; }
+VKV_INLINE float load(c10::BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
-inline void store(float* p, float x) { *p = x; }
-inline void store(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // round to nearest even
+VKV_INLINE void store(float* p, float x) { *p = x; }
+VKV_INLINE void store(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // round to nearest even
+
+// x as T would hold it (what torch's op in dtype T rounds each intermediate to).
+template <typename T>
+VKV_INLINE float round_to(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;  // nearest even, as c10::BFloat16 (finite x)
+    float r;
+    std::memcpy(&r, &bits, sizeof r);
+    return r;
+  }
+}
 
 // exp(x), vectorizable (no branches, no calls): Cephes' expf, 2^n * p(r) with r = x - n ln2 in
 // [-ln2/2, ln2/2]; relative error about 1e-7. x is clamped to [-87, 88].
-inline float exp_approx(float x) {
+VKV_INLINE float exp_approx(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
   const float r = std::fma(n, -1.428606765330187e-06f, std::fma(n, -0.693145751953125f, x));
@@ -61,11 +81,32 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
-constexpr int64_t kKeyBlock = 64;    // keys per tile
-constexpr int64_t kQueryBlock = 16;  // query positions per work item
+constexpr int64_t kKeyBlock = 256;   // keys per tile
+constexpr int64_t kQueryBlock = 32;  // query positions per work item
+
+// MKL as linked into libtorch_cpu (x86 builds), found at run time: scores and weighted values
+// are two small GEMMs per tile, read straight from the cache (its row stride is the leading
+// dimension). Without it (other builds) the loops below do the same arithmetic.
+extern "C" {
+using sgemm_t = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                         const int*, const float*, const int*, const float*, float*, const int*);
+using bgemm_t = void (*)(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int, float,
+                         float*, int);
+using threads_t = int (*)(int);
+}
+struct Blas {
+  sgemm_t sgemm = reinterpret_cast<sgemm_t>(dlsym(RTLD_DEFAULT, "sgemm_"));
+  bgemm_t bgemm = reinterpret_cast<bgemm_t>(dlsym(RTLD_DEFAULT, "cblas_gemm_bf16bf16f32"));
+  threads_t local_threads = reinterpret_cast<threads_t>(dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local"));
+};
+const Blas& blas() {
+  static const Blas b;
+  return b;
+}
+constexpr int kColMajor = 102, kNoTrans = 111, kTrans = 112;  // CBLAS enums
 
 struct Item {
-  int64_t seq, head, q_lo, q_hi, k_lo, k_hi;
+  int64_t seq, q_lo, q_hi, k_lo, k_hi;
   int64_t part;  // -1: writes the output; else index of its partial result
 };
 
@@ -80,102 +121,210 @@ struct Rows {  // where sequence b's positions live in a cache tensor [blocks, r
   }
 };
 
-// One work item: query positions [q_lo, q_hi) of one sequence, the G query heads of one KV
-// head, keys [k_lo, k_hi). Per block of keys: each key's row is read once (K and V, converted
-// to fp32), dotted with every query row, then an online softmax folds the block into the
-// running (max, sum, weighted V) of each row. Writes normalized output, or (m, l, acc) for a
-// later merge.
+// S[r][j] = q_r . k_j for the n keys from k0 (rows of one block), R query rows (unscaled).
 template <typename T>
-void attend_item(const Item& it, const T* q, int64_t sq_t, int64_t sq_h, const Rows<T>& K, const Rows<T>& V,
-                 const int32_t* q_start, const int32_t* q_len, const int32_t* ctx_len, int64_t G, int64_t D,
-                 float scale, T* out, int64_t so_t, int64_t so_h, float* partials, std::vector<float>& buf) {
-  const int64_t b = it.seq, nq = it.q_hi - it.q_lo, R = nq * G;
-  const int64_t first_pos = ctx_len[b] - q_len[b];  // absolute position of query 0
-  buf.resize(R * D * 2 + R * kKeyBlock + 2 * kKeyBlock * D + 2 * R);
-  float* Q = buf.data();
-  float* acc = Q + R * D;
-  float* S = acc + R * D;
-  float* Kf = S + R * kKeyBlock;
-  float* Vf = Kf + kKeyBlock * D;
-  float* m = Vf + kKeyBlock * D;
-  float* l = m + R;
-  for (int64_t i = 0; i < nq; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      const T* src = q + (q_start[b] + it.q_lo + i) * sq_t + (it.head * G + g) * sq_h;
-      float* dst = Q + (i * G + g) * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) dst[d] = load(src[d]) * scale;
+void scores(const T* k0, int64_t lda, int64_t n, const T* Q, int64_t R, int64_t D, float* S) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (blas().sgemm) {
+      const int m = n, nr = R, kd = D, ld = lda, ldq = D, lds = kKeyBlock;
+      const float one = 1.0f, zero = 0.0f;
+      blas().sgemm("T", "N", &m, &nr, &kd, &one, k0, &ld, Q, &ldq, &zero, S, &lds);
+      return;
     }
-  std::fill(acc, acc + R * D, 0.0f);
-  std::fill(m, m + R, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + R, 0.0f);
-  const int64_t k_end = std::min(it.k_hi, first_pos + it.q_hi);  // the last query sees keys < this
-  for (int64_t k0 = it.k_lo; k0 < k_end; k0 += kKeyBlock) {
-    const int64_t n = std::min(kKeyBlock, k_end - k0);
-    int64_t block = k0 / K.block_size, row = k0 % K.block_size;  // walked, not divided, per key
+  } else {
+    if (blas().bgemm) {
+      blas().bgemm(kColMajor, kTrans, kNoTrans, n, R, D, 1.0f, reinterpret_cast<const uint16_t*>(k0), lda,
+                   reinterpret_cast<const uint16_t*>(Q), D, 0.0f, S, kKeyBlock);
+      return;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < n; ++j) {
-      const T* kr = K.row(b, block, row, it.head);
-      const T* vr = V.row(b, block, row, it.head);
-      if (++row == K.block_size) {
-        row = 0;
-        ++block;
-      }
-      float* kf = Kf + j * D;
-      float* vf = Vf + j * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) kf[d] = load(kr[d]);
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) vf[d] = load(vr[d]);
-    }
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t visible = std::min(n, first_pos + it.q_lo + r / G + 1 - k0);  // causal
-      if (visible <= 0) continue;
-      float* s = S + r * kKeyBlock;
-      const float* qr = Q + r * D;
-      for (int64_t j = 0; j < visible; ++j) {
-        const float* kf = Kf + j * D;
-        float dot = 0.0f;
+      const T* kr = k0 + j * lda;
+      const T* qr = Q + r * D;
+      float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qr[d] * kf[d];
-        s[j] = dot;
-      }
-      float mx = m[r];
-#pragma omp simd reduction(max : mx)
-      for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, s[j]);
-      const float correction = exp_approx(m[r] - mx);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < visible; ++j) {
-        s[j] = exp_approx(s[j] - mx);
-        sum += s[j];
-      }
-      m[r] = mx;
-      l[r] = l[r] * correction + sum;
+      for (int64_t d = 0; d < D; ++d) dot += load(qr[d]) * load(kr[d]);
+      S[r * kKeyBlock + j] = dot;
+    }
+}
+
+// acc[r] += sum_j P[r][j] v_j over the n keys from v0.
+template <typename T>
+void weigh(const T* v0, int64_t lda, int64_t n, const T* P, int64_t R, int64_t D, float* acc) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (blas().sgemm) {
+      const int md = D, nr = R, kn = n, ld = lda, ldp = kKeyBlock, ldc = D;
+      const float one = 1.0f;
+      blas().sgemm("N", "N", &md, &nr, &kn, &one, v0, &ld, P, &ldp, &one, acc, &ldc);
+      return;
+    }
+  } else {
+    if (blas().bgemm) {
+      blas().bgemm(kColMajor, kNoTrans, kNoTrans, D, R, n, 1.0f, reinterpret_cast<const uint16_t*>(v0), lda,
+                   reinterpret_cast<const uint16_t*>(P), kKeyBlock, 1.0f, acc, D);
+      return;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j) {
+      const float p = load(P[r * kKeyBlock + j]);
+      const T* vr = v0 + j * lda;
       float* a = acc + r * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] *= correction;
-      for (int64_t j = 0; j < visible; ++j) {
-        const float p = s[j];
-        const float* vf = Vf + j * D;
+      for (int64_t d = 0; d < D; ++d) a[d] = std::fma(p, load(vr[d]), a[d]);
+    }
+}
+
+// The same two products for a few query rows (decode): per key, its row is loaded once and
+// dotted with every query row in vector registers; no GEMM call (whose per-call cost dominates
+// at three rows). Q is fp32 here. Returns false where the vector path does not apply.
+constexpr int64_t kFewRows = 8;
+
+#if defined(__AVX512F__)
+template <typename T>
+VKV_INLINE __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+}
+
+template <typename T>
+bool scores_few(const T* k0, int64_t lda, int64_t n, const float* Qf, int64_t R, int64_t D, float* S) {
+  if (D % 16 || D > 256) return false;
+  const int64_t C = D / 16;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* kr = k0 + j * lda;
+    __m512 k[16];
+    for (int64_t c = 0; c < C; ++c) k[c] = load16(kr + 16 * c);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = Qf + r * D;
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), k[0]);
+      for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), k[c], a);
+      S[r * kKeyBlock + j] = _mm512_reduce_add_ps(a);
+    }
+  }
+  return true;
+}
+
+template <typename T>
+bool weigh_few(const T* v0, int64_t lda, int64_t n, const T* P, int64_t R, int64_t D, float* acc) {
+  if (D % 16 || D > 256) return false;
+  const int64_t C = D / 16;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vr = v0 + j * lda;
+    __m512 v[16];
+    for (int64_t c = 0; c < C; ++c) v[c] = load16(vr + 16 * c);
+    for (int64_t r = 0; r < R; ++r) {
+      const float p = load(P[r * kKeyBlock + j]);
+      if (p == 0.0f) continue;
+      const __m512 pv = _mm512_set1_ps(p);
+      float* a = acc + r * D;
+      for (int64_t c = 0; c < C; ++c)
+        _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(pv, v[c], _mm512_loadu_ps(a + 16 * c)));
+    }
+  }
+  return true;
+}
+#else
+template <typename T>
+bool scores_few(const T*, int64_t, int64_t, const float*, int64_t, int64_t, float*) { return false; }
+template <typename T>
+bool weigh_few(const T*, int64_t, int64_t, const T*, int64_t, int64_t, float*) { return false; }
+#endif
+
+// One work item: query positions [q_lo, q_hi) of one sequence, every query head, keys [k_lo,
+// k_hi), in tiles of keys that lie in one block. A tile's rows hold every KV head side by side,
+// so the heads are taken in turn while the tile is in cache. Per tile and KV head: scores of
+// its G query heads, causal mask, an online softmax that folds the tile into each row's running
+// (max, sum, weighted V). Writes normalized output, or (m, l, acc) for a later merge.
+template <typename T>
+void attend_item(const Item& it, const T* q, int64_t sq_t, int64_t sq_h, const Rows<T>& K, const Rows<T>& V,
+                 const int32_t* q_start, const int32_t* q_len, const int32_t* ctx_len, int64_t Hkv, int64_t G,
+                 int64_t D, float scale, T* out, int64_t so_t, int64_t so_h, float* partials,
+                 std::vector<float>& buf) {
+  const int64_t b = it.seq, nq = it.q_hi - it.q_lo, R = nq * G, rows = Hkv * R;  // row = (head, query, group)
+  const int64_t first_pos = ctx_len[b] - q_len[b];  // absolute position of query 0
+  const int64_t t_floats = (sizeof(T) * (rows * D + R * kKeyBlock) + sizeof(float) - 1) / sizeof(float);
+  buf.resize(2 * rows * D + R * kKeyBlock + 2 * rows + t_floats);
+  float* acc = buf.data();
+  float* Qf = acc + rows * D;  // the query rows in fp32, for the few-rows path
+  float* S = Qf + rows * D;
+  float* m = S + R * kKeyBlock;
+  float* l = m + rows;
+  T* Q = reinterpret_cast<T*>(l + rows);  // the item's query rows, gathered per KV head
+  T* P = Q + rows * D;                    // one head's probabilities, in the GEMM's input type
+  for (int64_t h = 0; h < Hkv; ++h)
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t g = 0; g < G; ++g)
+        std::memcpy(Q + ((h * nq + i) * G + g) * D, q + (q_start[b] + it.q_lo + i) * sq_t + (h * G + g) * sq_h,
+                    D * sizeof(T));
+  const bool few = R <= kFewRows;
+  if (few)
+    for (int64_t i = 0; i < rows * D; ++i) Qf[i] = load(Q[i]);
+  std::fill(acc, acc + rows * D, 0.0f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.0f);
+  const int64_t k_end = std::min(it.k_hi, first_pos + it.q_hi);  // the last query sees keys < this
+  int64_t block = it.k_lo / K.block_size, row = it.k_lo % K.block_size;
+  for (int64_t k0 = it.k_lo; k0 < k_end;) {
+    const int64_t n = std::min({kKeyBlock, k_end - k0, K.block_size - row});
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const T* kp = K.row(b, block, row, h);
+      if (!(few && scores_few(kp, K.s_row, n, Qf + h * R * D, R, D, S))) scores(kp, K.s_row, n, Q + h * R * D, R, D, S);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t visible = std::clamp<int64_t>(first_pos + it.q_lo + r / G + 1 - k0, 0, n);  // causal
+        const float* s = S + r * kKeyBlock;
+        T* p = P + r * kKeyBlock;
+        float& mr = m[h * R + r];
+        float mx = mr;
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, s[j] * scale);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < visible; ++j) {
+          store(p + j, exp_approx(s[j] * scale - mx));
+          sum += load(p[j]);
+        }
+        for (int64_t j = visible; j < n; ++j) store(p + j, 0.0f);
+        if (visible) {
+          const float correction = exp_approx(mr - mx);
+          mr = mx;
+          l[h * R + r] = l[h * R + r] * correction + sum;
+          float* a = acc + (h * R + r) * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] = std::fma(p, vf[d], a[d]);
+          for (int64_t d = 0; d < D; ++d) a[d] *= correction;
+        }
       }
+      const T* vp = V.row(b, block, row, h);
+      if (!(few && weigh_few(vp, V.s_row, n, P, R, D, acc + h * R * D))) weigh(vp, V.s_row, n, P, R, D, acc + h * R * D);
+    }
+    k0 += n;
+    row += n;
+    if (row == K.block_size) {
+      row = 0;
+      ++block;
     }
   }
   if (it.part >= 0) {  // partial: (m, l, acc) per row, merged by the caller
-    float* dst = partials + it.part * R * (D + 2);
-    for (int64_t r = 0; r < R; ++r) {
+    float* dst = partials + it.part * rows * (D + 2);
+    for (int64_t r = 0; r < rows; ++r) {
       dst[r * (D + 2)] = m[r];
       dst[r * (D + 2) + 1] = l[r];
       std::memcpy(dst + r * (D + 2) + 2, acc + r * D, D * sizeof(float));
     }
     return;
   }
-  for (int64_t r = 0; r < R; ++r) {
-    T* o = out + (q_start[b] + it.q_lo + r / G) * so_t + (it.head * G + r % G) * so_h;
-    const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) store(o + d, acc[r * D + d] * inv);
-  }
+  for (int64_t h = 0; h < Hkv; ++h)
+    for (int64_t r = 0; r < R; ++r) {
+      T* o = out + (q_start[b] + it.q_lo + r / G) * so_t + (h * G + r % G) * so_h;
+      const float* a = acc + (h * R + r) * D;
+      const float inv = l[h * R + r] > 0 ? 1.0f / l[h * R + r] : 0.0f;
+      for (int64_t d = 0; d < D; ++d) store(o + d, a[d] * inv);
+    }
 }
 
 template <typename T>
@@ -191,13 +340,12 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                   block_table.stride(0), block_size};
   const Rows<T> V{v_cache.data_ptr<T>(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table,
                   block_table.stride(0), block_size};
-  // Work: every (sequence, KV head, block of query positions). When that is too little to keep
-  // the threads busy (a few long decodes), decode items split their keys and merge after.
+  // Work: every (sequence, block of query positions). When that is too little to keep the
+  // threads busy (a few long decodes), decode items split their keys and merge after.
   std::vector<Item> items;
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t lo = 0; lo < ql[b]; lo += kQueryBlock)
-        items.push_back({b, h, lo, std::min<int64_t>(ql[b], lo + kQueryBlock), 0, cl[b], -1});
+    for (int64_t lo = 0; lo < ql[b]; lo += kQueryBlock)
+      items.push_back({b, lo, std::min<int64_t>(ql[b], lo + kQueryBlock), 0, cl[b], -1});
   const int64_t threads = at::get_num_threads(), want = 4 * threads;
   struct Merge {
     Item item;
@@ -216,13 +364,15 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       }
       merges.push_back({it, parts, n});
       for (int64_t c = 0; c < n; ++c)
-        split.push_back({it.seq, it.head, it.q_lo, it.q_hi, keys * c / n, keys * (c + 1) / n, parts++});
+        split.push_back({it.seq, it.q_lo, it.q_hi, keys * c / n, keys * (c + 1) / n, parts++});
     }
     items.swap(split);
   }
-  std::vector<float> partials((merges.empty() ? 0 : merges.back().first + merges.back().parts) * G * (D + 2));
+  std::vector<float> partials((merges.empty() ? 0 : merges.back().first + merges.back().parts) * Hq * (D + 2));
   // Longest first, handed out one at a time: prefill chunks and decodes mix unevenly.
-  auto cost = [&](const Item& it) { return (it.q_hi - it.q_lo) * (std::min<int64_t>(it.k_hi, cl[it.seq]) - it.k_lo); };
+  auto cost = [&](const Item& it) {
+    return (it.q_hi - it.q_lo) * (std::min<int64_t>(it.k_hi, cl[it.seq] - ql[it.seq] + it.q_hi) - it.k_lo);
+  };
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -230,25 +380,27 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t total = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min(threads, total), 1, [&](int64_t, int64_t) {
     std::vector<float> buf;
+    const int previous = blas().local_threads ? blas().local_threads(1) : 0;  // the pool is ours
     for (int64_t i = next++; i < total; i = next++)
-      attend_item<T>(items[i], qp, q.stride(0), q.stride(1), K, V, qs, ql, cl, G, D, static_cast<float>(scale),
-                     op, out.stride(0), out.stride(1), partials.data(), buf);
+      attend_item<T>(items[i], qp, q.stride(0), q.stride(1), K, V, qs, ql, cl, Hkv, G, D,
+                     static_cast<float>(scale), op, out.stride(0), out.stride(1), partials.data(), buf);
+    if (blas().local_threads) blas().local_threads(previous);
   });
-  // Split decodes: out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c.
+  // Split decodes: out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c, per query head.
   std::vector<float> acc(D);
   for (const auto& [it, first, n] : merges)
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t qh = 0; qh < Hq; ++qh) {  // rows of a decode item are (KV head, group): the query head
       float M = -std::numeric_limits<float>::infinity(), L = 0.0f;
-      for (int64_t c = 0; c < n; ++c) M = std::max(M, partials[((first + c) * G + g) * (D + 2)]);
+      for (int64_t c = 0; c < n; ++c) M = std::max(M, partials[((first + c) * Hq + qh) * (D + 2)]);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t c = 0; c < n; ++c) {
-        const float* p = partials.data() + ((first + c) * G + g) * (D + 2);
+        const float* p = partials.data() + ((first + c) * Hq + qh) * (D + 2);
         if (p[1] == 0.0f) continue;
         const float w = exp_approx(p[0] - M);
         L += w * p[1];
         for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(w, p[2 + d], acc[d]);
       }
-      T* o = op + (qs[it.seq] + it.q_lo) * out.stride(0) + (it.head * G + g) * out.stride(1);
+      T* o = op + (qs[it.seq] + it.q_lo) * out.stride(0) + qh * out.stride(1);
       for (int64_t d = 0; d < D; ++d) store(o + d, L > 0 ? acc[d] / L : 0.0f);
     }
 }
@@ -296,17 +448,12 @@ void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at
       const T* c = cs + pos[t] * cos_sin.stride(0);
       const T* s = c + half;
       // x * cos + rotate_half(x) * sin, each product rounded to T as torch does
-      auto rotate = [&](T* x) {
+      auto rotate = [c, s, half](T* __restrict x) {
+#pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          const float x1 = load(x[i]), x2 = load(x[i + half]);
-          T a, b, e, f;
-          store(&a, x1 * load(c[i]));
-          store(&b, -x2);
-          store(&b, load(b) * load(s[i]));
-          store(&e, x2 * load(c[i]));
-          store(&f, x1 * load(s[i]));
-          store(x + i, load(a) + load(b));
-          store(x + i + half, load(e) + load(f));
+          const float x1 = load(x[i]), x2 = load(x[i + half]), ci = load(c[i]), si = load(s[i]);
+          store(x + i, round_to<T>(x1 * ci) + round_to<T>(-x2 * si));
+          store(x + i + half, round_to<T>(x2 * ci) + round_to<T>(x1 * si));
         }
       };
       for (int64_t h = 0; h < Hq; ++h) rotate(qp + t * q.stride(0) + h * q.stride(1));
@@ -362,13 +509,11 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor* residual, const at::Tensor& we
         for (int64_t j = 0; j < H; ++j) row[j] = load(xr[j]);
       }
       float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < H; ++j) sum += row[j] * row[j];
       const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
-      for (int64_t j = 0; j < H; ++j) {
-        T normed;
-        store(&normed, row[j] * inv);
-        store(xr + j, load(w[j]) * load(normed));
-      }
+#pragma omp simd
+      for (int64_t j = 0; j < H; ++j) store(xr + j, load(w[j]) * round_to<T>(row[j] * inv));
     }
   });
 }
@@ -393,26 +538,30 @@ void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const T* g = gate_up.data_ptr<T>();
   T* o = out.data_ptr<T>();
   at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
+    for (int64_t i = begin; i < end; ++i) {
+      const T* __restrict gate = g + i * 2 * I;
+      const T* __restrict up = gate + I;
+      T* __restrict dst = o + i * I;
+#pragma omp simd
       for (int64_t j = 0; j < I; ++j) {
-        const float x = load(g[i * 2 * I + j]);
-        T act;
-        store(&act, x / (1.0f + exp_approx(-x)));
-        store(o + i * I + j, load(act) * load(g[i * 2 * I + I + j]));
+        const float x = load(gate[j]);
+        const float act = round_to<T>(x / (1.0f + exp_approx(-x)));
+        store(dst + j, act * load(up[j]));
       }
+    }
   });
 }
 
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+void silu_and_mul(const at::Tensor& gate_up, at::Tensor out) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, "[tokens, 2 * I]");
-  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == gate_up.size(0) && out.size(1) * 2 == gate_up.size(1) &&
+              out.scalar_type() == gate_up.scalar_type(), "out must be [tokens, I] of gate_up's dtype");
   if (gate_up.scalar_type() == at::kFloat)
     silu_and_mul_impl<float>(gate_up, out);
   else if (gate_up.scalar_type() == at::kBFloat16)
     silu_and_mul_impl<c10::BFloat16>(gate_up, out);
   else
     TORCH_CHECK(false, "silu_and_mul runs fp32 and bf16");
-  return out;
 }
 
 }  // namespace
@@ -423,7 +572,7 @@ TORCH_LIBRARY(vkv, m) {
   m.def("rope_store(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos_sin, Tensor(c!) k_cache, "
         "Tensor(d!) v_cache, Tensor block_table, int block_size, Tensor token_seq) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
-  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vkv, CPU, m) {
