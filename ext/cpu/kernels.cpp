@@ -192,41 +192,75 @@ VKV_INLINE __m512 load16(const T* p) {
   }
 }
 
-template <typename T>
-bool scores_few(const T* k0, int64_t lda, int64_t n, const float* Qf, int64_t R, int64_t D, float* S) {
-  if (D % 16 || D > 256) return false;
-  const int64_t C = D / 16;
+// Scores: the query rows stay in registers, RB rows at a time; per key, C fused multiply-adds
+// per row, then one horizontal sum.
+template <typename T, int C, int RB>
+void scores_rows(const T* k0, int64_t lda, int64_t n, const float* Qf, int64_t D, float* S) {
+  __m512 q[RB][C];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < C; ++c) q[r][c] = _mm512_loadu_ps(Qf + r * D + 16 * c);
   for (int64_t j = 0; j < n; ++j) {
     const T* kr = k0 + j * lda;
-    __m512 k[16];
-    for (int64_t c = 0; c < C; ++c) k[c] = load16(kr + 16 * c);
-    for (int64_t r = 0; r < R; ++r) {
-      const float* qr = Qf + r * D;
-      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), k[0]);
-      for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), k[c], a);
+    __m512 k[C];
+    for (int c = 0; c < C; ++c) k[c] = load16(kr + 16 * c);
+    for (int r = 0; r < RB; ++r) {
+      __m512 a = _mm512_mul_ps(q[r][0], k[0]);
+      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(q[r][c], k[c], a);
       S[r * kKeyBlock + j] = _mm512_reduce_add_ps(a);
     }
   }
+}
+
+// Weighted values: the accumulators stay in registers, RB rows at a time, across the tile.
+template <typename T, int C, int RB>
+void weigh_rows(const T* v0, int64_t lda, int64_t n, const T* P, int64_t D, float* acc) {
+  __m512 a[RB][C];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vr = v0 + j * lda;
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(vr + 16 * c);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 p = _mm512_set1_ps(load(P[r * kKeyBlock + j]));
+      for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(p, v[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + 16 * c, a[r][c]);
+}
+
+// All R rows, RB at a time, for head sizes 64 and 128 (C = D / 16 vectors per row).
+template <int C, int RB, typename Fn1, typename FnRB>
+void by_rows(int64_t R, Fn1 one, FnRB many) {
+  int64_t r = 0;
+  for (; r + RB <= R; r += RB) many(r);
+  for (; r < R; ++r) one(r);
+}
+
+template <typename T>
+bool scores_few(const T* k0, int64_t lda, int64_t n, const float* Qf, int64_t R, int64_t D, float* S) {
+  auto run = [&](auto c_tag, auto rb_tag) {
+    constexpr int C = decltype(c_tag)::value, RB = decltype(rb_tag)::value;
+    by_rows<C, RB>(R, [&](int64_t r) { scores_rows<T, C, 1>(k0, lda, n, Qf + r * D, D, S + r * kKeyBlock); },
+                   [&](int64_t r) { scores_rows<T, C, RB>(k0, lda, n, Qf + r * D, D, S + r * kKeyBlock); });
+  };
+  if (D == 64) run(std::integral_constant<int, 4>{}, std::integral_constant<int, 3>{});
+  else if (D == 128) run(std::integral_constant<int, 8>{}, std::integral_constant<int, 2>{});
+  else return false;
   return true;
 }
 
 template <typename T>
 bool weigh_few(const T* v0, int64_t lda, int64_t n, const T* P, int64_t R, int64_t D, float* acc) {
-  if (D % 16 || D > 256) return false;
-  const int64_t C = D / 16;
-  for (int64_t j = 0; j < n; ++j) {
-    const T* vr = v0 + j * lda;
-    __m512 v[16];
-    for (int64_t c = 0; c < C; ++c) v[c] = load16(vr + 16 * c);
-    for (int64_t r = 0; r < R; ++r) {
-      const float p = load(P[r * kKeyBlock + j]);
-      if (p == 0.0f) continue;
-      const __m512 pv = _mm512_set1_ps(p);
-      float* a = acc + r * D;
-      for (int64_t c = 0; c < C; ++c)
-        _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(pv, v[c], _mm512_loadu_ps(a + 16 * c)));
-    }
-  }
+  auto run = [&](auto c_tag, auto rb_tag) {
+    constexpr int C = decltype(c_tag)::value, RB = decltype(rb_tag)::value;
+    by_rows<C, RB>(R, [&](int64_t r) { weigh_rows<T, C, 1>(v0, lda, n, P + r * kKeyBlock, D, acc + r * D); },
+                   [&](int64_t r) { weigh_rows<T, C, RB>(v0, lda, n, P + r * kKeyBlock, D, acc + r * D); });
+  };
+  if (D == 64) run(std::integral_constant<int, 4>{}, std::integral_constant<int, 6>{});
+  else if (D == 128) run(std::integral_constant<int, 8>{}, std::integral_constant<int, 3>{});
+  else return false;
   return true;
 }
 #else
@@ -376,14 +410,15 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
+  const int64_t sq_t = q.stride(0), sq_h = q.stride(1), so_t = out.stride(0), so_h = out.stride(1);
   std::atomic<int64_t> next{0};
   const int64_t total = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min(threads, total), 1, [&](int64_t, int64_t) {
     std::vector<float> buf;
     const int previous = blas().local_threads ? blas().local_threads(1) : 0;  // the pool is ours
     for (int64_t i = next++; i < total; i = next++)
-      attend_item<T>(items[i], qp, q.stride(0), q.stride(1), K, V, qs, ql, cl, Hkv, G, D,
-                     static_cast<float>(scale), op, out.stride(0), out.stride(1), partials.data(), buf);
+      attend_item<T>(items[i], qp, sq_t, sq_h, K, V, qs, ql, cl, Hkv, G, D, static_cast<float>(scale), op, so_t,
+                     so_h, partials.data(), buf);
     if (blas().local_threads) blas().local_threads(previous);
   });
   // Split decodes: out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c, per query head.
@@ -400,7 +435,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         L += w * p[1];
         for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(w, p[2 + d], acc[d]);
       }
-      T* o = op + (qs[it.seq] + it.q_lo) * out.stride(0) + qh * out.stride(1);
+      T* o = op + (qs[it.seq] + it.q_lo) * so_t + qh * so_h;
       for (int64_t d = 0; d < D; ++d) store(o + d, L > 0 ? acc[d] / L : 0.0f);
     }
 }
@@ -443,9 +478,15 @@ void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at
   const T* vp = v.data_ptr<T>();
   T* kc = k_cache.data_ptr<T>();
   T* vc = v_cache.data_ptr<T>();
+  // strides read once: TensorBase::stride() is a call, not a load
+  const int64_t s_cs = cos_sin.stride(0), s_table = block_table.stride(0);
+  const int64_t sq_t = q.stride(0), sq_h = q.stride(1), sk_t = k.stride(0), sk_h = k.stride(1);
+  const int64_t sv_t = v.stride(0), sv_h = v.stride(1);
+  const int64_t skc_b = k_cache.stride(0), skc_r = k_cache.stride(1), skc_h = k_cache.stride(2);
+  const int64_t svc_b = v_cache.stride(0), svc_r = v_cache.stride(1), svc_h = v_cache.stride(2);
   at::parallel_for(0, Tn, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const T* c = cs + pos[t] * cos_sin.stride(0);
+      const T* c = cs + pos[t] * s_cs;
       const T* s = c + half;
       // x * cos + rotate_half(x) * sin, each product rounded to T as torch does
       auto rotate = [c, s, half](T* __restrict x) {
@@ -456,16 +497,14 @@ void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at
           store(x + i + half, round_to<T>(x2 * ci) + round_to<T>(x1 * si));
         }
       };
-      for (int64_t h = 0; h < Hq; ++h) rotate(qp + t * q.stride(0) + h * q.stride(1));
-      const int64_t block = table[seq[t] * block_table.stride(0) + pos[t] / block_size];
+      for (int64_t h = 0; h < Hq; ++h) rotate(qp + t * sq_t + h * sq_h);
+      const int64_t block = table[seq[t] * s_table + pos[t] / block_size];
       const int64_t row = pos[t] % block_size;
       for (int64_t h = 0; h < Hkv; ++h) {
-        T* kr = kp + t * k.stride(0) + h * k.stride(1);
+        T* kr = kp + t * sk_t + h * sk_h;
         rotate(kr);
-        T* kd = kc + block * k_cache.stride(0) + row * k_cache.stride(1) + h * k_cache.stride(2);
-        T* vd = vc + block * v_cache.stride(0) + row * v_cache.stride(1) + h * v_cache.stride(2);
-        std::memcpy(kd, kr, D * sizeof(T));
-        std::memcpy(vd, vp + t * v.stride(0) + h * v.stride(1), D * sizeof(T));
+        std::memcpy(kc + block * skc_b + row * skc_r + h * skc_h, kr, D * sizeof(T));
+        std::memcpy(vc + block * svc_b + row * svc_r + h * svc_h, vp + t * sv_t + h * sv_h, D * sizeof(T));
       }
     }
   });
