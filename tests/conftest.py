@@ -1,16 +1,35 @@
 import pytest
 
 import vmm
+from cuda_emulator import EmulatedCudaBackend
+from cuda_emulator import unavailable_reason as emulator_unavailable
 
-BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.skipif(
-    vmm.cuda_unavailable_reason() is not None,
-    reason=f"CUDA backend unavailable: {vmm.cuda_unavailable_reason()}"))]
+
+def cuda_unavailable() -> str | None:
+    """None when a CUDA backend can run here: the real driver on a GPU, else the emulator."""
+    if vmm.cuda_unavailable_reason() is None:
+        return None
+    return emulator_unavailable()
+
+
+def make_cuda_backend(page_size: int | None = None) -> vmm.Backend:
+    """vkv's CudaBackend: over the real driver where there is a GPU, over the driver emulator
+    (tests/cuda_emulator) where there is none."""
+    if vmm.cuda_unavailable_reason() is None:
+        return vmm.CudaBackend(0, page_size)
+    return EmulatedCudaBackend(0, page_size)
+
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda_emulated,
+                                   pytest.mark.skipif(cuda_unavailable() is not None,
+                                                      reason=f"no CUDA backend: {cuda_unavailable()}")])
+BACKENDS = ["host", CUDA]
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    """Every backend present here: host always, CUDA where a GPU exists."""
-    b = vmm.make_backend(request.param, 4096 if request.param == "host" else None)
+    """Every backend: the host's, and CUDA's (real driver or its emulator)."""
+    b = vmm.HostBackend(4096) if request.param == "host" else make_cuda_backend()
     yield b
     b.close()
 

@@ -7,7 +7,9 @@ pool accounting holds (free xor referenced; counts = mappings + prefix-cache hol
 running sequence reads back exactly its own prefix values, so sharing and copy-on-write never
 leak one sequence's bytes into another. At the end the pool is whole again.
 """
+import pytest
 import torch
+from conftest import cuda_unavailable, make_cuda_backend
 from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -25,11 +27,17 @@ CFG = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=
 MAX_LEN = 64
 
 
-def make_cache(layout: str, pages: int):
+# On the CUDA backend (2 MiB pages) rows are made as large, so sequences still span pages.
+CFG_2MIB = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2,
+                       num_kv_heads=2, head_dim=8 * 1024)  # interleaved rows of 256 KiB: 8 to a page
+
+
+def make_cache(layout: str, pages: int, cuda: bool = False):
+    cfg = CFG_2MIB if cuda else CFG
     if layout == "paged":
-        return PagedKVCache(CFG, 4, pages, torch.float32, torch.device("cpu"), enable_prefix_caching=True)
-    return VirtualKVCache(CFG, layout, 6, MAX_LEN, torch.float32, vmm.HostBackend(4096), pages,
-                          enable_prefix_caching=True)
+        return PagedKVCache(cfg, 4, pages, torch.float32, torch.device("cpu"), enable_prefix_caching=True)
+    backend = make_cuda_backend() if cuda else vmm.HostBackend(4096)
+    return VirtualKVCache(cfg, layout, 6, MAX_LEN, torch.float32, backend, pages, enable_prefix_caching=True)
 
 
 def prefix_value(tokens: list[int]) -> float:
@@ -37,9 +45,11 @@ def prefix_value(tokens: list[int]) -> float:
 
 
 class TrafficMachine(RuleBasedStateMachine):
+    cuda = False
+
     @initialize(layout=st.sampled_from(["interleaved", "per_layer", "paged"]), pages=st.integers(24, 48))
     def setup(self, layout, pages):
-        self.kv = make_cache(layout, pages)
+        self.kv = make_cache(layout, pages, self.cuda and layout != "paged")
         self.sched = Scheduler(self.kv, max_num_seqs=6, max_num_batched_tokens=48)
         self.live: list[Sequence] = []
         self.forks_left: dict[int, int] = {}
@@ -148,3 +158,14 @@ class TrafficMachine(RuleBasedStateMachine):
 TestTraffic = TrafficMachine.TestCase
 TestTraffic.settings = settings(max_examples=400, stateful_step_count=50, deadline=None,
                                 suppress_health_check=[HealthCheck.too_slow])
+
+
+class CudaTrafficMachine(TrafficMachine):
+    """The same traffic over vkv's CUDA backend (on the driver emulator where there is no GPU)."""
+    cuda = True
+
+
+TestTrafficCuda = pytest.mark.cuda_emulated(pytest.mark.skipif(
+    cuda_unavailable() is not None, reason=f"no CUDA backend: {cuda_unavailable()}")(CudaTrafficMachine.TestCase))
+TestTrafficCuda.settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
+                                    suppress_health_check=list(HealthCheck))

@@ -6,8 +6,10 @@ plus explicit holds, and every mapping shows the bytes last written to its physi
 import itertools
 from collections import Counter
 
+import pytest
 import torch
-from hypothesis import settings, strategies as st
+from conftest import cuda_unavailable, make_cuda_backend
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import vmm
@@ -19,16 +21,21 @@ TAG_WORDS = 16
 
 
 class PageMachine(RuleBasedStateMachine):
+    def make_backend(self) -> vmm.Backend:
+        return vmm.HostBackend(4096)
+
     def __init__(self):
         super().__init__()
-        self.pool = vmm.PagePool(vmm.HostBackend(4096), PAGES)
-        self.res = [vmm.Reservation(self.pool, SPAN * 4096) for _ in range(RESERVATIONS)]
+        self.backend = self.make_backend()
+        self.page = self.backend.page_size
+        self.pool = vmm.PagePool(self.backend, PAGES)
+        self.res = [vmm.Reservation(self.pool, SPAN * self.page) for _ in range(RESERVATIONS)]
         self.held: Counter = Counter()
         self.tags: dict[int, int] = {}
         self.next_tag = itertools.count(1)
 
     def words(self, r: int, i: int) -> torch.Tensor:
-        return self.res[r].view(torch.int32, (TAG_WORDS,), offset=i * 4096, check=True)
+        return self.res[r].view(torch.int32, (TAG_WORDS,), offset=i * self.page, check=True)
 
     def tag(self, r: int, i: int) -> None:
         self.tags[self.res[r].page_at(i)] = value = next(self.next_tag)
@@ -103,7 +110,7 @@ class PageMachine(RuleBasedStateMachine):
     @rule(r=slot)
     def release(self, r):
         self.res[r].release()
-        self.res[r] = vmm.Reservation(self.pool, SPAN * 4096)
+        self.res[r] = vmm.Reservation(self.pool, SPAN * self.page)
 
     @invariant()
     def accounting_and_bytes_hold(self):
@@ -123,7 +130,21 @@ class PageMachine(RuleBasedStateMachine):
         self.pool.audit([])
         assert self.pool.stats().free == PAGES
         self.pool.close()
+        self.backend.close()
 
 
 TestPageMachine = PageMachine.TestCase
 TestPageMachine.settings = settings(max_examples=500, stateful_step_count=30, deadline=None)
+
+
+class CudaPageMachine(PageMachine):
+    """The same operations on vkv's CUDA backend (the driver emulator where there is no GPU)."""
+
+    def make_backend(self) -> vmm.Backend:
+        return make_cuda_backend()
+
+
+TestCudaPageMachine = pytest.mark.cuda_emulated(pytest.mark.skipif(
+    cuda_unavailable() is not None, reason=f"no CUDA backend: {cuda_unavailable()}")(CudaPageMachine.TestCase))
+TestCudaPageMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
+                                        suppress_health_check=list(HealthCheck))

@@ -49,7 +49,8 @@ class Backend(ABC):
 
     @abstractmethod
     def map_handles(self, addr: int, handles: Sequence[PageHandle]) -> None:
-        """Map pages back to back from `addr`, not yet accessible (see `set_access`)."""
+        """Map pages back to back from `addr`, not yet accessible (see `set_access`); on failure
+        the pages already mapped are unmapped again."""
 
     @abstractmethod
     def set_access(self, addr: int, nbytes: int) -> None:
@@ -68,9 +69,14 @@ class Backend(ABC):
         """A zero-copy uint8 tensor over [addr, addr + nbytes)."""
 
     def map(self, addr: int, handles: Sequence[PageHandle]) -> None:
-        """Map a run of pages and make it accessible with one access call."""
+        """Map a run of pages and make it accessible with one access call; on failure nothing
+        stays mapped."""
         self.map_handles(addr, handles)
-        self.set_access(addr, len(handles) * self.page_size)
+        try:
+            self.set_access(addr, len(handles) * self.page_size)
+        except BaseException:
+            self.unmap(addr, len(handles) * self.page_size)
+            raise
 
     def max_mapped_pages(self) -> int | None:
         """How many pages can be mapped at once, if the system bounds it."""

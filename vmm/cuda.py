@@ -1,14 +1,25 @@
 """CUDA backend: the driver's virtual memory management API through `cuda.bindings.driver`.
 
 Physical pages come from `cuMemCreate` (about 200 us each, so pools create them once, up
-front); ranges from `cuMemAddressReserve`; `cuMemMap` puts a page at an address and
-`cuMemSetAccess` makes a whole contiguous run readable and writable in one call. PyTorch's
-context must exist before any driver call, so the backend initialises it first.
-Importing this module never needs a GPU: `CudaBackend()` raises `BackendUnavailable` with the
-reason instead.
+front); ranges from `cuMemAddressReserve`, aligned to the allocation granularity; `cuMemMap`
+puts a page at an address and `cuMemSetAccess` makes a whole contiguous run readable and
+writable in one call. Unmapping is one `cuMemUnmap` per page mapped (the documentation
+promises a call only for "the entire contiguous address range that was mapped"), after
+waiting for the device. Every operation undoes what it did before it raises.
+
+Driver calls act on the calling thread's current context. The backend retains the device's
+primary context (the one PyTorch uses) and makes it current in any thread before its first
+driver call there, so a worker thread that has run no CUDA code yet can map pages; the
+context is released at `close()`.
+
+The torch side (making the device current, tensors over device addresses, waiting for
+kernels) is confined to `_init_device`, `byte_view` and `synchronize`, so the same driver
+code runs against the driver emulator of the test suite with host tensors. Importing this
+module never needs a GPU: `CudaBackend()` raises `BackendUnavailable` with the reason instead.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -18,9 +29,9 @@ from vmm.errors import BackendUnavailable, PoolExhausted, VmmError
 
 try:
     from cuda.bindings import driver as cu
-except ImportError as exc:  # cuda-python is the optional extra `vkv[cuda]`
+except ImportError as exc:  # cuda-bindings is the optional extra `vkv[cuda]`
     cu = None
-    _IMPORT_ERROR = f"cuda-python is not installed ({exc}); pip install 'vkv[cuda]'"
+    _IMPORT_ERROR = f"cuda-bindings is not installed ({exc}); pip install 'vkv[cuda]'"
 
 
 class CudaDriverError(VmmError):
@@ -33,7 +44,7 @@ def _ok(what: str, result: tuple):
         name = cu.cuGetErrorName(err)[1]
         if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
             raise PoolExhausted(f"{what}: the GPU is out of memory")
-        raise CudaDriverError(f"{what} failed: {name.decode() if name else err}")
+        raise CudaDriverError(f"{what} failed: {name.decode() if name else int(err)}")
     return values[0] if len(values) == 1 else None
 
 
@@ -58,13 +69,15 @@ class CudaBackend(Backend):
     name = "cuda"
 
     def __init__(self, device: int = 0, page_size: int | None = None):
-        reason = unavailable_reason()
+        reason = self._unavailable_reason()
         if reason:
             raise BackendUnavailable(reason)
-        self.device = torch.device("cuda", device)
-        torch.cuda.set_device(self.device)
-        torch.zeros(1, device=self.device)  # PyTorch's primary context becomes current
+        self.device = self._init_device(device)
+        self._current = threading.local()
         _ok("cuInit", cu.cuInit(0))
+        self.cu_device = _ok("cuDeviceGet", cu.cuDeviceGet(device))
+        self.context = _ok("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self.cu_device))
+        self._in_context()
         self.prop = cu.CUmemAllocationProp()
         self.prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         self.prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -77,36 +90,21 @@ class CudaBackend(Backend):
             self.prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
         self.page_size = page_size or self.granularity
         if self.page_size % self.granularity:
+            self._release_context()
             raise ValueError(f"page_size must be a multiple of the granularity {self.granularity}")
         self._scratch = self.reserve(self.page_size)
 
-    def create_page(self):
-        return _ok("cuMemCreate", cu.cuMemCreate(self.page_size, self.prop, 0))
+    # -- the torch side: what the emulated backend of the tests replaces -------------------
+    @staticmethod
+    def _unavailable_reason() -> str | None:
+        return unavailable_reason()
 
-    def release_page(self, handle) -> None:
-        _ok("cuMemRelease", cu.cuMemRelease(handle))
-
-    def reserve(self, nbytes: int) -> int:
-        return int(_ok("cuMemAddressReserve", cu.cuMemAddressReserve(nbytes, self.page_size, 0, 0)))
-
-    def free_reservation(self, addr: int, nbytes: int) -> None:
-        _ok("cuMemAddressFree", cu.cuMemAddressFree(addr, nbytes))
-
-    def map_handles(self, addr: int, handles: Sequence) -> None:
-        for i, handle in enumerate(handles):
-            _ok("cuMemMap", cu.cuMemMap(addr + i * self.page_size, self.page_size, 0, handle, 0))
-
-    def set_access(self, addr: int, nbytes: int) -> None:
-        _ok("cuMemSetAccess", cu.cuMemSetAccess(addr, nbytes, [self.access], 1))
-
-    def unmap(self, addr: int, nbytes: int) -> None:
-        self.synchronize()  # a kernel still reading the run would fault after cuMemUnmap
-        _ok("cuMemUnmap", cu.cuMemUnmap(addr, nbytes))
-
-    def copy_page(self, dst, src_addr: int) -> None:
-        self.map(self._scratch, [dst])
-        self.byte_view(self._scratch, self.page_size).copy_(self.byte_view(src_addr, self.page_size))
-        self.unmap(self._scratch, self.page_size)
+    def _init_device(self, device: int) -> torch.device:
+        """Make PyTorch's primary context exist (driver calls need it) on `device`."""
+        dev = torch.device("cuda", device)
+        torch.cuda.set_device(dev)
+        torch.zeros(1, device=dev)
+        return dev
 
     def byte_view(self, addr: int, nbytes: int) -> torch.Tensor:
         return torch.as_tensor(_DeviceBytes(addr, nbytes), device=self.device)
@@ -114,7 +112,65 @@ class CudaBackend(Backend):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    # -- the driver ------------------------------------------------------------------------
+    def _in_context(self) -> None:
+        """Make the primary context current in this thread, once per thread."""
+        if getattr(self._current, "set", False):
+            return
+        if int(_ok("cuCtxGetCurrent", cu.cuCtxGetCurrent())) != int(self.context):
+            _ok("cuCtxSetCurrent", cu.cuCtxSetCurrent(self.context))
+        self._current.set = True
+
+    def create_page(self):
+        self._in_context()
+        return _ok("cuMemCreate", cu.cuMemCreate(self.page_size, self.prop, 0))
+
+    def release_page(self, handle) -> None:
+        self._in_context()
+        _ok("cuMemRelease", cu.cuMemRelease(handle))
+
+    def reserve(self, nbytes: int) -> int:
+        self._in_context()
+        return int(_ok("cuMemAddressReserve", cu.cuMemAddressReserve(nbytes, self.granularity, 0, 0)))
+
+    def free_reservation(self, addr: int, nbytes: int) -> None:
+        self._in_context()
+        _ok("cuMemAddressFree", cu.cuMemAddressFree(addr, nbytes))
+
+    def map_handles(self, addr: int, handles: Sequence) -> None:
+        self._in_context()
+        for i, handle in enumerate(handles):
+            try:
+                _ok("cuMemMap", cu.cuMemMap(addr + i * self.page_size, self.page_size, 0, handle, 0))
+            except BaseException:
+                self._unmap_pages(addr, i)  # undo the pages already mapped
+                raise
+
+    def set_access(self, addr: int, nbytes: int) -> None:
+        self._in_context()
+        _ok("cuMemSetAccess", cu.cuMemSetAccess(addr, nbytes, [self.access], 1))
+
+    def unmap(self, addr: int, nbytes: int) -> None:
+        self._in_context()
+        self.synchronize()  # a kernel still reading the run would fault after cuMemUnmap
+        self._unmap_pages(addr, nbytes // self.page_size)
+
+    def _unmap_pages(self, addr: int, count: int) -> None:
+        for i in range(count):
+            _ok("cuMemUnmap", cu.cuMemUnmap(addr + i * self.page_size, self.page_size))
+
+    def copy_page(self, dst, src_addr: int) -> None:
+        self.map(self._scratch, [dst])
+        try:
+            self.byte_view(self._scratch, self.page_size).copy_(self.byte_view(src_addr, self.page_size))
+        finally:
+            self.unmap(self._scratch, self.page_size)
+
     def close(self) -> None:
         if self._scratch:
             self.free_reservation(self._scratch, self.page_size)
             self._scratch = 0
+            self._release_context()
+
+    def _release_context(self) -> None:
+        _ok("cuDevicePrimaryCtxRelease", cu.cuDevicePrimaryCtxRelease(self.cu_device))

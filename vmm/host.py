@@ -89,12 +89,15 @@ class HostBackend(Backend):
         _check(self.libc.munmap(addr, nbytes), "munmap")
 
     def map_handles(self, addr: int, handles: Sequence[int]) -> None:
+        done = 0
         for start, count in consecutive_runs(handles):
-            got = self.libc.mmap(addr, count * self.page_size, PROT_NONE, MAP_SHARED | MAP_FIXED,
+            got = self.libc.mmap(addr + done, count * self.page_size, PROT_NONE, MAP_SHARED | MAP_FIXED,
                                  self.fd, start * self.page_size)
-            if got != addr:
+            if got != addr + done:
+                if done:
+                    self.unmap(addr, done)
                 raise OSError(ctypes.get_errno(), f"mmap(MAP_FIXED) of page slot {start} failed")
-            addr += count * self.page_size
+            done += count * self.page_size
 
     def set_access(self, addr: int, nbytes: int) -> None:
         _check(self.libc.mprotect(addr, nbytes, PROT_READ | PROT_WRITE), "mprotect")

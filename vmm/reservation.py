@@ -99,7 +99,8 @@ class Reservation:
 
     def copy_on_write(self, index: int) -> int:
         """Make the page at index private: if others map it too, put a copy of its bytes in a
-        fresh page here. Returns the page now mapped at index."""
+        fresh page here. Returns the page now mapped at index. On failure the original page
+        stays mapped and no page is leaked."""
         with self.pool.lock:
             self._check_range(index, 1)
             page = self._mapped(index)
@@ -108,9 +109,18 @@ class Reservation:
             copy = self.pool.alloc()
             addr = self.addr + self.offset_of(index)
             backend = self.pool.backend
-            backend.copy_page(self.pool.handles[copy], addr)
-            backend.unmap(addr, self.page_size)
-            backend.map(addr, [self.pool.handles[copy]])
+            try:
+                backend.copy_page(self.pool.handles[copy], addr)
+                backend.unmap(addr, self.page_size)
+            except BaseException:
+                self.pool.drop(copy)  # the original stays where it was
+                raise
+            try:
+                backend.map(addr, [self.pool.handles[copy]])
+            except BaseException:
+                backend.map(addr, [self.pool.handles[page]])  # put the original back
+                self.pool.drop(copy)
+                raise
             self._pages[index] = copy  # the alloc reference becomes the mapping's
             self.pool.drop(page)
             return copy

@@ -1,0 +1,124 @@
+"""vkv's real CudaBackend, through the real cuda-bindings, against the driver emulator's strict
+reading of the documented VMM rules (tests/cuda_emulator): contexts in every thread, the
+reservation alignment, page-by-page unmapping, and no stray mapping, page or context after a
+failure or at close. Driver failures are injected by the emulator."""
+import threading
+
+import pytest
+import torch
+
+import vmm
+from conftest import cuda_unavailable
+from cuda_emulator import EmulatedCudaBackend, counts, fail
+from engine.kv.virtual import VirtualKVCache
+from engine.models.config import ModelConfig
+
+pytestmark = [pytest.mark.cuda_emulated,
+              pytest.mark.skipif(vmm.cuda_unavailable_reason() is None, reason="a real GPU: the emulator is not loaded"),
+              pytest.mark.skipif(cuda_unavailable() is not None, reason=f"no emulator: {cuda_unavailable()}")]
+MIB = 1 << 20
+
+
+def clean() -> bool:
+    c = counts()
+    return c.allocations == c.reservations == c.mappings == c.context_retains == 0
+
+
+def test_everything_goes_back_at_close_including_the_context():
+    backend = EmulatedCudaBackend()
+    pool = vmm.PagePool(backend, 4)
+    res = vmm.Reservation(pool, 3 * pool.page_size)
+    res.map_new(0, 3)
+    assert counts().mappings == 3 and counts().context_retains == 1
+    res.release()
+    pool.close()
+    backend.close()
+    assert clean()
+
+
+def test_a_thread_with_no_current_context_can_map():
+    backend = EmulatedCudaBackend()
+    pool = vmm.PagePool(backend, 4)
+    errors = []
+
+    def worker():  # a fresh thread: nothing has made a context current in it
+        try:
+            res = vmm.Reservation(pool, 2 * pool.page_size)
+            res.map_new(0, 2)
+            res.view(torch.int32, (4,), check=True).fill_(7)
+            res.release()
+        except Exception as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert not errors
+    pool.close()
+    backend.close()
+    assert clean()
+
+
+def test_page_sizes_that_are_not_a_power_of_two_reserve_at_the_granularity():
+    backend = EmulatedCudaBackend(page_size=6 * MIB)  # a multiple of 2 MiB, not a power of two
+    pool = vmm.PagePool(backend, 2)
+    res = vmm.Reservation(pool, 12 * MIB)
+    res.map_new(0, 2)
+    x = res.view(torch.uint8, (12 * MIB,), check=True)
+    x[6 * MIB - 1: 6 * MIB + 1] = 9
+    res.unmap(0, 2)  # one cuMemUnmap per page: each page was its own mapping
+    res.release()
+    pool.close()
+    backend.close()
+    assert clean()
+
+
+def test_a_failed_map_leaves_nothing_mapped_and_nothing_held():
+    backend = EmulatedCudaBackend()
+    pool = vmm.PagePool(backend, 4)
+    res = vmm.Reservation(pool, 4 * pool.page_size)
+    fail("cuMemMap", 3)  # the third page of the run
+    with pytest.raises(vmm.PoolExhausted):
+        res.map_new(0, 4)
+    assert counts().mappings == 0 and pool.num_free == 4 and not res.mapped_pages()
+    fail("cuMemSetAccess", 1, code=1)
+    with pytest.raises(vmm.VmmError):
+        res.map_new(0, 2)
+    assert counts().mappings == 0 and pool.num_free == 4
+    res.map_new(0, 4)  # and the driver is fine afterwards
+    pool.audit([res])
+    res.release()
+    pool.close()
+    backend.close()
+    assert clean()
+
+
+def test_a_failed_copy_on_write_keeps_the_original_page():
+    backend = EmulatedCudaBackend()
+    pool = vmm.PagePool(backend, 4)
+    a, b = vmm.Reservation(pool, pool.page_size), vmm.Reservation(pool, pool.page_size)
+    (page,) = a.map_new(0)
+    a.view(torch.int32, (4,), check=True).copy_(torch.tensor([1, 2, 3, 4], dtype=torch.int32))
+    b.share(a, 0, 0)
+    for call, nth in (("cuMemMap", 1), ("cuMemMap", 2), ("cuMemUnmap", 2)):  # scratch map, remap, unmap
+        fail(call, nth)
+        with pytest.raises(vmm.VmmError):
+            b.copy_on_write(0)
+        assert b.page_at(0) == page and pool.ref_counts[page] == 2
+        assert b.view(torch.int32, (4,), check=True).tolist() == [1, 2, 3, 4]
+        pool.audit([a, b])
+        assert counts().mappings == 2  # a's page and b's: no scratch mapping left over
+    assert b.copy_on_write(0) != page
+    a.release(), b.release()
+    pool.close()
+    backend.close()
+    assert clean()
+
+
+def test_a_virtual_kv_cache_gives_everything_back_at_close():
+    cfg = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2,
+                      num_kv_heads=2, head_dim=64)
+    kv = VirtualKVCache(cfg, "interleaved", 4, 256, torch.float32, EmulatedCudaBackend(), 8)
+    assert counts().reservations == 2  # the slots' range and the backend's scratch page
+    kv.close()
+    assert clean()

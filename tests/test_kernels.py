@@ -1,0 +1,133 @@
+"""The native CPU kernels against their torch references: attention on random mixed batches
+(prefill chunks and decodes, GQA, every layout's addressing, fp32 and bf16), the rotary
+embedding and K/V store byte for byte, the fused norm and activation; and no kernel reads a
+byte past a sequence's context (unmapped host pages would kill the process)."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import ext
+from engine import ops
+from engine.attention import StepAttention
+from engine.kv.batch import StepBatch
+
+pytestmark = pytest.mark.skipif(ext.cpu_kernels() is None, reason=f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def make_batch(seqs, table, block_size):
+    """seqs: [(q_len, ctx_len)]; table: block rows per sequence."""
+    starts, row = [], 0
+    for q_len, _ in seqs:
+        starts.append(row)
+        row += q_len
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)
+    width = max(map(len, table))
+    return StepBatch([None] * len(seqs), starts, [q for q, _ in seqs], [c for _, c in seqs],
+                     torch.tensor([p for q, c in seqs for p in range(c - q, c)]),
+                     i32([i for i, (q, _) in enumerate(seqs) for _ in range(q)]), i32(starts),
+                     i32([q for q, _ in seqs]), i32([c for _, c in seqs]),
+                     i32([0] + [s + q for s, (q, _) in zip(starts, seqs)]),
+                     i32([t + [0] * (width - len(t)) for t in table]), block_size)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), layout=st.sampled_from(["interleaved", "per_layer", "paged"]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       heads=st.sampled_from([(9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 3, 32)]))
+def test_native_attention_equals_the_reference_on_random_batches(data, layout, dtype, heads):
+    hq, hkv, dim = heads
+    seqs = data.draw(st.lists(st.integers(1, 300).flatmap(
+        lambda ctx: st.tuples(st.integers(1, min(ctx, 70)), st.just(ctx))), min_size=1, max_size=6))
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    layers = 2
+    if layout == "paged":
+        block_size, num_blocks = 16, sum(-(-c // 16) for _, c in seqs) + 3
+        k_caches = [torch.randn(num_blocks, block_size, hkv, dim, dtype=dtype) for _ in range(layers)]
+        v_caches = [torch.randn(num_blocks, block_size, hkv, dim, dtype=dtype) for _ in range(layers)]
+        free = torch.randperm(num_blocks).tolist()
+        table = [[free.pop() for _ in range(-(-c // 16))] for _, c in seqs]
+    else:
+        block_size, slots = 320, len(seqs) + 2
+        if layout == "interleaved":  # every layer's K and V in one row: strided views
+            rows = torch.randn(slots, block_size, layers, 2, hkv, dim, dtype=dtype)
+            k_caches, v_caches = [rows[:, :, l, 0] for l in range(layers)], [rows[:, :, l, 1] for l in range(layers)]
+        else:
+            k_caches = [torch.randn(slots, block_size, hkv, dim, dtype=dtype) for _ in range(layers)]
+            v_caches = [torch.randn(slots, block_size, hkv, dim, dtype=dtype) for _ in range(layers)]
+        table = [[s] for s in torch.randperm(slots)[:len(seqs)].tolist()]
+    batch = make_batch(seqs, table, block_size)
+    tokens = sum(q for q, _ in seqs)
+    q, k, v = (torch.randn(tokens, h, dim, dtype=dtype) for h in (hq, hkv, hkv))
+    cos_sin = ops.rope_table(1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim), 400, dtype, "cpu")
+    reference_caches = ([c.clone() for c in k_caches], [c.clone() for c in v_caches])
+    want = StepAttention("sdpa", *reference_caches, batch, cos_sin)(1, q.clone(), k.clone(), v.clone())
+    got = StepAttention("native", k_caches, v_caches, batch, cos_sin)(1, q.clone(), k.clone(), v.clone())
+    torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    assert torch.equal(k_caches[1], reference_caches[0][1]) and torch.equal(v_caches[1], reference_caches[1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_and_activation_equal_their_references(dtype):
+    torch.manual_seed(0)
+    for rows, hidden in ((1, 576), (37, 576), (5, 960)):
+        x, residual, weight = torch.randn(rows, hidden, dtype=dtype), torch.randn(rows, hidden, dtype=dtype), \
+            torch.rand(hidden, dtype=dtype)
+        for r in (None, residual):
+            got, got_r = ops.add_rms_norm(x.clone(), None if r is None else r.clone(), weight, 1e-5, True)
+            want, want_r = ops.add_rms_norm(x.clone(), None if r is None else r.clone(), weight, 1e-5, False)
+            torch.testing.assert_close(got, want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+            assert torch.equal(got_r, want_r)
+        gate_up = torch.randn(rows, 2 * hidden, dtype=dtype) * 4
+        torch.testing.assert_close(ops.silu_and_mul(gate_up, True), ops.silu_and_mul(gate_up, False),
+                                   atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_attention_reads_nothing_past_each_context():
+    """A real virtual KV cache on the host backend maps pages only as far as each sequence has
+    grown; touching an unmapped byte is a SIGSEGV. The kernel runs in a child process so a stray
+    read fails this test instead of killing the suite."""
+    script = textwrap.dedent("""
+        import torch, vmm
+        from engine.attention import StepAttention
+        from engine.kv.virtual import VirtualKVCache
+        from engine.models.config import ModelConfig
+        from engine.ops import rope_table
+        from engine.sequence import Sequence
+        from engine.sampling_params import SamplingParams
+        from test_kernels import make_batch
+        cfg = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=3, num_heads=6,
+                          num_kv_heads=2, head_dim=64)
+        for layout in ("interleaved", "per_layer"):
+            kv = VirtualKVCache(cfg, layout, 4, 1024, torch.float32, vmm.HostBackend(4096), 2000)
+            seqs = [(1, 5), (300, 300), (1, 700), (37, 37)]
+            held = [Sequence("r", 0, [1] * ctx, SamplingParams(), 0.0) for _, ctx in seqs]
+            for s, (_, ctx) in zip(held, seqs):
+                kv.admit(s)
+                assert kv.ensure_mapped(s, ctx)  # pages up to the context, no further
+            batch = make_batch(seqs, *kv.block_table(held, [c for _, c in seqs]))
+            tokens = sum(q for q, _ in seqs)
+            q, k, v = torch.randn(tokens, 6, 64), torch.randn(tokens, 2, 64), torch.randn(tokens, 2, 64)
+            cos_sin = rope_table(1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64), 1024, torch.float32, "cpu")
+            out = StepAttention("native", kv.k_caches, kv.v_caches, batch, cos_sin)(2, q, k, v)
+            assert torch.isfinite(out).all()
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=__file__.rsplit("/", 1)[0])
+    assert done.returncode == 0 and "ok" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+def test_the_engine_runs_without_the_native_kernels():
+    """Where the kernels cannot be built, the engine picks the torch references."""
+    script = ("from engine import LLM, SamplingParams\n"
+              "llm = LLM(model='random:tiny', kv_cache_memory=1 << 22, page_size=4096)\n"
+              "out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)\n"
+              "print(llm.stats().attention_backend, len(out[0].outputs[0].token_ids))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**__import__("os").environ, "VKV_NO_NATIVE": "1"})
+    assert done.returncode == 0 and done.stdout.split()[-2:] == ["sdpa", "3"], done.stderr[-2000:]
