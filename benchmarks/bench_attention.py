@@ -1,19 +1,22 @@
-"""Attention time per layer on the CPU: the same kernel over each KV layout, same shapes.
+"""Attention time per layer over each KV layout, same kernel, same shapes, on the CPU or a GPU.
 
     python benchmarks/bench_attention.py --json benchmarks/results/cpu/attention.json \
         --plot benchmarks/results/cpu/attention.png
+    python benchmarks/bench_attention.py --device cuda --json DIR/attention.json --plot DIR/attention.png
 
-Layouts (what a kernel reads sequence b's position p from):
-  per_layer    [slots, rows, H, D] per layer: a slot's rows are contiguous
-  interleaved  one [slots, rows, L, 2, H, D] range: a layer's K is a strided view (row stride L*2*H*D)
-  paged        [blocks, 16, H, D] per layer with a random block table (PagedAttention's layout)
-Kernels: `native` (vkv's CPU kernel, one call for the batch; reads every layout in place,
-the block table through its table) and `sdpa` (torch's kernel per sequence over its slot;
-gathers a block table's blocks first). Cases: decode of 32 sequences at 256 and 1,024 tokens
-of context, and a 512-token prefill. Reported: median time per call, and the bytes of K and V
-the call must read over that time, against the bandwidth of a large copy measured in the same
-run. Shapes: SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64, 30 layers) and Llama-3-8B
-(32, 8, 128, 32 layers).
+Layouts, each built as the engine builds it:
+  contiguous   a plain [sequences, longest, H, D] tensor per layer (no virtual memory): the baseline
+  per_layer    vkv's virtual KV cache, one range per layer's K and V, pages mapped on demand
+  interleaved  vkv's virtual KV cache, one range per slot for every layer (a layer's K is strided)
+  paged        the block table: [blocks, 16, H, D] per layer, blocks in random order
+Virtual caches map pages only as far as each sequence's context (host pages of 64 KiB on the
+CPU, the CUDA granularity on a GPU). Kernels: on the CPU `native` (one call for the batch) and
+`sdpa` (per sequence); on CUDA `flash` (PyTorch's built-in FlashAttention-2), `flash-attn` and
+`flash-attn-4` when installed, and `sdpa`. Cases: decode of 32 sequences at 256 and 1,024 tokens
+of context, and a 512-token prefill. Reported: median time per call (CUDA events on a GPU) and
+the bytes of K and V the call must read over that time, as a share of a large copy's bandwidth
+measured in the same run. Shapes: SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64, 30
+layers) and Llama-3-8B (32, 8, 128, 32 layers).
 """
 from __future__ import annotations
 
@@ -28,61 +31,102 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import machine_info, save  # noqa: E402
 
-import ext  # noqa: E402
-from engine.attention import StepAttention  # noqa: E402
+import vmm  # noqa: E402
+from engine.attention import StepAttention, pick_attention  # noqa: E402
 from engine.kv.batch import StepBatch  # noqa: E402
+from engine.kv.paged import PagedKVCache  # noqa: E402
+from engine.kv.virtual import VirtualKVCache  # noqa: E402
+from engine.models.config import ModelConfig  # noqa: E402
 from engine.ops import rope_table  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
 
 SHAPES = {"smollm2-135m": (9, 3, 64, 30), "llama-3-8b": (32, 8, 128, 32)}
 CASES = {"decode-32x256": [(1, 256)] * 32, "decode-32x1024": [(1, 1024)] * 32, "prefill-512": [(512, 512)]}
+LAYOUTS = ("contiguous", "per_layer", "interleaved", "paged")
 
 
-def caches(layout: str, seqs, hkv: int, dim: int, layers: int, dtype):
-    """Layer 0's K and V caches in `layout`, with a block table for `seqs`."""
+def build(layout: str, seqs, shape, dtype, device):
+    """(K caches, V caches, block table rows, rows per block, KV object to close) for `seqs`."""
+    hq, hkv, dim, layers = shape
+    longest = max(c for _, c in seqs)
+    if layout == "contiguous":
+        k, v = (torch.randn(len(seqs), longest, hkv, dim, dtype=dtype, device=device) for _ in range(2))
+        return [k], [v], [[i] for i in range(len(seqs))], longest, None
+    cfg = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=layers, num_heads=hq,
+                      num_kv_heads=hkv, head_dim=dim)
+    held = [Sequence("b", 0, [1] * c, SamplingParams(), 0.0) for _, c in seqs]
+    token_bytes = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
     if layout == "paged":
-        blocks = sum(-(-c // 16) for _, c in seqs)
-        k, v = (torch.randn(blocks, 16, hkv, dim, dtype=dtype) for _ in range(2))
-        order = torch.randperm(blocks).tolist()
-        table = [[order.pop() for _ in range(-(-c // 16))] for _, c in seqs]
-        return k, v, table, 16
-    rows = max(c for _, c in seqs)
-    if layout == "interleaved":
-        whole = torch.randn(len(seqs), rows, layers, 2, hkv, dim, dtype=dtype)
-        k, v = whole[:, :, 0, 0], whole[:, :, 0, 1]
+        kv = PagedKVCache(cfg, 16, sum(-(-c // 16) for _, c in seqs) + len(seqs), dtype, device)
     else:
-        k, v = (torch.randn(len(seqs), rows, hkv, dim, dtype=dtype) for _ in range(2))
-    return k, v, [[s] for s in range(len(seqs))], rows
+        backend = vmm.make_backend(device.type if device.type == "cuda" else "host",
+                                   None if device.type == "cuda" else 64 << 10)
+        regions, row = (1, token_bytes) if layout == "interleaved" else (2 * layers, token_bytes // (2 * layers))
+        pages = regions * sum(-(-c * row // backend.page_size) + 1 for _, c in seqs)
+        kv = VirtualKVCache(cfg, layout, len(seqs), longest, dtype, backend, pages)
+    for s, (_, c) in zip(held, seqs):
+        kv.admit(s)
+        assert kv.ensure_mapped(s, c)
+    for s, (_, c) in zip(held, seqs):  # fill each sequence's rows, mapped ones only
+        table, rows = kv.block_table([s], [c])
+        for cache in (kv.k_caches[0], kv.v_caches[0]):
+            for i, block in enumerate(table[0]):
+                n = min(rows, c - i * rows)
+                cache[block, :n] = torch.randn(n, hkv, dim, dtype=dtype, device=device)
+    table, rows = kv.block_table(held, [c for _, c in seqs])
+    return kv.k_caches[:1], kv.v_caches[:1], table, rows, kv
 
 
-def batch_for(seqs, table, block_size) -> StepBatch:
+def batch_for(seqs, table, block_size, device) -> StepBatch:
     starts, row = [], 0
     for q_len, _ in seqs:
         starts.append(row)
         row += q_len
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
     width = max(map(len, table))
     return StepBatch([None] * len(seqs), starts, [q for q, _ in seqs], [c for _, c in seqs],
-                     torch.tensor([p for q, c in seqs for p in range(c - q, c)]),
+                     torch.tensor([p for q, c in seqs for p in range(c - q, c)], device=device),
                      i32([i for i, (q, _) in enumerate(seqs) for _ in range(q)]), i32(starts), i32([q for q, _ in seqs]),
                      i32([c for _, c in seqs]), i32([0] + [s + q for s, (q, _) in zip(starts, seqs)]),
                      i32([t + [0] * (width - len(t)) for t in table]), block_size)
 
 
-def timed(fn, repeats: int) -> float:
+def timed(fn, repeats: int, device) -> float:
     fn()
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            start_s = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start_s)
     return statistics.median(samples)
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second of a 512 MiB copy (read + write), the machine's practical memory bandwidth."""
-    src = torch.empty(128 << 20, dtype=torch.float32).fill_(1.0)
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a 1 GiB copy (read + write) on the device."""
+    src = torch.ones(256 << 20, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 5)
+    return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 5, device)
+
+
+def kernels_for(device, dtype, layout: str, dim: int) -> list[str]:
+    names = ["native", "sdpa"] if device.type == "cpu" else ["flash-attn-4", "flash-attn", "flash", "sdpa"]
+    usable = []
+    for name in names:
+        try:
+            pick_attention(name, device, dtype, "paged" if layout == "paged" else "per_layer", dim)
+            usable.append(name)
+        except ValueError:
+            pass
+    return usable
 
 
 def plot(result: dict, path: str) -> None:
@@ -91,9 +135,9 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    shapes = list(SHAPES)
-    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5))
-    for ax, shape in zip(axes, shapes):
+    shapes = sorted({r["shape"] for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 4.8), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
         mine = [r for r in rows if r["shape"] == shape]
         labels = sorted({(r["case"], r["dtype"]) for r in mine})
         series = sorted({(r["kernel"], r["layout"]) for r in mine})
@@ -107,45 +151,54 @@ def plot(result: dict, path: str) -> None:
         ax.set_yscale("log")
         ax.set_ylabel("ms per layer call")
         ax.set_title(shape)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, ncol=2)
     m = result["machine"]
-    fig.suptitle(f"attention per layer, CPU — {m['processor']} ({m['cpu_count']} CPUs), torch {m['torch']}", fontsize=9)
+    fig.suptitle(f"attention per layer — {m.get('gpu') or m['processor']} ({m['cpu_count']} CPUs), torch {m['torch']}; "
+                 f"copy bandwidth {result['copy_bandwidth_gb_s']:.0f} GB/s", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--json", dest="json_path")
     p.add_argument("--plot", dest="plot_path")
-    args = p.parse_args()
-    if ext.cpu_kernels() is None:
-        raise SystemExit(f"the native kernels are unavailable: {ext.cpu_kernels_error()}")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtypes = (torch.float32, torch.bfloat16) if device.type == "cpu" else (torch.bfloat16,)
     torch.manual_seed(0)
-    bandwidth, rows = copy_bandwidth(), []
-    for shape, (hq, hkv, dim, layers) in SHAPES.items():
-        for dtype in (torch.float32, torch.bfloat16):
-            cos_sin = rope_table(1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim), 1024, dtype, "cpu")
+    bandwidth, rows = copy_bandwidth(device), []
+    for shape_name in args.shapes.split(","):
+        shape = SHAPES[shape_name]
+        hq, hkv, dim, _ = shape
+        for dtype in dtypes:
+            cos_sin = rope_table(1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim), 1024, dtype, device)
             for case, seqs in CASES.items():
                 tokens = sum(q for q, _ in seqs)
-                q, k, v = (torch.randn(tokens, h, dim, dtype=dtype) for h in (hq, hkv, hkv))
+                q, k, v = (torch.randn(tokens, h, dim, dtype=dtype, device=device) for h in (hq, hkv, hkv))
                 kv_bytes = sum(c for _, c in seqs) * 2 * hkv * dim * q.element_size()
-                for layout in ("per_layer", "interleaved", "paged"):
-                    k_cache, v_cache, table, block_size = caches(layout, seqs, hkv, dim, layers, dtype)
-                    batch = batch_for(seqs, table, block_size)
-                    for kernel in ("native", "sdpa"):
-                        attn = StepAttention(kernel, [k_cache], [v_cache], batch, cos_sin)
-                        seconds = timed(lambda: attn(0, q, k, v), args.repeats)  # rotating in place again is fine here
-                        rows.append({"shape": shape, "dtype": str(dtype).removeprefix("torch."), "case": case,
-                                     "layout": layout, "kernel": kernel, "ms": seconds * 1e3,
-                                     "kv_bytes": kv_bytes, "share_of_copy_bandwidth": kv_bytes / seconds / bandwidth})
+                for layout in LAYOUTS:
+                    k_caches, v_caches, table, block_size, kv = build(layout, seqs, shape, dtype, device)
+                    batch = batch_for(seqs, table, block_size, device)
+                    for kernel in kernels_for(device, dtype, layout, dim):
+                        attn = StepAttention(kernel, k_caches, v_caches, batch, cos_sin, paged=layout == "paged")
+                        seconds = timed(lambda: attn(0, q, k, v), args.repeats, device)  # re-rotating is fine here
+                        rows.append({"shape": shape_name, "dtype": str(dtype).removeprefix("torch."), "case": case,
+                                     "layout": layout, "kernel": kernel, "ms": seconds * 1e3, "kv_bytes": kv_bytes,
+                                     "share_of_copy_bandwidth": kv_bytes / seconds / bandwidth})
                         r = rows[-1]
-                        print(f"{shape:13s} {r['dtype']:8s} {case:15s} {layout:11s} {kernel:6s} {r['ms']:8.3f} ms "
-                              f"({100 * r['share_of_copy_bandwidth']:4.0f}% of copy bandwidth)", flush=True)
-    result = {"benchmark": "attention_layouts_cpu", "copy_bandwidth_gb_s": bandwidth / 1e9, "machine": machine_info(),
-              "rows": rows, "command": "python benchmarks/bench_attention.py " + " ".join(sys.argv[1:])}
+                        print(f"{shape_name:13s} {r['dtype']:8s} {case:15s} {layout:11s} {kernel:12s} {r['ms']:9.3f} ms "
+                              f"({100 * r['share_of_copy_bandwidth']:5.1f}% of copy bandwidth)", flush=True)
+                    if kv is not None:
+                        kv.close()
+    result = {"benchmark": "attention_layouts", "device": str(device), "copy_bandwidth_gb_s": bandwidth / 1e9,
+              "machine": machine_info(), "rows": rows,
+              "command": "python benchmarks/bench_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     save(result, args.json_path, args.plot_path, plot)
+    return result
 
 
 if __name__ == "__main__":

@@ -72,8 +72,8 @@ def plot(result: dict, path: str) -> None:
     bars = ax.bar([r["system"] for r in runs], [r["output_tokens_per_s"] for r in runs],
                   color=["tab:gray" if r["system"].startswith("hf") else "tab:blue" for r in runs])
     for bar, r in zip(bars, runs):
-        ax.annotate(f"{r['speedup_vs_hf']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom")
+        label = f"{r['speedup_vs_hf']:.2f}x" if r["speedup_vs_hf"] else f"{r['output_tokens_per_s']:.0f}"
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
     ax.set_ylabel("useful output tokens / s")
     m = result["machine"]
     ax.set_title(f"{result['num_requests']} ShareGPT requests, {result['model']}\n"
@@ -82,7 +82,7 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--num-requests", type=int, default=32)
@@ -92,15 +92,18 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--max-output-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    parser.add_argument("--dtype", default=None)
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--plot", dest="plot_path")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from engine.models import load_tokenizer
     from engine.models.loader import checkpoint_dir
     requests = sample_requests(load_tokenizer(args.model), args.num_requests, args.seed,
                                max_output=args.max_output_len)
-    runs = [run_vkv(requests, args.model, layout, args.max_num_seqs) for layout in args.kv_layout.split(",")]
+    runs = [run_vkv(requests, args.model, layout, args.max_num_seqs, device=args.device, dtype=args.dtype)
+            for layout in args.kv_layout.split(",")]
     if not args.no_hf:
         runs.append(run_hf(requests, checkpoint_dir(args.model), args.hf_batch_size))
     out_tokens = sum(r.output_len for r in requests)
@@ -110,7 +113,8 @@ def main() -> None:
         r["requests_per_s"] = len(requests) / r["elapsed_s"]
         r["output_tokens_per_s"] = out_tokens / r["elapsed_s"]
         r["speedup_vs_hf"] = hf["elapsed_s"] / r["elapsed_s"] if hf else None
-    result = {"benchmark": "offline_throughput", "command": " ".join(["python"] + sys.argv),
+    result = {"benchmark": "offline_throughput",
+              "command": "python benchmarks/bench_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "model": args.model or "SmolLM2-135M-Instruct (bundled GGUF, fp32)", "num_requests": len(requests),
               "prompt_tokens": in_tokens, "output_tokens": out_tokens,
               "mean_prompt_len": in_tokens / len(requests), "mean_output_len": out_tokens / len(requests),
@@ -119,6 +123,7 @@ def main() -> None:
         print(f"{r['system']:<20} {r['elapsed_s']:8.1f} s {r['requests_per_s']:7.3f} req/s "
               f"{r['output_tokens_per_s']:8.1f} tok/s" + (f"  {r['speedup_vs_hf']:.2f}x HF" if hf else ""))
     save(result, args.json_path, args.plot_path, plot)
+    return result
 
 
 if __name__ == "__main__":

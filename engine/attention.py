@@ -5,36 +5,68 @@ D] (a virtual slot is one block as long as the slot; the block table's blocks ar
 and per sequence a row of a block table. A kernel reads sequence b's position p at
 `cache[table[b, p // rows], p % rows]`, in place.
 
-  native  vkv's CPU kernel (ext/cpu/kernels.cpp): rotary embedding and the K/V store in one
-          call, then one attention call per layer for the whole batch, prefill and decode mixed
-  sdpa    the reference: torch's rotary math, an indexed store, and one
-          scaled_dot_product_attention call per sequence over its slot (a block table's blocks
-          are gathered first)
-  flash   PyTorch's built-in FlashAttention-2 on CUDA (fp16/bf16, virtual layouts), one varlen
-          call per layer with slot offsets in `cum_seq_k` and lengths in `seqused_k`
+  native        vkv's CPU kernel (ext/cpu/kernels.cpp): rotary embedding and the K/V store in
+                one call, then one attention call per layer for the whole batch
+  flash         PyTorch's built-in FlashAttention-2 (CUDA, fp16/bf16, virtual layouts): one
+                varlen call, slot offsets in `cum_seq_k`, lengths in `seqused_k`
+  flash-attn    the flash-attn package (2.x, built by the user): `flash_attn_with_kvcache`,
+                vAttention's own call: k_cache [slots, rows, H, D] with `cache_batch_idx` =
+                slots and `cache_seqlens` = lengths; the block table through `block_table`
+                (its blocks must be multiples of 256 rows). Decodes in one call, prefill
+                chunks left-padded to the longest in a second.
+  flash-attn-4  flash-attn-4 (CuTe DSL, Hopper and newer): `flash_attn_varlen_func` with the
+                built-in flash's contract (`cu_seqlens_k` = slot offsets, `seqused_k`). It
+                loads whole 128-row tiles, so the KV cache maps whole tiles and zeroes new
+                pages (`tile_rows`).
+  sdpa          the reference: torch's rotary math, an indexed store, and one
+                scaled_dot_product_attention call per sequence over its slot (a block table's
+                blocks gathered first)
+The GPU libraries are imported only when chosen; `library()` is where they are found.
 """
 from __future__ import annotations
+
+import importlib
 
 import torch
 import torch.nn.functional as F
 
 import ext
+from engine.config import ATTENTION_BACKENDS
 from engine.kv.batch import StepBatch
 from engine.ops import rope_reference
 
+LIBRARIES = {"flash-attn": ("flash_attn", "flash_attn_with_kvcache"),
+             "flash-attn-4": ("flash_attn.cute", "flash_attn_varlen_func")}
+TILE_ROWS = {"flash-attn-4": 128}  # rows a kernel may load past a sequence's length
+
+
+def library(kernel: str):
+    """The function a GPU library kernel calls, or None where the package is not installed."""
+    module, name = LIBRARIES[kernel]
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
 
 def pick_attention(name: str | None, device: torch.device, dtype: torch.dtype, kv_layout: str,
-                   head_dim: int) -> str:
+                   head_dim: int, block_size: int = 16) -> str:
     """The user's choice, checked; else the best kernel present for this device, dtype, layout."""
+    gpu = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+    virtual = kv_layout != "paged"
     reasons = {
+        "flash-attn-4": None if gpu and virtual and torch.cuda.get_device_capability(device)[0] >= 9
+        and library("flash-attn-4") else "needs flash-attn-4, a Hopper or newer GPU, fp16/bf16 and a virtual layout",
+        "flash-attn": None if gpu and (virtual or block_size % 256 == 0) and library("flash-attn") else
+        "needs the flash-attn package, a CUDA GPU, fp16/bf16, and a virtual layout or blocks of 256 rows",
+        "flash": None if gpu and virtual else
+        "needs a CUDA device, fp16/bf16, a virtual kv_layout and head_dim a multiple of 8 up to 256",
         "native": None if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim % 2 == 0
         and ext.cpu_kernels() is not None else
         f"needs the CPU, fp32 or bf16, an even head_dim and the built kernels ({ext.cpu_kernels_error()})",
-        "flash": None if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and kv_layout != "paged"
-        and head_dim % 8 == 0 and head_dim <= 256 else
-        "needs a CUDA device, fp16/bf16, a virtual kv_layout and head_dim a multiple of 8 up to 256",
         "sdpa": None,
     }
+    assert set(reasons) == set(ATTENTION_BACKENDS)
     if name is None:
         return next(kernel for kernel, why in reasons.items() if why is None)
     if reasons[name]:
@@ -47,8 +79,9 @@ class StepAttention:
     positions, attend over each sequence's cached context."""
 
     def __init__(self, kernel: str, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 batch: StepBatch, cos_sin: torch.Tensor):
+                 batch: StepBatch, cos_sin: torch.Tensor, paged: bool = False):
         self.kernel, self.k_caches, self.v_caches, self.batch = kernel, k_caches, v_caches, batch
+        self.paged = paged  # a block table of many blocks, not one slot per sequence
         self.cos_sin = cos_sin
         if kernel == "native" and ext.cpu_kernels() is None:
             raise RuntimeError(f"the native attention kernel is unavailable: {ext.cpu_kernels_error()}")
@@ -57,11 +90,13 @@ class StepAttention:
             self.rows = cos_sin[batch.positions]
             block = batch.block_table[batch.token_seq.long(), batch.positions // batch.block_size]
             self.store_at = (block.long(), batch.positions % batch.block_size)
-        if kernel == "flash":
+        if kernel in ("flash", "flash-attn-4"):
             slots = batch.block_table[:, 0]
             rows = k_caches[0].shape[1]
             total = torch.tensor([k_caches[0].shape[0] * rows], dtype=torch.int32, device=slots.device)
             self.slot_starts = torch.cat([slots * rows, total]).to(torch.int32)
+        if kernel == "flash-attn":
+            self.groups = self._padded_groups()
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache, b = self.k_caches[layer], self.v_caches[layer], self.batch
@@ -78,10 +113,43 @@ class StepAttention:
         if self.kernel == "flash":
             return flash_varlen(q, flatten_slots(k_cache), flatten_slots(v_cache), b.cu_seqlens_q,
                                 self.slot_starts, b.max_query_len, b.max_context_len, b.ctx_len)
+        if self.kernel == "flash-attn-4":
+            out = library("flash-attn-4")(q, flatten_slots(k_cache), flatten_slots(v_cache), cu_seqlens_q=b.cu_seqlens_q,
+                                          cu_seqlens_k=self.slot_starts, max_seqlen_q=b.max_query_len,
+                                          max_seqlen_k=b.max_context_len, seqused_k=b.ctx_len, causal=True,
+                                          num_splits=1)
+            return out[0] if isinstance(out, tuple) else out
+        if self.kernel == "flash-attn":
+            return self._with_kvcache(q, k_cache, v_cache)
         out = torch.empty_like(q)
         for table, start, q_len, ctx in zip(self.tables, b.starts, b.q_lens, b.ctx_lens):
             keys, values = sequence_rows(k_cache, table, ctx), sequence_rows(v_cache, table, ctx)
             out[start:start + q_len] = sdpa_sequence(q[start:start + q_len], keys, values)
+        return out
+
+    def _padded_groups(self) -> list[tuple]:
+        """flash_attn_with_kvcache takes q as [batch, q_len, H, D]: decodes go in one call, the
+        other sequences in a second with their queries left-padded to the longest (padding
+        rows sit before the real ones, so the bottom-right causal alignment holds)."""
+        b, groups = self.batch, []
+        for members in ([i for i, n in enumerate(b.q_lens) if n == 1], [i for i, n in enumerate(b.q_lens) if n > 1]):
+            if not members:
+                continue
+            width = max(b.q_lens[i] for i in members)
+            rows = [(g, width - b.q_lens[i] + j, b.starts[i] + j) for g, i in enumerate(members) for j in range(b.q_lens[i])]
+            index = torch.tensor(rows, dtype=torch.long, device=b.positions.device).T
+            sel = torch.tensor(members, dtype=torch.long, device=b.positions.device)
+            groups.append((len(members), width, index, b.ctx_len[sel], b.block_table[sel]))
+        return groups
+
+    def _with_kvcache(self, q, k_cache, v_cache) -> torch.Tensor:
+        call, out = library("flash-attn"), torch.empty_like(q)
+        for count, width, (group, row, token), lengths, table in self.groups:
+            padded = q.new_zeros(count, width, *q.shape[1:])
+            padded[group, row] = q[token]
+            where = {"block_table": table} if self.paged else {"cache_batch_idx": table[:, 0].contiguous()}
+            result = call(padded, k_cache, v_cache, cache_seqlens=lengths, causal=True, **where)
+            out[token] = result[group, row]
         return out
 
 

@@ -11,7 +11,7 @@ import torch
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 KV_LAYOUTS = ("interleaved", "per_layer", "paged")
-ATTENTION_BACKENDS = ("native", "sdpa", "flash")
+ATTENTION_BACKENDS = ("flash-attn-4", "flash-attn", "flash", "native", "sdpa")  # by preference
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_HOST_PAGE = 64 << 10  # small pages: the host backend's advantage over 2 MiB GPU pages
 

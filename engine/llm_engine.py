@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 import vmm
-from engine.attention import pick_attention
+from engine.attention import TILE_ROWS, pick_attention
 from engine.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.config import DEFAULT_HOST_PAGE, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -67,7 +67,7 @@ class LLMEngine:
         self.model, self.tokenizer = loaded
         self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.attention = pick_attention(c.attention_backend, c.device, c.dtype, c.kv_layout,
-                                        self.model_config.head_dim)
+                                        self.model_config.head_dim, c.block_size)
         self.kv = self._make_kv_cache()
         self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, policy=c.scheduling_policy)
         self.runner = ModelRunner(self.model, self.kv, self.attention, self.max_model_len, c.device, c.dtype)
@@ -95,7 +95,7 @@ class LLMEngine:
             backend.close()
             raise ValueError(f"kv_cache_memory {c.kv_budget_bytes()} is below one page ({backend.page_size} bytes)")
         return VirtualKVCache(self.model_config, c.kv_layout, c.max_num_seqs, self.max_model_len,
-                              c.dtype, backend, num_pages, c.enable_prefix_caching)
+                              c.dtype, backend, num_pages, c.enable_prefix_caching, TILE_ROWS.get(self.attention, 1))
 
     # -- requests -------------------------------------------------------------------------
     def tokenize(self, prompt) -> Prompt:

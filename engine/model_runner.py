@@ -43,5 +43,6 @@ class ModelRunner:
 
     def run(self, scheduled: Scheduled) -> tuple[torch.Tensor, list[Sequence]]:
         input_ids, batch, logits_indices, sampling = self.prepare(scheduled)
-        attn = StepAttention(self.kernel, self.kv.k_caches, self.kv.v_caches, batch, self.cos_sin)
+        attn = StepAttention(self.kernel, self.kv.k_caches, self.kv.v_caches, batch, self.cos_sin,
+                             paged=self.kv.layout == "paged")
         return self.model(input_ids, attn, logits_indices), sampling

@@ -37,6 +37,24 @@ def hf_greedy(path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
+def make_batch(seqs, table, block_size, device="cpu"):
+    """A StepBatch for [(q_len, ctx_len)] per sequence, with its block-table rows."""
+    from engine.kv.batch import StepBatch
+
+    starts, row = [], 0
+    for q_len, _ in seqs:
+        starts.append(row)
+        row += q_len
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
+    width = max(map(len, table))
+    return StepBatch([None] * len(seqs), starts, [q for q, _ in seqs], [c for _, c in seqs],
+                     torch.tensor([p for q, c in seqs for p in range(c - q, c)], device=device),
+                     i32([i for i, (q, _) in enumerate(seqs) for _ in range(q)]), i32(starts),
+                     i32([q for q, _ in seqs]), i32([c for _, c in seqs]),
+                     i32([0] + [s + q for s, (q, _) in zip(starts, seqs)]),
+                     i32([t + [0] * (width - len(t)) for t in table]), block_size)
+
+
 def assert_pool_whole(llm) -> None:
     llm.engine.kv.audit()
     stats = llm.stats()

@@ -13,26 +13,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import ext
 from engine import ops
 from engine.attention import StepAttention
-from engine.kv.batch import StepBatch
+from helpers import make_batch
 
 pytestmark = pytest.mark.skipif(ext.cpu_kernels() is None, reason=f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
-
-
-def make_batch(seqs, table, block_size):
-    """seqs: [(q_len, ctx_len)]; table: block rows per sequence."""
-    starts, row = [], 0
-    for q_len, _ in seqs:
-        starts.append(row)
-        row += q_len
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32)
-    width = max(map(len, table))
-    return StepBatch([None] * len(seqs), starts, [q for q, _ in seqs], [c for _, c in seqs],
-                     torch.tensor([p for q, c in seqs for p in range(c - q, c)]),
-                     i32([i for i, (q, _) in enumerate(seqs) for _ in range(q)]), i32(starts),
-                     i32([q for q, _ in seqs]), i32([c for _, c in seqs]),
-                     i32([0] + [s + q for s, (q, _) in zip(starts, seqs)]),
-                     i32([t + [0] * (width - len(t)) for t in table]), block_size)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -99,7 +83,7 @@ def test_attention_reads_nothing_past_each_context():
         from engine.ops import rope_table
         from engine.sequence import Sequence
         from engine.sampling_params import SamplingParams
-        from test_kernels import make_batch
+        from helpers import make_batch
         cfg = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=3, num_heads=6,
                           num_kv_heads=2, head_dim=64)
         for layout in ("interleaved", "per_layer"):

@@ -122,6 +122,10 @@ class KVCacheBase(ABC):
     def close(self) -> None:
         """Give every page and range back."""
 
+    def tile_end(self, num_tokens: int) -> int:
+        """One past the last row a kernel may load for num_tokens tokens (whole tiles)."""
+        return num_tokens
+
     def reclaimable_pages(self) -> int:
         """Pages that finished sequences keep mapped and `reclaim` can free."""
         return 0
@@ -177,11 +181,13 @@ class KVCacheBase(ABC):
         return hashes
 
     def ensure_mapped(self, seq: Sequence, num_tokens: int) -> bool:
-        """Make every page that rows [computed, num_tokens) touch mapped and private to seq;
-        False, with nothing changed, when memory is short."""
-        pages = self.page_range(seq.num_computed_tokens, num_tokens)
+        """Make every page that rows [computed, num_tokens) touch mapped and private to seq
+        (and, for kernels that load whole tiles, mapped up to the tile's end); False, with
+        nothing changed, when memory is short."""
+        written = self.page_range(seq.num_computed_tokens, num_tokens)
+        pages = self.page_range(seq.num_computed_tokens, self.tile_end(num_tokens))
         missing = [k for k in pages if self.pages_at(seq, k) is None]
-        shared = [k for k in pages if k not in missing and self.is_shared(seq, k)]
+        shared = [k for k in written if k not in missing and self.is_shared(seq, k)]
         need = (len(missing) + len(shared)) * self.num_regions
         if not need:
             return True

@@ -34,7 +34,7 @@ LAYOUTS = ("interleaved", "per_layer")
 class VirtualKVCache(KVCacheBase):
     def __init__(self, cfg: ModelConfig, layout: str, num_slots: int, max_model_len: int,
                  dtype: torch.dtype, backend: vmm.Backend, num_pages: int,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, tile_rows: int = 1):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown virtual kv_layout {layout!r}: choose one of {LAYOUTS}")
         self.layout, self.num_slots, self.dtype = layout, num_slots, dtype
@@ -43,8 +43,9 @@ class VirtualKVCache(KVCacheBase):
         self.row_elems = L * 2 * H * D if layout == "interleaved" else H * D
         self.row_bytes = self.row_elems * itemsize
         self._page_size = backend.page_size
-        align = math.lcm(self.row_bytes, self.page_size) // self.row_bytes
+        align = math.lcm(math.lcm(self.row_bytes, self.page_size) // self.row_bytes, tile_rows)
         self.rows = math.ceil(max_model_len / align) * align
+        self.tile_rows = tile_rows  # > 1: the kernel loads whole tiles, mapped and zeroed
         self.slot_pages = self.rows * self.row_bytes // self.page_size
         self.num_regions = 1 if layout == "interleaved" else 2 * L
         super().__init__(vmm.PagePool(backend, num_pages), enable_prefix_caching)
@@ -121,7 +122,13 @@ class VirtualKVCache(KVCacheBase):
         for first, count in consecutive_runs(indices):
             for region in self.regions:
                 region.map_new(self._index(seq, first), count)
+                if self.tile_rows > 1:  # a tile may load rows never written: they must be finite
+                    region.view(torch.uint8, (count * self.page_size,), offset=region.offset_of(
+                        self._index(seq, first))).zero_()
             self.mapped[self.slot(seq)] += count
+
+    def tile_end(self, num_tokens: int) -> int:
+        return min(-(-num_tokens // self.tile_rows) * self.tile_rows, self.rows)
 
     def copy_on_write(self, seq: Sequence, k: int) -> None:
         for region in self.regions:
