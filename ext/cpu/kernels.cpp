@@ -192,6 +192,15 @@ VKV_INLINE __m512 load16(const T* p) {
   }
 }
 
+// Rows far apart (the interleaved layout's stride is a whole token of every layer) defeat the
+// hardware prefetcher, which stops at page boundaries: ask for rows a few keys ahead.
+constexpr int64_t kPrefetch = 6;
+template <typename T>
+VKV_INLINE void prefetch_row(const T* row, int C) {
+  for (int64_t byte = 0; byte < C * 16 * static_cast<int64_t>(sizeof(T)); byte += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
+}
+
 // Scores: the query rows stay in registers, RB rows at a time; per key, C fused multiply-adds
 // per row, then one horizontal sum.
 template <typename T, int C, int RB>
@@ -201,6 +210,7 @@ void scores_rows(const T* k0, int64_t lda, int64_t n, const float* Qf, int64_t D
     for (int c = 0; c < C; ++c) q[r][c] = _mm512_loadu_ps(Qf + r * D + 16 * c);
   for (int64_t j = 0; j < n; ++j) {
     const T* kr = k0 + j * lda;
+    if (j + kPrefetch < n) prefetch_row(kr + kPrefetch * lda, C);
     __m512 k[C];
     for (int c = 0; c < C; ++c) k[c] = load16(kr + 16 * c);
     for (int r = 0; r < RB; ++r) {
@@ -219,6 +229,7 @@ void weigh_rows(const T* v0, int64_t lda, int64_t n, const T* P, int64_t D, floa
     for (int c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
   for (int64_t j = 0; j < n; ++j) {
     const T* vr = v0 + j * lda;
+    if (j + kPrefetch < n) prefetch_row(vr + kPrefetch * lda, C);
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = load16(vr + 16 * c);
     for (int r = 0; r < RB; ++r) {
