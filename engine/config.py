@@ -4,6 +4,7 @@ end (generate, serve, benchmarks) parses them the same way."""
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # one of ATTENTION_BACKENDS; default: best present
     scheduling_policy: str = "fcfs"  # or "priority": a request's priority value, lower first
+    speculative_config: dict | None = None  # vLLM's: {"method": "ngram", "num_speculative_tokens": k, ...}
     seed: int = 0
 
     def __post_init__(self):
@@ -96,11 +98,13 @@ class EngineConfig:
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, choices=SCHEDULING_POLICIES,
                        help="priority: requests' priority values decide admission and preemption")
+        g.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                       help='e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')
         g.add_argument("--model-seed", type=int, default=EngineConfig.seed, help="weights of random:<preset> models")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = ("model", "device", "dtype", "kv_layout", "kv_cache_memory", "page_size", "block_size",
                  "max_num_seqs", "max_model_len", "max_num_batched_tokens", "attention_backend",
-                 "enable_prefix_caching", "scheduling_policy")
+                 "enable_prefix_caching", "scheduling_policy", "speculative_config")
         return cls(**{name: getattr(args, name) for name in names}, seed=args.model_seed)

@@ -29,6 +29,7 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampler import Sampled, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode import NgramProposer, SpeculativeConfig, speculates, verify
 from engine.sequence import Sequence
 from engine.stats import EngineStats
 from engine.structured import Grammars, consume
@@ -75,6 +76,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.num_finished = self.num_failed = 0
+        spec = c.speculative_config
+        self.proposer = NgramProposer(SpeculativeConfig.from_dict(spec)) if spec else None
+        self.num_drafted = self.num_accepted = 0
 
     def _make_kv_cache(self) -> VirtualKVCache | PagedKVCache:
         c = self.config
@@ -180,23 +184,61 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | BeamSearchOutput]:
         """One forward pass over the scheduled batch; outputs of the requests it advanced."""
+        if self.proposer:
+            self._propose()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
         logits, sampling = self.runner.run(scheduled)
-        self.scheduler.update_after_step(scheduled)
-        return self._process(logits, sampling)
+        drafted = self._verify_drafts(logits, sampling)
+        self.scheduler.update_after_step(scheduled, {s: len(s.draft) + 1 - len(e) for s, e in drafted.items()})
+        return self._process(logits, sampling, drafted)
 
-    def _process(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[RequestOutput | BeamSearchOutput]:
+    def _propose(self) -> None:
+        """Drafts for the decoding sequences that may take them (engine/spec_decode.py)."""
+        for seq in self.scheduler.running:
+            seq.draft = []
+            if seq.num_pending_tokens == 1 and speculates(seq) and not self.requests[seq.request_id].beam:
+                room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
+                seq.draft = self.proposer.propose(seq, room - 1)
+        if len(self.proposer.index) > 4 * self.config.max_num_seqs:  # forget sequences that are gone
+            live = {s.seq_id for s in (*self.scheduler.running, *self.scheduler.waiting)}
+            self.proposer.index = {k: v for k, v in self.proposer.index.items() if k in live}
+
+    def _verify_drafts(self, logits: torch.Tensor, sampling: list[tuple[Sequence, int, int]]) -> dict:
+        """For each sequence whose step carried drafts, the tokens it emits: the kept drafts,
+        then one of its own. A verification that raises fails its request."""
+        drafted = {}
+        for seq, first, rows in sampling:
+            if rows == 1:
+                continue
+            self.num_drafted += rows - 1
+            try:
+                drafted[seq] = verify(logits[first:first + rows], seq, seq.draft[:rows - 1])
+            except Exception as exc:
+                self._fail(self.requests[seq.request_id], exc)
+                continue
+            self.num_accepted += len(drafted[seq]) - 1
+        return drafted
+
+    def _process(self, logits: torch.Tensor, sampling: list[tuple[Sequence, int, int]],
+                 drafted: dict[Sequence, list[Sampled]]) -> list[RequestOutput | BeamSearchOutput]:
         touched: dict[str, Request] = {}
         plain: list[tuple[int, Sequence]] = []
-        for row, seq in enumerate(sampling):
+        for seq, first, rows in sampling:
             request = touched.setdefault(seq.request_id, self.requests[seq.request_id])
-            if request.beam:
-                if not request.error:
-                    self._guarded(request, request.beam.offer, seq, logits[row])
+            if request.error:
+                continue
+            if seq in drafted:
+                for sampled in drafted[seq]:
+                    if seq.is_finished or request.error:
+                        break
+                    self._guarded(request, self._append, seq, sampled, request)
+            elif request.beam:
+                self._guarded(request, request.beam.offer, seq, logits[first])
             else:
-                plain.append((row, seq))
+                plain.append((first, seq))
+            seq.draft = []
         rows, seqs = self._with_forks(plain)
         masks = self.grammars.masks([s.grammar for s in seqs])
         for seq, result in zip(seqs, sample(logits[rows], seqs, self.eos_ids, masks)):
@@ -338,7 +380,8 @@ class LLMEngine:
                            num_waiting=len(self.scheduler.waiting), preemptions=self.scheduler.num_preemptions,
                            kv_utilization=token_bytes / mapped_bytes if mapped_bytes else 0.0,
                            prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generation_tokens,
-                           requests_finished=self.num_finished, requests_failed=self.num_failed)
+                           requests_finished=self.num_finished, requests_failed=self.num_failed,
+                           spec_draft_tokens=self.num_drafted, spec_accepted_tokens=self.num_accepted)
 
     def close(self) -> None:
         self.kv.close()

@@ -17,21 +17,24 @@ class ModelRunner:
         self.model, self.kv, self.kernel, self.device = model, kv, kernel, device
         self.cos_sin = rope_table(model.inv_freq, max_model_len, dtype, device)
 
-    def prepare(self, scheduled: Scheduled) -> tuple[torch.Tensor, StepBatch, torch.Tensor, list[Sequence]]:
+    def prepare(self, scheduled: Scheduled) -> tuple[torch.Tensor, StepBatch, torch.Tensor, list]:
+        """The flat batch, and per sequence that samples (seq, its first logits row, rows): one
+        row after its last known token, plus one after each drafted token."""
         input_ids, positions, token_seq, starts, q_lens, ctx_lens = [], [], [], [], [], []
         logits_indices, sampling, row = [], [], 0
         for i, (seq, n) in enumerate(scheduled):
             first, ctx = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids += seq.token_ids[first:ctx]
+            input_ids += (seq.token_ids + seq.draft)[first:ctx] if seq.draft else seq.token_ids[first:ctx]
             positions += range(first, ctx)
             token_seq += [i] * n
             starts.append(row)
             q_lens.append(n)
             ctx_lens.append(ctx)
             row += n
-            if ctx == len(seq):  # the step reaches the end of what is known: sample after it
-                logits_indices.append(row - 1)
-                sampling.append(seq)
+            if ctx >= len(seq):  # the step reaches the end of what is known: sample after it
+                rows = ctx - len(seq) + 1
+                sampling.append((seq, len(logits_indices), rows))
+                logits_indices += range(row - rows, row)
         seqs = [s for s, _ in scheduled]
         table, block_size = self.kv.block_table(seqs, ctx_lens)
         width = max(map(len, table))
@@ -41,7 +44,7 @@ class ModelRunner:
                           tensor([t + [0] * (width - len(t)) for t in table]), block_size)
         return tensor(input_ids, torch.long), batch, tensor(logits_indices, torch.long), sampling
 
-    def run(self, scheduled: Scheduled) -> tuple[torch.Tensor, list[Sequence]]:
+    def run(self, scheduled: Scheduled) -> tuple[torch.Tensor, list]:
         input_ids, batch, logits_indices, sampling = self.prepare(scheduled)
         attn = StepAttention(self.kernel, self.kv.k_caches, self.kv.v_caches, batch, self.cos_sin,
                              paged=self.kv.layout == "paged")

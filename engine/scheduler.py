@@ -63,18 +63,21 @@ class Scheduler:
             scheduled = self._admit_waiting(budget)
         return scheduled
 
-    def update_after_step(self, scheduled: Scheduled) -> None:
-        """The step computed what it was given: count it, and offer complete pages to the
-        prefix cache."""
+    def update_after_step(self, scheduled: Scheduled, rejected: dict[Sequence, int] | None = None) -> None:
+        """The step computed what it was given, less the drafted tokens the model refused
+        (their rows are overwritten later): count it, and offer complete pages to the prefix
+        cache. Sequences that ended during the step are gone already."""
         for seq, n in scheduled:
-            seq.num_computed_tokens += n
-            self.kv.commit(seq)
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens += n - (rejected or {}).get(seq, 0)
+                self.kv.commit(seq)
 
     def _schedule_running(self, budget: int) -> Scheduled:
         scheduled, i = [], 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_pending_tokens, budget)
+            n = min(seq.num_pending_tokens + len(seq.draft), budget)
+            seq.draft = seq.draft[:max(0, n - seq.num_pending_tokens)]  # drafts the budget leaves room for
             if n == 0:  # idle: a beam waiting for its siblings
                 i += 1
             elif self._map_or_preempt(seq, seq.num_computed_tokens + n):

@@ -41,6 +41,7 @@ class Sequence:
     output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked
     cum_logprob: float = 0.0  # of the output tokens, when logprobs or best_of ask for it
     grammar: object | None = None  # structured outputs: the matcher that masks its next token
+    draft: list[int] = field(default_factory=list)  # speculative tokens this step verifies
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

@@ -35,3 +35,5 @@ class EngineStats:
     generation_tokens: int
     requests_finished: int
     requests_failed: int
+    spec_draft_tokens: int = 0  # tokens proposed by speculative decoding
+    spec_accepted_tokens: int = 0  # of which the model kept

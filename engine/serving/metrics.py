@@ -38,6 +38,8 @@ COUNTERS = {
     "vkv:request_success": (lambda s: s.requests_finished, "Requests finished."),
     "vkv:request_failure": (lambda s: s.requests_failed, "Requests that failed inside the engine."),
     "vkv:page_map_seconds": (lambda s: s.kv.map_seconds, "Time spent mapping KV pages."),
+    "vkv:spec_decode_num_draft_tokens": (lambda s: s.spec_draft_tokens, "Tokens proposed by speculative decoding."),
+    "vkv:spec_decode_num_accepted_tokens": (lambda s: s.spec_accepted_tokens, "Proposed tokens the model kept."),
 }
 
 

@@ -1,0 +1,118 @@
+"""Speculative decoding with n-gram proposals (vLLM's "ngram" method, prompt lookup decoding).
+
+Each decoding sequence proposes up to k tokens: the longest n-gram (n from prompt_lookup_max
+down to prompt_lookup_min) that ends its tokens and occurred before in its prompt or output,
+followed by the tokens that came after its latest earlier occurrence. One forward pass computes
+every proposal of the batch (k + 1 query rows per sequence, like a prefill chunk), and each
+sequence keeps the longest prefix of its proposal the model agrees with, plus one token of
+its own:
+
+  greedy   a drafted token is kept while it is the model's argmax
+  sampled  drafted token d, at a row whose distribution (after temperature, top-k, top-p,
+           min-p) is p, is kept with probability p(d); at the first refusal the token is drawn
+           from p without d, renormalized: rejection sampling with a point-mass proposal, so
+           every token emitted follows p exactly
+
+Rollback costs nothing in a virtual KV cache: rows written for refused tokens are overwritten
+later, the scheduler counts only kept tokens as computed (so the prefix cache never sees the
+others), and pages mapped for them stay for the next step.
+
+Requests with penalties, logit_bias, min_tokens, structured outputs or logprobs, and beams,
+decode one token a step: their next distribution depends on each previous token in ways a row
+computed before that token was chosen cannot reflect.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampler import Sampled, _filter
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self):
+        checks = [(self.method == "ngram", f"speculative method {self.method!r} is not supported: use 'ngram'"),
+                  (1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [1, 16]"),
+                  (1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16,
+                   "need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @classmethod
+    def from_dict(cls, options: dict) -> SpeculativeConfig:
+        unknown = set(options) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown speculative_config fields: {sorted(unknown)}")
+        return cls(**options)
+
+
+def speculates(seq: Sequence) -> bool:
+    """Whether seq's next tokens may be drafted (see the module note)."""
+    p = seq.params
+    return not (p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                or seq.num_output_tokens < p.min_tokens or p.structured_outputs or p.logprobs is not None
+                or p.best_of)
+
+
+class NgramProposer:
+    """Per sequence, an index from each n-gram to the end of its latest occurrence, grown one
+    position per token; a lookup is one dictionary probe per n."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.index: dict[int, tuple[int, dict]] = {}  # seq_id -> (positions indexed, {ngram: end})
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        """Up to min(k, limit) tokens that may follow seq's tokens."""
+        c, tokens = self.config, seq.token_ids
+        limit = min(c.num_speculative_tokens, limit)
+        if limit <= 0:
+            return []
+        done, grams = self.index.get(seq.seq_id, (0, {}))
+        last = len(tokens) - 1
+        for end in range(done, last):  # every n-gram ending before the last token: the earlier occurrences
+            for n in range(c.prompt_lookup_min, min(c.prompt_lookup_max, end + 1) + 1):
+                grams[tuple(tokens[end - n + 1:end + 1])] = end
+        self.index[seq.seq_id] = (max(done, last), grams)
+        for n in range(min(c.prompt_lookup_max, len(tokens)), c.prompt_lookup_min - 1, -1):
+            end = grams.get(tuple(tokens[len(tokens) - n:]))
+            if end is not None:
+                return tokens[end + 1:end + 1 + limit]
+        return []
+
+    def forget(self, seq: Sequence) -> None:
+        self.index.pop(seq.seq_id, None)
+
+
+def verify(logits: torch.Tensor, seq: Sequence, draft: list[int]) -> list[Sampled]:
+    """The tokens seq emits from its len(draft) + 1 rows of logits: the kept drafts, then one
+    of its own."""
+    p = seq.params
+    if p.greedy:
+        best = logits.argmax(-1).tolist()
+        kept = next((i for i, d in enumerate(draft) if d != best[i]), len(draft))
+        return [Sampled(t) for t in draft[:kept]] + [Sampled(best[kept])]
+    probs = _filter(logits.float() / p.temperature, [p] * logits.shape[0]).softmax(-1)
+    emitted = []
+    for i, d in enumerate(draft):
+        if float(torch.rand((), generator=seq.generator)) < float(probs[i, d]):
+            emitted.append(Sampled(d))
+            continue
+        residual = probs[i].clone()
+        residual[d] = 0
+        emitted.append(Sampled(_draw_one(residual, seq)))
+        return emitted
+    return emitted + [Sampled(_draw_one(probs[len(draft)], seq))]
+
+
+def _draw_one(weights: torch.Tensor, seq: Sequence) -> int:
+    return int(torch.multinomial(weights / weights.sum(), 1, generator=seq.generator))

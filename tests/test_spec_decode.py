@@ -1,0 +1,98 @@
+"""Speculative decoding with n-gram proposals changes nothing a request gets: greedy tokens are
+identical with and without it (every layout, prefix caching on, under preemption), sampled
+tokens follow the model's distribution exactly; and priority scheduling serves urgent
+requests first without changing anyone's output."""
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sequence import Sequence
+from engine.spec_decode import NgramProposer, SpeculativeConfig, verify
+from helpers import assert_pool_whole
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+PASSAGE = ("The quick brown fox jumps over the lazy dog. The dog sleeps under the old oak tree while the fox "
+           "runs through the tall green grass toward the river.")
+PROMPTS = [f"Repeat the following text exactly.\n\n{PASSAGE}\n\n{PASSAGE[:40]}",
+           "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+           "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "The capital of France is"]
+
+
+def test_the_ngram_proposer_continues_the_latest_earlier_occurrence():
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2))
+    seq = Sequence("r", 0, [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7], SamplingParams(), 0.0)
+    assert proposer.propose(seq, 10) == [2, 3, 6]  # "6 7" last seen before the end at 6-7: then 2 3 6
+    assert proposer.propose(seq, 2) == [2, 3]
+    seq.token_ids += [4]
+    assert proposer.propose(seq, 10) == []  # "7 4" and "4" never occurred before
+    seq.token_ids += [5]
+    assert proposer.propose(seq, 10) == [6, 7, 8]  # "4 5": no; "5": at 0
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "per_layer", "paged"])
+def test_greedy_output_is_identical_with_speculation(layout):
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    roomy = LLM(kv_layout=layout)
+    want = [o.outputs[0].token_ids for o in roomy.generate(PROMPTS, greedy, use_tqdm=False)]
+    kv = roomy.engine.kv
+    need = [kv.pages_for(len(roomy.tokenizer.encode(p)) + 48) for p in PROMPTS]
+    tight = dict(kv_layout=layout, kv_cache_memory=int(0.6 * sum(need)) * kv.page_size, max_num_seqs=4)
+    spec = LLM(**tight, speculative_config=SPEC)  # prefix caching is on by default
+    got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy, use_tqdm=False)]
+    assert got == want
+    stats = spec.stats()
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
+    assert stats.preemptions > 0, stats
+    assert_pool_whole(spec)
+
+
+def test_rejection_sampling_keeps_the_models_distribution():
+    """With a point-mass proposal, emitted tokens must follow the model's p whatever is drafted."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.3, 0.2, 0.1, 0.0, 2.0]])
+    p = logits[0].softmax(-1)
+    seq = Sequence("r", 0, [1], SamplingParams(temperature=1.0), 0.0)
+    for draft in (0, 3):  # a likely and an unlikely proposal
+        counts = torch.zeros(5)
+        seq.generator = torch.Generator().manual_seed(draft)
+        trials = 6000
+        for _ in range(trials):
+            counts[verify(logits, seq, [draft])[0].token_id] += 1
+        assert (counts / trials - p).abs().max() < 0.025, (draft, counts / trials, p)
+
+
+def test_sampled_requests_stay_reproducible_with_a_seed():
+    llm = LLM(speculative_config=SPEC)
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=24)
+    first = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    again = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    assert_pool_whole(llm)
+
+
+def test_bad_speculative_configs_are_refused_by_name():
+    for bad, word in (({"method": "eagle"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+                      ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup"), ({"k": 3}, "unknown")):
+        with pytest.raises(ValueError, match=word):
+            LLM(model="random:tiny", kv_cache_memory=1 << 20, speculative_config=bad)
+
+
+def test_priority_serves_urgent_requests_first_and_changes_no_output():
+    prompts = [[i + 10, i + 11, i + 12, i + 13] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    roomy = LLM(model="random:tiny", kv_cache_memory=4 << 20, page_size=4096)
+    alone = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(model="random:tiny", kv_cache_memory=12 * 4096, page_size=4096, max_num_seqs=2,
+                scheduling_policy="priority")
+    engine, order = tight.engine, []
+    priorities = [5, 1, 9, 0, 3, 7, 2, 8]
+    for i, (prompt, urgency) in enumerate(zip(prompts, priorities)):
+        engine.add_request(f"r{i}", prompt, params, priority=urgency)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+                order.append(priorities[int(out.request_id[1:])])
+    assert [done[f"r{i}"] for i in range(8)] == alone
+    assert order == sorted(order)  # two seats: the most urgent pairs finish first
+    assert_pool_whole(tight)
