@@ -14,6 +14,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 KV_LAYOUTS = ("interleaved", "per_layer", "paged")
 ATTENTION_BACKENDS = ("flash-attn-4", "flash-attn", "flash", "native", "sdpa")  # by preference
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_HOST_PAGE = 64 << 10  # small pages: the host backend's advantage over 2 MiB GPU pages
 
 
@@ -33,6 +34,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # one of ATTENTION_BACKENDS; default: best present
     scheduling_policy: str = "fcfs"  # or "priority": a request's priority value, lower first
+    preemption_mode: str = "recompute"  # or "swap": private pages to the swap tier (virtual layouts)
+    swap_space: float = 4  # GiB of swap tier (preemption_mode="swap"): a sparse file, pinned memory on CUDA
+    swap_path: str | None = None  # the host tier's file; default: an anonymous temporary file
     speculative_config: dict | None = None  # vLLM's: {"method": "ngram", "num_speculative_tokens": k, ...}
     seed: int = 0
 
@@ -51,6 +55,13 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}: "
                              f"choose one of {SCHEDULING_POLICIES}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}: choose one of {PREEMPTION_MODES}")
+        if self.preemption_mode == "swap" and self.kv_layout == "paged":
+            raise ValueError("preemption_mode='swap' needs a virtual kv_layout (interleaved or per_layer): "
+                             "it brings pages back at the same virtual addresses")
+        if self.swap_space <= 0:
+            raise ValueError(f"swap_space must be > 0 GiB, got {self.swap_space}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}: "
                              f"choose one of {ATTENTION_BACKENDS}")
@@ -98,6 +109,10 @@ class EngineConfig:
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, choices=SCHEDULING_POLICIES,
                        help="priority: requests' priority values decide admission and preemption")
+        g.add_argument("--preemption-mode", default=EngineConfig.preemption_mode, choices=PREEMPTION_MODES,
+                       help="swap: a preempted sequence's KV waits in the swap tier instead of being recomputed")
+        g.add_argument("--swap-space", type=float, default=EngineConfig.swap_space, help="GiB of swap tier")
+        g.add_argument("--swap-path", default=None, help="file for the host swap tier (default: a temporary file)")
         g.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                        help='e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')
         g.add_argument("--model-seed", type=int, default=EngineConfig.seed, help="weights of random:<preset> models")
@@ -106,5 +121,6 @@ class EngineConfig:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = ("model", "device", "dtype", "kv_layout", "kv_cache_memory", "page_size", "block_size",
                  "max_num_seqs", "max_model_len", "max_num_batched_tokens", "attention_backend",
-                 "enable_prefix_caching", "scheduling_policy", "speculative_config")
+                 "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
+                 "speculative_config")
         return cls(**{name: getattr(args, name) for name in names}, seed=args.model_seed)

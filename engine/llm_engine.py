@@ -70,7 +70,8 @@ class LLMEngine:
         self.attention = pick_attention(c.attention_backend, c.device, c.dtype, c.kv_layout,
                                         self.model_config.head_dim, c.block_size)
         self.kv = self._make_kv_cache()
-        self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, policy=c.scheduling_policy)
+        self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, policy=c.scheduling_policy,
+                                   preemption_mode=c.preemption_mode)
         self.runner = ModelRunner(self.model, self.kv, self.attention, self.max_model_len, c.device, c.dtype)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.requests: dict[str, Request] = {}
@@ -78,7 +79,7 @@ class LLMEngine:
         self.num_finished = self.num_failed = 0
         spec = c.speculative_config
         self.proposer = NgramProposer(SpeculativeConfig.from_dict(spec)) if spec else None
-        self.num_drafted = self.num_accepted = 0
+        self.num_drafts = self.num_drafted = self.num_accepted = 0
 
     def _make_kv_cache(self) -> VirtualKVCache | PagedKVCache:
         c = self.config
@@ -98,8 +99,12 @@ class LLMEngine:
         if num_pages < 1:
             backend.close()
             raise ValueError(f"kv_cache_memory {c.kv_budget_bytes()} is below one page ({backend.page_size} bytes)")
-        return VirtualKVCache(self.model_config, c.kv_layout, c.max_num_seqs, self.max_model_len,
-                              c.dtype, backend, num_pages, c.enable_prefix_caching, TILE_ROWS.get(self.attention, 1))
+        swap = None
+        if c.preemption_mode == "swap":  # swapped sequences keep their slots: twice the slots
+            swap = vmm.SwapSpace(backend, int(c.swap_space * (1 << 30)), c.swap_path)
+        return VirtualKVCache(self.model_config, c.kv_layout, c.max_num_seqs * (2 if swap else 1),
+                              self.max_model_len, c.dtype, backend, num_pages, c.enable_prefix_caching,
+                              TILE_ROWS.get(self.attention, 1), swap)
 
     # -- requests -------------------------------------------------------------------------
     def tokenize(self, prompt) -> Prompt:
@@ -196,13 +201,15 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Drafts for the decoding sequences that may take them (engine/spec_decode.py)."""
+        limit = self.proposer.config.disable_by_batch_size
+        busy = limit is not None and len(self.scheduler.running) >= limit
         for seq in self.scheduler.running:
             seq.draft = []
-            if seq.num_pending_tokens == 1 and speculates(seq) and not self.requests[seq.request_id].beam:
+            if not busy and seq.num_pending_tokens == 1 and speculates(seq) and not self.requests[seq.request_id].beam:
                 room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
                 seq.draft = self.proposer.propose(seq, room - 1)
         if len(self.proposer.index) > 4 * self.config.max_num_seqs:  # forget sequences that are gone
-            live = {s.seq_id for s in (*self.scheduler.running, *self.scheduler.waiting)}
+            live = {s.seq_id for s in (*self.scheduler.running, *self.scheduler.swapped, *self.scheduler.waiting)}
             self.proposer.index = {k: v for k, v in self.proposer.index.items() if k in live}
 
     def _verify_drafts(self, logits: torch.Tensor, sampling: list[tuple[Sequence, int, int]]) -> dict:
@@ -212,6 +219,7 @@ class LLMEngine:
         for seq, first, rows in sampling:
             if rows == 1:
                 continue
+            self.num_drafts += 1
             self.num_drafted += rows - 1
             try:
                 drafted[seq] = verify(logits[first:first + rows], seq, seq.draft[:rows - 1])
@@ -377,11 +385,12 @@ class LLMEngine:
         token_bytes = sum(s.num_computed_tokens for s in running) * self.kv.token_bytes
         mapped_bytes = (kv.pages_in_use + kv.pages_idle) * kv.page_size
         return EngineStats(kv=kv, attention_backend=self.attention, num_running=len(running),
-                           num_waiting=len(self.scheduler.waiting), preemptions=self.scheduler.num_preemptions,
+                           num_waiting=len(self.scheduler.waiting) + len(self.scheduler.swapped), preemptions=self.scheduler.num_preemptions,
                            kv_utilization=token_bytes / mapped_bytes if mapped_bytes else 0.0,
                            prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generation_tokens,
                            requests_finished=self.num_finished, requests_failed=self.num_failed,
-                           spec_draft_tokens=self.num_drafted, spec_accepted_tokens=self.num_accepted)
+                           spec_drafts=self.num_drafts, spec_draft_tokens=self.num_drafted,
+                           spec_accepted_tokens=self.num_accepted)
 
     def close(self) -> None:
         self.kv.close()

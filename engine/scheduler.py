@@ -2,10 +2,18 @@
 scheduler alone drives the KV cache's life cycle and alone advances `num_computed_tokens`.
 
 Each step first serves running sequences, oldest first (a decode token, or the next chunk of a
-prefill); if their pages cannot be mapped the newest running sequence is preempted by
-recompute: its pages go back and it waits at the front of the queue with every token it has
-generated. Then waiting sequences are admitted while the token budget, the sequence limit
-and free pages above a headroom allow.
+prefill); if their pages cannot be mapped the newest running sequence is preempted. Then
+swapped sequences come back, and only when none is left are waiting sequences admitted, while
+the token budget, the sequence limit and free pages above a headroom allow.
+
+Preemption (`preemption_mode`, vLLM's name): by recompute, its pages go back and it waits at
+the front of the queue with every token it has generated, to prefill them all again. By swap,
+its private pages' bytes go to the swap tier and it keeps its computed tokens; coming back
+costs two copies of those bytes instead of a prefill. The cost estimate: a prefill of t tokens
+costs about t times a decode token's compute, and copying a token's KV out and in costs well
+under that (benchmarks/bench_swap.py measures both on this machine), so swap wins for every
+sequence with at least `swap_min_tokens` computed; below that, and whenever the tier is full,
+recompute is used.
 
 Admission order: first come, first served, except that a group (the sequences of one client
 request) that has had fewer sequences admitted goes before one that has had more, so a request
@@ -22,23 +30,29 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 
-from engine.config import SCHEDULING_POLICIES
+from engine.config import PREEMPTION_MODES, SCHEDULING_POLICIES
 from engine.kv.base import KVCacheBase
 from engine.sequence import Sequence, SequenceStatus
 
+SWAP_MIN_TOKENS = 32  # below this, recompute (see the note on preemption above)
 Scheduled = list[tuple[Sequence, int]]  # (sequence, number of its tokens computed this step)
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheBase, max_num_seqs: int, max_num_batched_tokens: int,
-                 headroom: float = 0.01, policy: str = "fcfs"):
+                 headroom: float = 0.01, policy: str = "fcfs", preemption_mode: str = "recompute",
+                 swap_min_tokens: int = SWAP_MIN_TOKENS):
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}: choose one of {SCHEDULING_POLICIES}")
-        self.kv, self.policy = kv, policy
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption mode {preemption_mode!r}: choose one of {PREEMPTION_MODES}")
+        self.kv, self.policy, self.preemption_mode = kv, policy, preemption_mode
+        self.swap_min_tokens = swap_min_tokens
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.headroom_pages = max(1, math.ceil(headroom * kv.pool.num_pages))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
         self.admitted: Counter[str] = Counter()  # per group with sequences here: admissions so far
         self.num_preemptions = 0
 
@@ -46,7 +60,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> Scheduled:
@@ -57,8 +71,14 @@ class Scheduler:
             self.admitted = Counter({g: n for g, n in self.admitted.items() if g in live})
         scheduled = self._schedule_running(budget)
         budget -= sum(n for _, n in scheduled)
-        scheduled += self._admit_waiting(budget)
-        if not scheduled and self.waiting:
+        resumed = self._resume_swapped(budget)
+        budget -= sum(n for _, n in resumed)
+        scheduled += resumed
+        if not self.swapped:  # swapped sequences go first: no admission until they are back
+            scheduled += self._admit_waiting(budget)
+        if not scheduled and (self.waiting or self.swapped):
+            while self.swapped:  # stuck: whatever holds their way, they recompute instead
+                self._requeue(self.swapped.pop(), to_front=True)
             self._unblock(budget)
             scheduled = self._admit_waiting(budget)
         return scheduled
@@ -80,27 +100,43 @@ class Scheduler:
             seq.draft = seq.draft[:max(0, n - seq.num_pending_tokens)]  # drafts the budget leaves room for
             if n == 0:  # idle: a beam waiting for its siblings
                 i += 1
-            elif self._map_or_preempt(seq, seq.num_computed_tokens + n):
+            elif self._map_or_preempt(seq, seq.num_computed_tokens + n, i):
                 scheduled.append((seq, n))
                 budget -= n
                 i += 1
         return scheduled
 
-    def _map_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
-        """Map seq's pages, preempting the newest running sequences as needed; False if seq
-        itself had to go."""
+    def _map_or_preempt(self, seq: Sequence, num_tokens: int, position: int) -> bool:
+        """Map seq (at `position` in the running list) its pages, preempting the newest (or
+        least urgent) sequences not yet scheduled this step; False if seq itself had to go."""
         while not self.kv.ensure_mapped(seq, num_tokens):
             victim = self.running[-1]
             if self.policy == "priority":
-                victim = max(self.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
+                victim = max(self.running[position:], key=lambda s: (s.priority, s.arrival, s.seq_id))
             self.preempt(victim)
             if victim is seq:
                 return False
         return True
 
+    def _resume_swapped(self, budget: int) -> Scheduled:
+        """Swapped sequences back in, the most urgent first, while they fit above the headroom."""
+        scheduled = []
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            urgency = (lambda s: s.priority) if self.policy == "priority" else (lambda s: 0)
+            seq = min(self.swapped, key=urgency)  # ties: the first swapped out
+            n = min(seq.num_pending_tokens, budget)
+            keep_free = self.headroom_pages if self.running else 0
+            if not self.kv.swap_in(seq, seq.num_computed_tokens + n, keep_free):
+                break
+            self.swapped.remove(seq)
+            self._run(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
     def _admit_waiting(self, budget: int) -> Scheduled:
         scheduled = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.kv.can_allocate():
             seq = self._next_waiting()
             if not self._fits(seq, budget):
                 break
@@ -142,7 +178,19 @@ class Scheduler:
 
     # -- sequences coming and going -------------------------------------------------------
     def preempt(self, seq: Sequence, to_front: bool = True) -> None:
+        """Make room: swap seq out when that is the cheaper way back, else recompute it later.
+        to_front=False: an idle beam stepping aside, recomputed."""
         self.running.remove(seq)
+        self.num_preemptions += 1
+        if self.preemption_mode == "swap" and to_front and seq.num_computed_tokens >= self.swap_min_tokens \
+                and self.kv.swap_out(seq):
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            return
+        self._requeue(seq, to_front)
+
+    def _requeue(self, seq: Sequence, to_front: bool) -> None:
+        """seq gives its KV back and waits to compute all its tokens again."""
         self.kv.release(seq, keep_pages=False)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -150,7 +198,6 @@ class Scheduler:
             self.waiting.appendleft(seq)
         else:
             self.waiting.append(seq)
-        self.num_preemptions += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """child continues from parent sharing the pages of its computed tokens, and runs: True.
@@ -170,11 +217,14 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.kv.release(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.kv.release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def finish_request(self, request_id: str, reason: str) -> None:
         """Finish every sequence of one request, wherever it is."""
-        for seq in [s for s in (*self.running, *self.waiting) if s.request_id == request_id]:
+        for seq in [s for s in (*self.running, *self.swapped, *self.waiting) if s.request_id == request_id]:
             self.finish(seq, reason)

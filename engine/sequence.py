@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
+    SWAPPED = auto()  # preempted, its KV in the swap tier: computed tokens kept
     FINISHED = auto()
 
 

@@ -33,16 +33,27 @@ from engine.sequence import Sequence
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
+    """vLLM's names and defaults for the n-gram method: the lookup lengths default to each
+    other, or to 5 when neither is given. `disable_by_batch_size`: no drafts in a step that
+    runs that many sequences or more (vLLM stops drafting for new requests then), since a
+    batch that large already keeps the processor busy and drafts only add work; default 8, the
+    measured break-even on the CPU (benchmarks/bench_spec_decode.py)."""
     method: str = "ngram"
     num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = 8
 
     def __post_init__(self):
+        lookup_max = self.prompt_lookup_max or self.prompt_lookup_min or 5
+        object.__setattr__(self, "prompt_lookup_max", lookup_max)
+        object.__setattr__(self, "prompt_lookup_min", self.prompt_lookup_min or lookup_max)
         checks = [(self.method == "ngram", f"speculative method {self.method!r} is not supported: use 'ngram'"),
                   (1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [1, 16]"),
                   (1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16,
-                   "need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16")]
+                   "need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16"),
+                  (self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
+                   "disable_by_batch_size must be >= 1")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)

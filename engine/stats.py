@@ -18,6 +18,10 @@ class KVStats:
     peak_pages_mapped: int
     map_seconds: float  # time spent mapping and copying pages on the critical path
     cow_copies: int
+    swap_outs: int  # sequences preempted by swapping
+    swap_ins: int  # of which brought back
+    swap_bytes_out: int
+    swap_bytes_in: int
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # prompt tokens found
     evictions: int  # prefix-cache entries dropped for memory
@@ -35,5 +39,15 @@ class EngineStats:
     generation_tokens: int
     requests_finished: int
     requests_failed: int
-    spec_draft_tokens: int = 0  # tokens proposed by speculative decoding
+    spec_drafts: int = 0  # speculative proposals verified (one per sequence and step)
+    spec_draft_tokens: int = 0  # tokens they proposed
     spec_accepted_tokens: int = 0  # of which the model kept
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verified proposal: the kept drafts plus the model's own token."""
+        return 1 + self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else 0.0

@@ -28,11 +28,15 @@ def weights() -> tuple:
     return engine.model, engine.tokenizer
 
 
-def engine_for(layout: str, pages: int, seats: int, caching: bool) -> LLM:
+def engine_for(layout: str, pages: int, seats: int, caching: bool, swap_pages: int = 0) -> LLM:
     kv_memory = pages * (16 * 512 if layout == "paged" else PAGE)  # paged: blocks of 16 tokens
+    swap = {"preemption_mode": "swap", "swap_space": swap_pages * PAGE / (1 << 30)} if swap_pages else {}
     config = EngineConfig(model="random:tiny", kv_layout=layout, page_size=PAGE, kv_cache_memory=kv_memory,
-                          max_num_seqs=seats, enable_prefix_caching=caching, max_num_batched_tokens=32, seed=0)
-    return LLM.from_config(config, weights())
+                          max_num_seqs=seats, enable_prefix_caching=caching, max_num_batched_tokens=32, seed=0,
+                          **swap)
+    llm = LLM.from_config(config, weights())
+    llm.engine.scheduler.swap_min_tokens = 4  # short requests here: swap most preempted ones
+    return llm
 
 
 @functools.cache
@@ -70,9 +74,9 @@ request = st.fixed_dictionaries({
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(layout=st.sampled_from(list(PAGES)), tight=st.booleans(), seats=st.integers(3, 5), caching=st.booleans(),
-       requests=st.lists(request, min_size=3, max_size=8))
-def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, seats, caching, requests):
-    llm = engine_for(layout, PAGES[layout][tight], seats, caching)
+       swap_pages=st.sampled_from([0, 6, 64]), requests=st.lists(request, min_size=3, max_size=8))
+def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, seats, caching, swap_pages, requests):
+    llm = engine_for(layout, PAGES[layout][tight], seats, caching, 0 if layout == "paged" else swap_pages)
     engine, done, step = llm.engine, {}, 0
     while step < 2000 and (engine.has_unfinished() or step <= 8):
         for i, r in enumerate(requests):
@@ -84,6 +88,7 @@ def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, sea
         step += 1
     assert not engine.has_unfinished(), f"stalled: {llm.stats()}"
     event(f"preempted: {llm.stats().preemptions > 0}")
+    event(f"swapped in: {llm.stats().kv.swap_ins > 0}")
     for i, r in enumerate(requests):
         if f"r{i}" in done and r["abort"] is None:
             out = done[f"r{i}"]

@@ -44,6 +44,25 @@ def test_preemption_under_a_tiny_budget_changes_nothing(kv_layout, prompt_ids, r
     assert_pool_whole(llm)
 
 
+@pytest.mark.parametrize("kv_layout, page_size, num_pages", [("interleaved", 65536, 90), ("per_layer", 4096, 600)])
+def test_preemption_by_swap_changes_nothing(kv_layout, page_size, num_pages, prompt_ids, reference, tmp_path):
+    # As above (per_layer: 10 pages of 5 tokens per region), but preempted sequences keep
+    # their KV in a swap file and come back to the same virtual addresses.
+    swap_file = tmp_path / "swap"
+    llm = LLM(kv_layout=kv_layout, kv_cache_memory=num_pages * page_size, page_size=page_size, max_num_seqs=6,
+              preemption_mode="swap", swap_space=0.25, swap_path=str(swap_file))
+    llm.engine.scheduler.swap_min_tokens = 1  # these prompts are short: swap every preempted one
+    assert swap_file.exists()
+    outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    kv = llm.stats().kv
+    assert kv.swap_outs > 0 and kv.swap_ins == kv.swap_outs, kv
+    assert 0 < kv.swap_bytes_in <= kv.swap_bytes_out  # a page still in the prefix cache comes back uncopied
+    assert_pool_whole(llm)
+    llm.engine.close()
+    assert not swap_file.exists()
+
+
 def test_chunked_prefill_and_small_steps_change_nothing(prompt_ids, reference):
     llm = LLM(kv_layout="per_layer", max_num_batched_tokens=7, max_num_seqs=3)
     outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)

@@ -32,12 +32,14 @@ CFG_2MIB = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_la
                        num_kv_heads=2, head_dim=8 * 1024)  # interleaved rows of 256 KiB: 8 to a page
 
 
-def make_cache(layout: str, pages: int, cuda: bool = False):
+def make_cache(layout: str, pages: int, cuda: bool = False, swap_pages: int = 0):
     cfg = CFG_2MIB if cuda else CFG
     if layout == "paged":
         return PagedKVCache(cfg, 4, pages, torch.float32, torch.device("cpu"), enable_prefix_caching=True)
     backend = make_cuda_backend() if cuda else vmm.HostBackend(4096)
-    return VirtualKVCache(cfg, layout, 6, MAX_LEN, torch.float32, backend, pages, enable_prefix_caching=True)
+    swap = vmm.SwapSpace(backend, swap_pages * backend.page_size) if swap_pages else None
+    return VirtualKVCache(cfg, layout, 12 if swap else 6, MAX_LEN, torch.float32, backend, pages,
+                          enable_prefix_caching=True, swap=swap)
 
 
 def prefix_value(tokens: list[int]) -> float:
@@ -47,10 +49,13 @@ def prefix_value(tokens: list[int]) -> float:
 class TrafficMachine(RuleBasedStateMachine):
     cuda = False
 
-    @initialize(layout=st.sampled_from(["interleaved", "per_layer", "paged"]), pages=st.integers(24, 48))
-    def setup(self, layout, pages):
-        self.kv = make_cache(layout, pages, self.cuda and layout != "paged")
-        self.sched = Scheduler(self.kv, max_num_seqs=6, max_num_batched_tokens=48)
+    @initialize(layout=st.sampled_from(["interleaved", "per_layer", "paged"]), pages=st.integers(24, 48),
+                swap_pages=st.sampled_from([0, 0, 4, 16, 64]), swap_min_tokens=st.integers(1, 24))
+    def setup(self, layout, pages, swap_pages, swap_min_tokens):
+        swap_pages = 0 if layout == "paged" else swap_pages  # swapping needs a virtual layout
+        self.kv = make_cache(layout, pages, self.cuda and layout != "paged", swap_pages)
+        self.sched = Scheduler(self.kv, max_num_seqs=6, max_num_batched_tokens=48,
+                               preemption_mode="swap" if swap_pages else "recompute", swap_min_tokens=swap_min_tokens)
         self.live: list[Sequence] = []
         self.forks_left: dict[int, int] = {}
         self.next_id = 0
@@ -141,11 +146,12 @@ class TrafficMachine(RuleBasedStateMachine):
             return
         stats = self.kv.stats()
         for name, happened in [("preemption", self.sched.num_preemptions), ("copy-on-write", stats.cow_copies),
+                               ("swap-in", stats.swap_ins),
                                ("prefix hit", stats.prefix_cache_hits), ("eviction", stats.evictions)]:
             event(f"{name}: {'yes' if happened else 'no'}")
         for seq in list(self.live):
             self.sched.finish(seq, "abort")
-        assert not self.sched.running and not self.sched.waiting
+        assert not self.sched.running and not self.sched.waiting and not self.sched.swapped
         if self.kv.prefix_cache:
             self.kv.prefix_cache.clear()
         if isinstance(self.kv, VirtualKVCache):

@@ -19,7 +19,8 @@ PROMPTS = [f"Repeat the following text exactly.\n\n{PASSAGE}\n\n{PASSAGE[:40]}",
 
 
 def test_the_ngram_proposer_continues_the_latest_earlier_occurrence():
-    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2))
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2,
+                                                prompt_lookup_min=1))
     seq = Sequence("r", 0, [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7], SamplingParams(), 0.0)
     assert proposer.propose(seq, 10) == [2, 3, 6]  # "6 7" last seen before the end at 6-7: then 2 3 6
     assert proposer.propose(seq, 2) == [2, 3]
@@ -27,6 +28,21 @@ def test_the_ngram_proposer_continues_the_latest_earlier_occurrence():
     assert proposer.propose(seq, 10) == []  # "7 4" and "4" never occurred before
     seq.token_ids += [5]
     assert proposer.propose(seq, 10) == [6, 7, 8]  # "4 5": no; "5": at 0
+
+
+def test_lookup_lengths_default_as_in_vllm():
+    assert (SpeculativeConfig().prompt_lookup_min, SpeculativeConfig().prompt_lookup_max) == (5, 5)
+    assert SpeculativeConfig(prompt_lookup_max=3).prompt_lookup_min == 3
+    assert SpeculativeConfig(prompt_lookup_min=2).prompt_lookup_max == 2
+
+
+def test_no_drafts_once_the_batch_reaches_disable_by_batch_size():
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    busy = LLM(speculative_config=SPEC | {"disable_by_batch_size": 4})
+    busy.generate(PROMPTS, greedy, use_tqdm=False)  # four at once: never drafts
+    assert busy.stats().spec_drafts == 0
+    busy.generate(PROMPTS[:3], greedy, use_tqdm=False)
+    assert busy.stats().spec_drafts > 0
 
 
 @pytest.mark.parametrize("layout", ["interleaved", "per_layer", "paged"])
@@ -41,7 +57,9 @@ def test_greedy_output_is_identical_with_speculation(layout):
     got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy, use_tqdm=False)]
     assert got == want
     stats = spec.stats()
-    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert stats.spec_drafts <= stats.spec_draft_tokens <= 4 * stats.spec_drafts
+    assert 1 < stats.spec_mean_accepted_length <= 5 and 0 < stats.spec_acceptance_rate < 1
     assert stats.preemptions > 0, stats
     assert_pool_whole(spec)
 
@@ -71,7 +89,8 @@ def test_sampled_requests_stay_reproducible_with_a_seed():
 
 def test_bad_speculative_configs_are_refused_by_name():
     for bad, word in (({"method": "eagle"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
-                      ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup"), ({"k": 3}, "unknown")):
+                      ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup"), ({"k": 3}, "unknown"),
+                      ({"disable_by_batch_size": 0}, "disable_by_batch_size")):
         with pytest.raises(ValueError, match=word):
             LLM(model="random:tiny", kv_cache_memory=1 << 20, speculative_config=bad)
 

@@ -45,6 +45,7 @@ from vmm.errors import (AlreadyMapped, BackendUnavailable, DoubleFree, Invariant
 from vmm.host import HostBackend
 from vmm.pool import PageAllocator, PagePool, PoolStats
 from vmm.reservation import Reservation
+from vmm.swap import SwapSpace
 
 
 def make_backend(name: str, page_size: int | None = None, device: int = 0) -> Backend:
@@ -57,6 +58,6 @@ def make_backend(name: str, page_size: int | None = None, device: int = 0) -> Ba
 
 
 __all__ = ["Backend", "HostBackend", "CudaBackend", "cuda_unavailable_reason", "make_backend",
-           "PageAllocator", "PagePool", "PoolStats", "Reservation", "VmmError", "BackendUnavailable",
+           "PageAllocator", "PagePool", "PoolStats", "Reservation", "SwapSpace", "VmmError", "BackendUnavailable",
            "PoolExhausted", "DoubleFree", "NotMapped", "AlreadyMapped", "OutOfRange",
            "UnmappedAccess", "ReservationReleased", "InvariantViolation"]

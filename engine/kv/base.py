@@ -12,6 +12,9 @@ its slot; paged: its block table). The scheduler alone drives the life cycle:
                  prompt's last page after a fork)
   commit         after a step: hash each newly complete page and offer it to the prefix cache
   fork           a child maps the pages of its parent's computed tokens (n > 1, beams)
+  swap_out       preempted, it keeps its place and shared pages; its private pages' bytes go
+                 to the swap tier and the pages back to the pool (virtual layouts only)
+  swap_in        fresh pages at the same places, the bytes copied back: computed again
   release        the sequence is done or preempted; its references go
 
     tokens   0 ........................ computed ........ end ........ len(seq)
@@ -52,6 +55,7 @@ class KVCacheBase(ABC):
         self.salt = cache_salt
         self.map_seconds = 0.0
         self.cow_copies = 0
+        self.swap_outs = self.swap_ins = 0  # sequences swapped out and back in
         self._hashes: dict[int, _Hashes] = {}
 
     # -- the subclass's part: geometry --------------------------------------------------------
@@ -138,6 +142,27 @@ class KVCacheBase(ABC):
         if self.prefix_cache:
             self.prefix_cache.evict(want_free)
 
+    def make_room(self, need: int) -> bool:
+        """Are `need` pool pages free, after reclaiming what nobody running needs?"""
+        if self.pool.num_free < need:
+            self.reclaim(need)
+        return self.pool.num_free >= need
+
+    # -- swapping (virtual layouts; the block table preempts by recompute) -----------------
+    def swap_out(self, seq: Sequence) -> bool:
+        """Move seq's private pages to the swap tier; False, nothing done, if it cannot."""
+        return False
+
+    def swap_in(self, seq: Sequence, num_tokens: int, keep_free: int = 0) -> bool:
+        """Bring seq's pages back and map what rows [computed, num_tokens) need, leaving
+        keep_free pages free; False, nothing done, when memory is short."""
+        raise NotImplementedError(f"the {self.layout} layout does not swap")
+
+    @property
+    def swap_bytes(self) -> tuple[int, int]:
+        """Bytes moved to and from the swap tier."""
+        return 0, 0
+
     # -- sizing ---------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
         """Pages, over all regions, that a sequence of num_tokens maps."""
@@ -184,17 +209,12 @@ class KVCacheBase(ABC):
         """Make every page that rows [computed, num_tokens) touch mapped and private to seq
         (and, for kernels that load whole tiles, mapped up to the tile's end); False, with
         nothing changed, when memory is short."""
-        written = self.page_range(seq.num_computed_tokens, num_tokens)
-        pages = self.page_range(seq.num_computed_tokens, self.tile_end(num_tokens))
-        missing = [k for k in pages if self.pages_at(seq, k) is None]
-        shared = [k for k in written if k not in missing and self.is_shared(seq, k)]
+        missing, shared = self.plan_mapping(seq, num_tokens)
         need = (len(missing) + len(shared)) * self.num_regions
         if not need:
             return True
-        if self.pool.num_free < need:
-            self.reclaim(need)
-            if self.pool.num_free < need:
-                return False
+        if not self.make_room(need):
+            return False
         start = time.perf_counter()
         self.map_fresh(seq, missing)
         for k in shared:
@@ -202,6 +222,13 @@ class KVCacheBase(ABC):
         self.cow_copies += len(shared)
         self.map_seconds += time.perf_counter() - start
         return True
+
+    def plan_mapping(self, seq: Sequence, num_tokens: int) -> tuple[list[int], list[int]]:
+        """For rows [computed, num_tokens): the page indices to map, and the shared ones to copy."""
+        written = self.page_range(seq.num_computed_tokens, num_tokens)
+        pages = self.page_range(seq.num_computed_tokens, self.tile_end(num_tokens))
+        missing = [k for k in pages if self.pages_at(seq, k) is None]
+        return missing, [k for k in written if k not in missing and self.is_shared(seq, k)]
 
     def is_shared(self, seq: Sequence, k: int) -> bool:
         return any(self.pool.ref_counts[p] > 1 for p in self.pages_at(seq, k))
@@ -244,5 +271,6 @@ class KVCacheBase(ABC):
             layout=self.layout, page_size=self.page_size, pages_total=pool.total, pages_free=pool.free,
             pages_in_use=pool.in_use - idle - cached, pages_idle=idle, pages_cached=cached,
             pages_shared=pool.shared, peak_pages_mapped=pool.peak_in_use, map_seconds=self.map_seconds,
-            cow_copies=self.cow_copies, prefix_cache_queries=c.queries if c else 0,
+            cow_copies=self.cow_copies, swap_outs=self.swap_outs, swap_ins=self.swap_ins,
+            swap_bytes_out=self.swap_bytes[0], swap_bytes_in=self.swap_bytes[1], prefix_cache_queries=c.queries if c else 0,
             prefix_cache_hits=c.hits if c else 0, evictions=c.evictions if c else 0)

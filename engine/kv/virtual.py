@@ -14,10 +14,17 @@ Deferred reclamation: a finished sequence's slot keeps its pages mapped (`idle_s
 the next sequence that takes the slot writes over them without mapping anything; idle pages are
 unmapped only when the pool runs short. Pages another sequence or the prefix cache also holds
 are unmapped from a reused slot instead, so nobody's shared bytes get overwritten.
+
+Swapping (`swap`, a `vmm.SwapSpace`): a sequence swapped out keeps its slot, so its KV keeps
+its virtual addresses. The bytes of its private pages under its computed rows go to the swap
+tier and every private page goes back to the pool (one the prefix cache holds stays there,
+evictable); pages other sequences map (a fork's prompt) stay mapped, held by the slot. Swapping in maps fresh pages at the same indices and
+copies the bytes back: no block table to rewrite, no token recomputed.
 """
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, OrderedDict, deque
 
 import torch
@@ -34,7 +41,8 @@ LAYOUTS = ("interleaved", "per_layer")
 class VirtualKVCache(KVCacheBase):
     def __init__(self, cfg: ModelConfig, layout: str, num_slots: int, max_model_len: int,
                  dtype: torch.dtype, backend: vmm.Backend, num_pages: int,
-                 enable_prefix_caching: bool = False, tile_rows: int = 1):
+                 enable_prefix_caching: bool = False, tile_rows: int = 1,
+                 swap: vmm.SwapSpace | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown virtual kv_layout {layout!r}: choose one of {LAYOUTS}")
         self.layout, self.num_slots, self.dtype = layout, num_slots, dtype
@@ -56,6 +64,8 @@ class VirtualKVCache(KVCacheBase):
         self.slots: dict[int, int] = {}  # seq_id -> its slot
         self.free_slots: deque[int] = deque(range(num_slots))
         self.idle_slots: OrderedDict[int, None] = OrderedDict()
+        self.swap = swap
+        self.swapped: dict[int, dict[int, tuple]] = {}  # seq_id -> {page index: (its pages, swap slots)}
 
     def _views(self, L: int, H: int, D: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer, K and V as [slots, rows, H, D] views (row stride = row_elems)."""
@@ -136,13 +146,64 @@ class VirtualKVCache(KVCacheBase):
 
     def free(self, seq: Sequence, keep_pages: bool) -> None:
         """The slot's pages stay mapped for the next sequence unless keep_pages is False
-        (preemption: the memory is needed now)."""
+        (preemption: the memory is needed now) or seq ended while swapped out."""
         slot = self.slots.pop(seq.seq_id)
+        for _, slots in self.swapped.pop(seq.seq_id, {}).values():
+            keep_pages = False
+            for swap_slot in slots:
+                self.swap.discard(swap_slot)
         if keep_pages and self.mapped[slot]:
             self.idle_slots[slot] = None
         else:
             self._unmap_slot(slot)
             self.free_slots.append(slot)
+
+    # -- swapping -------------------------------------------------------------------------
+    def swap_out(self, seq: Sequence) -> bool:
+        """Pages only seq maps (the prefix cache may hold them too) leave its slot; the bytes of
+        those under its computed rows are saved first. A page the cache holds stays there,
+        evictable, and comes back without a copy if it is still cached at swap-in."""
+        if self.swap is None:
+            return False
+        slot, held = self.slot(seq), self.held_by_cache()
+        mine = [k for k in self._slot_pages(slot)
+                if all(self.pool.ref_counts[p] == 1 + held.get(p, 0) for p in self.pages_at(seq, k))]
+        kept = [k for k in mine if k < len(self.page_range(0, seq.num_computed_tokens))]
+        if self.swap.num_free < len(kept) * self.num_regions:
+            return False
+        self.swapped[seq.seq_id] = {k: (self.pages_at(seq, k), tuple(
+            self.swap.save(r.addr + r.offset_of(self._index(seq, k))) for r in self.regions)) for k in kept}
+        self._unmap(slot, mine)
+        self.swap_outs += 1
+        return True
+
+    def swap_in(self, seq: Sequence, num_tokens: int, keep_free: int = 0) -> bool:
+        saved = self.swapped[seq.seq_id]
+        missing, shared = self.plan_mapping(seq, num_tokens)
+        if not self.make_room((len(saved.keys() | missing) + len(shared)) * self.num_regions + keep_free):
+            return False
+        start = time.perf_counter()
+        hashes = self._hashes[seq.seq_id]
+        cache = self.prefix_cache.entries if self.prefix_cache else {}
+        for k, (pages, swap_slots) in sorted(saved.items()):
+            if k < hashes.committed and cache.get(hashes.pages[k]) == pages:  # still cached: no copy
+                self.install(seq, k, pages)
+                for swap_slot in swap_slots:
+                    self.swap.discard(swap_slot)
+                continue
+            self.map_fresh(seq, [k])
+            for r, swap_slot in zip(self.regions, swap_slots):
+                self.swap.restore(swap_slot, r.addr + r.offset_of(self._index(seq, k)))
+        del self.swapped[seq.seq_id]
+        self.swap_ins += 1
+        self.map_seconds += time.perf_counter() - start
+        if not self.ensure_mapped(seq, num_tokens):
+            raise AssertionError("swap_in made room, yet ensure_mapped found none")
+        return True
+
+    @property
+    def swap_bytes(self) -> tuple[int, int]:
+        return (self.swap.bytes_out, self.swap.bytes_in) if self.swap else (0, 0)
 
     def reclaimable_pages(self) -> int:
         """Pages mapped in idle slots (an upper bound: some may also be mapped elsewhere)."""
@@ -177,6 +238,10 @@ class VirtualKVCache(KVCacheBase):
             for index in region.mapped_pages():
                 per_slot[index // self.slot_pages] += 1
             assert per_slot == self.mapped, (per_slot, self.mapped)
+        if self.swap:
+            held = [s for saved in self.swapped.values() for _, slots in saved.values() for s in slots]
+            assert sorted(held + list(self.swap.free_slots)) == list(range(self.swap.num_slots)), \
+                "a swap slot is lost or held twice"
 
     def pages_idle(self) -> int:
         """Pages that only idle slots (and maybe the prefix cache) reference."""
@@ -197,3 +262,5 @@ class VirtualKVCache(KVCacheBase):
                 region.release()
         self.pool.close()
         self.pool.backend.close()
+        if self.swap:
+            self.swap.close()

@@ -15,7 +15,7 @@ MAP_BUCKETS = (1e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1)
 
 GAUGES = {  # metric: (how to read it from EngineStats, help)
     "vkv:num_requests_running": (lambda s: s.num_running, "Sequences in the running batch."),
-    "vkv:num_requests_waiting": (lambda s: s.num_waiting, "Sequences waiting for admission."),
+    "vkv:num_requests_waiting": (lambda s: s.num_waiting, "Sequences waiting for admission or swapped out."),
     "vkv:kv_cache_usage_ratio": (lambda s: s.kv.pages_in_use / max(s.kv.pages_total, 1),
                                  "Share of KV pages mapped for unfinished sequences."),
     "vkv:kv_utilization_ratio": (lambda s: s.kv_utilization, "Token bytes in use / bytes mapped."),
@@ -32,12 +32,17 @@ COUNTERS = {
     "vkv:prefix_cache_hits": (lambda s: s.kv.prefix_cache_hits, "Prompt tokens found in the prefix cache."),
     "vkv:num_preemptions": (lambda s: s.preemptions, "Sequences preempted for memory."),
     "vkv:cow_copies": (lambda s: s.kv.cow_copies, "Pages copied on write."),
+    "vkv:swap_outs": (lambda s: s.kv.swap_outs, "Sequences preempted by swapping their KV out."),
+    "vkv:swap_ins": (lambda s: s.kv.swap_ins, "Swapped sequences brought back."),
+    "vkv:swap_out_bytes": (lambda s: s.kv.swap_bytes_out, "Bytes copied to the swap tier."),
+    "vkv:swap_in_bytes": (lambda s: s.kv.swap_bytes_in, "Bytes copied back from the swap tier."),
     "vkv:prefix_cache_evictions": (lambda s: s.kv.evictions, "Prefix-cache entries evicted."),
     "vkv:prompt_tokens": (lambda s: s.prompt_tokens, "Prompt tokens received."),
     "vkv:generation_tokens": (lambda s: s.generation_tokens, "Tokens generated."),
     "vkv:request_success": (lambda s: s.requests_finished, "Requests finished."),
     "vkv:request_failure": (lambda s: s.requests_failed, "Requests that failed inside the engine."),
     "vkv:page_map_seconds": (lambda s: s.kv.map_seconds, "Time spent mapping KV pages."),
+    "vkv:spec_decode_num_drafts": (lambda s: s.spec_drafts, "Speculative proposals verified."),
     "vkv:spec_decode_num_draft_tokens": (lambda s: s.spec_draft_tokens, "Tokens proposed by speculative decoding."),
     "vkv:spec_decode_num_accepted_tokens": (lambda s: s.spec_accepted_tokens, "Proposed tokens the model kept."),
 }
