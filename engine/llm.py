@@ -88,6 +88,17 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache's physical memory (vLLM's sleep mode); generate() refuses until
+        wake_up(). Everything above the KV cache stays built."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
 
 def as_prompt_list(prompts) -> list:
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):

@@ -37,6 +37,10 @@ from engine.structured import Grammars, consume
 log = logging.getLogger("vkv.engine")
 
 
+class EngineSleeping(RuntimeError):
+    """A request came while the engine sleeps."""
+
+
 @dataclass
 class Request:
     request_id: str
@@ -140,6 +144,8 @@ class LLMEngine:
         """prompt: text, token ids or a Prompt. With BeamSearchParams the request is a beam
         search: its beams are greedy sequences that a BeamGroup steers. Requests of one
         `group` (one client's) share fairly with other groups; lower `priority` runs first."""
+        if self.is_sleeping:
+            raise EngineSleeping("the engine is sleeping: wake it up first")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -185,6 +191,26 @@ class LLMEngine:
     def map_seconds(self) -> float:
         """Time spent mapping and copying KV pages so far, all on the step's critical path."""
         return self.kv.map_seconds
+
+    # -- sleep (vLLM's sleep mode) ---------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Release every physical KV page; reservations, views and weights stay, so waking up
+        rebuilds nothing above the KV cache. Requests in flight are not touched: sleeping with
+        any unfinished raises (finish or abort them first; the server drains them)."""
+        if level != 1:
+            raise ValueError(f"sleep level {level} is not supported: level 1 releases the KV cache and "
+                             f"keeps the weights (level 2, dropping weights too, is not implemented)")
+        if self.has_unfinished():
+            raise RuntimeError(f"cannot sleep with {len(self.requests)} requests in flight: finish or abort them")
+        if not self.is_sleeping:
+            self.kv.sleep()
+
+    def wake_up(self) -> None:
+        self.kv.wake_up()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.kv.asleep
 
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | BeamSearchOutput]:

@@ -34,7 +34,7 @@ from engine.config import PREEMPTION_MODES, SCHEDULING_POLICIES
 from engine.kv.base import KVCacheBase
 from engine.sequence import Sequence, SequenceStatus
 
-SWAP_MIN_TOKENS = 32  # below this, recompute (see the note on preemption above)
+SWAP_MIN_TOKENS = 16  # below this, recompute (see the note on preemption above)
 Scheduled = list[tuple[Sequence, int]]  # (sequence, number of its tokens computed this step)
 
 

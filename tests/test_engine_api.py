@@ -112,3 +112,37 @@ def test_random_preset_runs():
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5
     assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("kv_layout", ["interleaved", "per_layer", "paged"])
+def test_sleep_releases_the_kv_memory_and_wake_up_changes_nothing(kv_layout):
+    import os
+    llm = LLM(kv_layout=kv_layout, kv_cache_memory=64 << 20)
+    kv, greedy = llm.engine.kv, SamplingParams(temperature=0, max_tokens=12)
+    views = [t.data_ptr() for t in (*kv.k_caches, *kv.v_caches)]
+
+    def committed() -> int:
+        if kv_layout == "paged":
+            return sum(t.untyped_storage().nbytes() for t in (*kv.k_caches, *kv.v_caches))
+        return os.fstat(kv.pool.backend.fd).st_blocks * 512
+
+    before = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    full = committed()
+    assert full >= 0.99 * (64 << 20)
+    llm.engine.add_request("in-flight", "Hello", greedy)
+    with pytest.raises(RuntimeError, match="in flight"):
+        llm.sleep()
+    llm.engine.abort("in-flight")
+    with pytest.raises(ValueError, match="level 2"):
+        llm.sleep(level=2)
+    llm.sleep()
+    assert llm.is_sleeping() and committed() <= 0.2 * full
+    with pytest.raises(RuntimeError, match="sleeping"):
+        llm.generate(["x"], greedy, use_tqdm=False)
+    llm.wake_up()
+    assert not llm.is_sleeping() and committed() >= 0.99 * full
+    if kv_layout != "paged":  # the virtual ranges, and every view into them, never moved
+        assert [t.data_ptr() for t in (*kv.k_caches, *kv.v_caches)] == views
+    after = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert after == before
+    assert_pool_whole(llm)

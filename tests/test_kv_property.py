@@ -88,6 +88,16 @@ class TrafficMachine(RuleBasedStateMachine):
         self.sched.finish(seq, "abort")
         self.live.remove(seq)
 
+    @precondition(lambda self: not self.sched.has_unfinished())
+    @rule()
+    def sleep_and_wake(self):
+        self.kv.sleep()
+        assert self.kv.asleep
+        self.kv.audit()
+        self.kv.wake_up()
+        assert self.kv.pool.num_free == self.kv.pool.num_pages
+        event("slept")
+
     @rule()
     def step(self):
         scheduled = self.sched.schedule()

@@ -365,3 +365,40 @@ def test_token_bytes_are_the_tokens_own_bytes():
     tokens = TokenText(tokenizer)
     assert any("\ufffd" in tokens.text(t) for t in ids)  # pieces of characters do not decode alone
     assert bytes(b for t in ids for b in tokens.bytes(t)).decode() == text
+
+
+def test_sleep_drains_the_stream_in_flight_releases_the_kv_memory_and_wakes_up(client, server):
+    import os
+    url, engine = server
+    headers = {"Authorization": f"Bearer {KEY}"}
+    greedy = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+    before = httpx.post(url + "/v1/completions", json=greedy, headers=headers, timeout=60).json()
+    kv = engine.engine.kv
+    committed = lambda: os.fstat(kv.pool.backend.fd).st_blocks * 512
+    assert committed() >= 0.99 * (256 << 20)
+
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=40, stream=True,
+                                       extra_body={"ignore_eos": True})
+    first = next(iter(stream))  # the request is in flight when sleep is asked for
+    asleep = {}
+    asker = threading.Thread(target=lambda: asleep.update(httpx.post(url + "/sleep", headers=headers, timeout=60).json()))
+    asker.start()
+    for _ in range(100):  # sleep is pending: new requests are refused with 503 at once
+        if httpx.get(url + "/is_sleeping", headers=headers).json()["is_sleeping"]:
+            break
+        time.sleep(0.02)
+    refused = httpx.post(url + "/v1/completions", json=greedy, headers=headers, timeout=10)
+    assert refused.status_code == 503 and "sleeping" in refused.json()["error"]["message"]
+    rest = list(stream)  # ...and the one in flight still runs to its end
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert sum(len(c.choices[0].text) > 0 for c in [first, *rest]) > 1
+    asker.join(timeout=60)
+    assert asleep == {"is_sleeping": True}
+    assert committed() <= 0.2 * (256 << 20)  # the memfd's pages are punched out
+    assert httpx.post(url + "/sleep?level=2", headers=headers).status_code == 400
+
+    assert httpx.post(url + "/wake_up", headers=headers).json() == {"is_sleeping": False}
+    assert not httpx.get(url + "/is_sleeping", headers=headers).json()["is_sleeping"]
+    after = httpx.post(url + "/v1/completions", json=greedy, headers=headers, timeout=60).json()
+    assert after["choices"][0]["text"] == before["choices"][0]["text"]
+    wait_idle(engine)

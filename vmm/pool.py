@@ -121,9 +121,42 @@ class PagePool(PageAllocator):
         for _ in range(num_pages):
             self.handles.append(backend.create_page())
 
+    @property
+    def asleep(self) -> bool:
+        return not self.handles
+
+    def release_memory(self) -> None:
+        """Sleep: give every physical page back to the system while every reservation (and
+        every view of one) stays valid. All pages must be free; nothing can be mapped until
+        `restore_memory`."""
+        with self.lock:
+            if self.num_free != self.num_pages:
+                raise InvariantViolation(f"{self.num_pages - self.num_free} pages are still referenced: "
+                                         f"unmap them before releasing the pool's memory")
+            self.free_ids.clear()  # alloc() finds nothing while asleep
+            _release_all(self.backend, self.handles)
+
+    def restore_memory(self) -> None:
+        """Wake: create the pages again (their contents are undefined, as new pages' are). On
+        failure the pages made so far are released again and the pool stays asleep."""
+        with self.lock:
+            if not self.asleep:
+                return
+            try:
+                for _ in range(self.num_pages):
+                    self.handles.append(self.backend.create_page())
+            except BaseException:
+                _release_all(self.backend, self.handles)
+                raise
+            self.free_ids.extend(range(self.num_pages))
+
     def audit(self, reservations: Iterable, held: Mapping[int, int] = {}) -> None:
         """Each page's count equals its mappings in `reservations` plus its holds in `held`."""
         with self.lock:
+            if self.asleep:
+                if any(self.ref_counts) or held or any(r.mapped_pages() for r in reservations):
+                    raise InvariantViolation("the pool is asleep, yet a page is referenced")
+                return
             expected = Counter(held)
             for reservation in reservations:
                 expected.update(reservation.mapped_pages().values())

@@ -259,6 +259,34 @@ class KVCacheBase(ABC):
         self._hashes.pop(seq.seq_id, None)
         self.free(seq, keep_pages)
 
+    # -- sleep ----------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Give every physical page back (the prefix cache is emptied); the places kernels read
+        (`k_caches`, `v_caches`) stay the same objects. No sequence may hold KV: the engine
+        finishes or refuses requests first."""
+        if self.active_sequences():
+            raise RuntimeError(f"{self.active_sequences()} sequences still hold KV")
+        if self.prefix_cache:
+            self.prefix_cache.clear()
+        self.release_memory()
+
+    @abstractmethod
+    def active_sequences(self) -> int:
+        """Sequences holding a place (running or swapped out)."""
+
+    @abstractmethod
+    def release_memory(self) -> None:
+        """Free every physical page of an idle cache."""
+
+    @abstractmethod
+    def wake_up(self) -> None:
+        """Physical memory back, every page free."""
+
+    @property
+    @abstractmethod
+    def asleep(self) -> bool:
+        """Is the physical memory released?"""
+
     # -- numbers --------------------------------------------------------------------------
     def held_by_cache(self):
         return self.prefix_cache.held() if self.prefix_cache else {}

@@ -54,8 +54,24 @@ class PagedKVCache(KVCacheBase):
     def page_range(self, start: int, end: int) -> range:
         return range(start // self.block_size, math.ceil(end / self.block_size))
 
-    def block_table(self, seq: Sequence) -> list[int]:
-        return self.tables[seq.seq_id]
+    # -- sleep ----------------------------------------------------------------------------
+    def active_sequences(self) -> int:
+        return len(self.tables)
+
+    def release_memory(self) -> None:
+        """The block pools' storage shrinks to nothing; the tensors stay the same objects."""
+        for cache in (*self.k_caches, *self.v_caches):
+            cache.untyped_storage().resize_(0)
+
+    def wake_up(self) -> None:
+        for cache in (*self.k_caches, *self.v_caches):
+            if cache.untyped_storage().nbytes() == 0:
+                cache.untyped_storage().resize_(cache.numel() * cache.element_size())
+                cache.zero_()
+
+    @property
+    def asleep(self) -> bool:
+        return self.k_caches[0].untyped_storage().nbytes() == 0
 
     def pages_at(self, seq: Sequence, k: int) -> tuple[int, ...] | None:
         table = self.tables[seq.seq_id]

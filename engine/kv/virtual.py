@@ -229,6 +229,23 @@ class VirtualKVCache(KVCacheBase):
     def _unmap_slot(self, slot: int) -> None:
         self._unmap(slot, self._slot_pages(slot))
 
+    # -- sleep ----------------------------------------------------------------------------
+    def active_sequences(self) -> int:
+        return len(self.slots)
+
+    def release_memory(self) -> None:
+        """Unmap the idle slots and release every page: the reservations, and so every view
+        and pointer into them, stay as they are (on CUDA, graphs captured over them stay valid)."""
+        self.reclaim(self.pool.num_pages)
+        self.pool.release_memory()
+
+    def wake_up(self) -> None:
+        self.pool.restore_memory()
+
+    @property
+    def asleep(self) -> bool:
+        return self.pool.asleep
+
     # -- checks and numbers ---------------------------------------------------------------
     def audit(self) -> None:
         """Each page's count is its mappings plus the prefix cache's hold; regions in lockstep."""

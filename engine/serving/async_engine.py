@@ -8,6 +8,9 @@ ends with its error and the others go on; if a step itself raises, the engine is
 request in flight gets EngineDeadError, new ones are refused with it, and the server reports
 itself unhealthy.
 
+Sleep: a sleep command stops new requests (refused like a shutdown's, 503), lets the ones in
+flight finish, then releases the KV memory; wake-up maps it back.
+
 Tokenization and chat templating run on a worker thread with their own tokenizer, so a large
 prompt never blocks the event loop and never shares a tokenizer with the engine thread.
 """
@@ -32,6 +35,7 @@ from engine.serving.metrics import Metrics
 from engine.stats import EngineStats
 
 log = logging.getLogger("vkv.server")
+SLEEPING = "the engine is sleeping: POST /wake_up first"
 
 
 class EngineDeadError(RuntimeError):
@@ -65,6 +69,7 @@ class AsyncEngine:
         self.running = True  # the loop thread goes on
         self.accepting = True  # new requests are taken
         self.dead: EngineDeadError | None = None
+        self.sleep_waiters: list[asyncio.Future] = []  # sleep once nothing is in flight, then tell them
         self.preprocessor = ThreadPoolExecutor(1, thread_name_prefix="vkv-tokenize")
         self.thread = threading.Thread(target=self._loop, name="vkv-engine", daemon=True)
         self.thread.start()
@@ -91,6 +96,8 @@ class AsyncEngine:
             raise self.dead
         if not self.accepting:
             raise RequestCancelled("the server is shutting down")
+        if self.is_sleeping:
+            raise RequestCancelled(SLEEPING)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
         self.streams[request_id] = stream
         self._command("add", request_id, prompt, params, group, priority)
@@ -117,6 +124,25 @@ class AsyncEngine:
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
             return self.stats
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Asleep, or going to sleep once the requests in flight are done."""
+        return bool(self.sleep_waiters) or self.engine.is_sleeping
+
+    async def sleep(self, level: int = 1) -> None:
+        """Returns once asleep; ValueError for a level the engine does not have."""
+        await self._ask("sleep", level)
+
+    async def wake_up(self) -> None:
+        await self._ask("wake")
+
+    async def _ask(self, kind: str, *args):
+        if self.dead:
+            raise self.dead
+        future = asyncio.get_running_loop().create_future()
+        self._command(kind, future, *args)
+        return await future
 
     def cancel_all(self, reason: str) -> None:
         """End every request in flight with RequestCancelled(reason); new ones are refused."""
@@ -151,6 +177,10 @@ class AsyncEngine:
     def _run_steps(self) -> None:
         while self.running:
             self._apply_commands()
+            if self.sleep_waiters and not self.engine.has_unfinished():
+                waiters, self.sleep_waiters = self.sleep_waiters, []
+                for future in waiters:
+                    _settle(future, self.engine.sleep, 1)
             if not self.engine.has_unfinished():
                 self.wake.wait(0.05)
                 self.wake.clear()
@@ -175,6 +205,14 @@ class AsyncEngine:
                 self.streams.pop(args[0], None)
             elif kind == "add":
                 self._add(*args)
+            elif kind == "sleep":
+                future, level = args
+                if level != 1:  # the engine refuses it: say so now rather than after the drain
+                    _settle(future, self.engine.sleep, level)
+                else:
+                    self.sleep_waiters.append(future)
+            elif kind == "wake":
+                _settle(args[0], self.engine.wake_up)
             elif kind == "stats":
                 self.stats = self.engine.stats()
                 future = args[0]
@@ -187,6 +225,9 @@ class AsyncEngine:
                 self.streams.clear()
 
     def _add(self, request_id: str, prompt: Prompt, params, group: str | None, priority: int) -> None:
+        if self.is_sleeping:  # it raced a sleep command
+            self._put(self.streams.pop(request_id, None), RequestCancelled(SLEEPING))
+            return
         try:
             self.engine.add_request(request_id, prompt, params, group=group, priority=priority)
         except Exception as exc:  # refused: the handler raises it as an HTTP error
@@ -220,3 +261,18 @@ class AsyncEngine:
 def _resolve(future: asyncio.Future, value) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _reject(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+def _settle(future: asyncio.Future, fn, *args) -> None:
+    """Run fn on the engine thread; its result or its exception goes to the handler's future."""
+    try:
+        result = fn(*args)
+    except Exception as exc:
+        future.get_loop().call_soon_threadsafe(_reject, future, exc)
+    else:
+        future.get_loop().call_soon_threadsafe(_resolve, future, result)

@@ -33,7 +33,7 @@ from engine.config import EngineConfig
 from engine.inputs import Prompt
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.serving.async_engine import AsyncEngine, EngineDeadError, RequestCancelled
+from engine.serving.async_engine import SLEEPING, AsyncEngine, EngineDeadError, RequestCancelled
 from engine.serving.http import BodyGuard, GuardedH11Protocol
 from engine.serving.options import ServerOptions
 from engine.serving.protocol import (ChatCompletionRequest, CompletionRequest, TokenText, envelope, error_body,
@@ -100,6 +100,8 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
             raise HTTPError(401, "invalid or missing API key", "authentication_error")
 
     def check(body, best_of: int | None = None) -> None:
+        if engine.is_sleeping:
+            raise HTTPError(503, SLEEPING, "service_unavailable")
         if body.model not in (None, model_name):
             raise HTTPError(404, f"model {body.model!r} does not exist; this server has {model_name!r}",
                             "model_not_found")
@@ -145,6 +147,25 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
     @app.get("/metrics")
     async def metrics():
         return Response(engine.metrics.render(await engine.fresh_stats()), media_type="text/plain; version=0.0.4")
+
+    # vLLM's sleep mode: /sleep drains the requests in flight (new ones get 503), then releases
+    # every physical KV page; /wake_up maps memory back. Nothing above the KV cache is rebuilt.
+    @app.post("/sleep", dependencies=[Depends(authorize)])
+    async def sleep(level: int = 1):
+        try:
+            await engine.sleep(level)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc)) from exc
+        return {"is_sleeping": True}
+
+    @app.post("/wake_up", dependencies=[Depends(authorize)])
+    async def wake_up():
+        await engine.wake_up()
+        return {"is_sleeping": False}
+
+    @app.get("/is_sleeping", dependencies=[Depends(authorize)])
+    async def is_sleeping():
+        return {"is_sleeping": engine.is_sleeping}
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
