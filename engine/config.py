@@ -37,6 +37,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": private pages to the swap tier (virtual layouts)
     swap_space: float = 4  # GiB of swap tier (preemption_mode="swap"): a sparse file, pinned memory on CUDA
     swap_path: str | None = None  # the host tier's file; default: an anonymous temporary file
+    map_ahead_tokens: int = 0  # > 0: a worker thread maps each sequence's next pages during the forward pass
     speculative_config: dict | None = None  # vLLM's: {"method": "ngram", "num_speculative_tokens": k, ...}
     seed: int = 0
 
@@ -65,6 +66,8 @@ class EngineConfig:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}: "
                              f"choose one of {ATTENTION_BACKENDS}")
+        if self.map_ahead_tokens < 0:
+            raise ValueError(f"map_ahead_tokens must be >= 0, got {self.map_ahead_tokens}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -113,6 +116,8 @@ class EngineConfig:
                        help="swap: a preempted sequence's KV waits in the swap tier instead of being recomputed")
         g.add_argument("--swap-space", type=float, default=EngineConfig.swap_space, help="GiB of swap tier")
         g.add_argument("--swap-path", default=None, help="file for the host swap tier (default: a temporary file)")
+        g.add_argument("--map-ahead-tokens", type=int, default=EngineConfig.map_ahead_tokens,
+                       help="tokens per sequence whose pages a worker thread maps during each forward pass (0: off)")
         g.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                        help='e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')
         g.add_argument("--model-seed", type=int, default=EngineConfig.seed, help="weights of random:<preset> models")
@@ -122,5 +127,5 @@ class EngineConfig:
         names = ("model", "device", "dtype", "kv_layout", "kv_cache_memory", "page_size", "block_size",
                  "max_num_seqs", "max_model_len", "max_num_batched_tokens", "attention_backend",
                  "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
-                 "speculative_config")
+                 "map_ahead_tokens", "speculative_config")
         return cls(**{name: getattr(args, name) for name in names}, seed=args.model_seed)

@@ -23,6 +23,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.inputs import Prompt, tokenize
 from engine.kv.paged import PagedKVCache
 from engine.kv.virtual import VirtualKVCache
+from engine.map_ahead import MapAhead
 from engine.model_runner import ModelRunner
 from engine.models import load_config, load_model, load_tokenizer
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -84,6 +85,8 @@ class LLMEngine:
         spec = c.speculative_config
         self.proposer = NgramProposer(SpeculativeConfig.from_dict(spec)) if spec else None
         self.num_drafts = self.num_drafted = self.num_accepted = 0
+        self.map_ahead = MapAhead(self.kv, c.map_ahead_tokens, self.scheduler.headroom_pages) \
+            if c.map_ahead_tokens else None
 
     def _make_kv_cache(self) -> VirtualKVCache | PagedKVCache:
         c = self.config
@@ -189,8 +192,9 @@ class LLMEngine:
 
     @property
     def map_seconds(self) -> float:
-        """Time spent mapping and copying KV pages so far, all on the step's critical path."""
-        return self.kv.map_seconds
+        """Time spent mapping and copying KV pages so far on the step's critical path (waiting
+        for the map-ahead worker included)."""
+        return self.kv.map_seconds + (self.map_ahead.wait_seconds if self.map_ahead else 0.0)
 
     # -- sleep (vLLM's sleep mode) ---------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
@@ -220,7 +224,13 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        logits, sampling = self.runner.run(scheduled)
+        if self.map_ahead:
+            self.map_ahead.start(scheduled)
+        try:
+            logits, sampling = self.runner.run(scheduled)
+        finally:
+            if self.map_ahead:
+                self.map_ahead.wait()
         drafted = self._verify_drafts(logits, sampling)
         self.scheduler.update_after_step(scheduled, {s: len(s.draft) + 1 - len(e) for s, e in drafted.items()})
         return self._process(logits, sampling, drafted)
@@ -416,7 +426,11 @@ class LLMEngine:
                            prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generation_tokens,
                            requests_finished=self.num_finished, requests_failed=self.num_failed,
                            spec_drafts=self.num_drafts, spec_draft_tokens=self.num_drafted,
-                           spec_accepted_tokens=self.num_accepted)
+                           spec_accepted_tokens=self.num_accepted,
+                           map_ahead_seconds=self.map_ahead.seconds if self.map_ahead else 0.0,
+                           map_ahead_wait_seconds=self.map_ahead.wait_seconds if self.map_ahead else 0.0)
 
     def close(self) -> None:
+        if self.map_ahead:
+            self.map_ahead.close()
         self.kv.close()

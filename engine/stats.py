@@ -42,6 +42,18 @@ class EngineStats:
     spec_drafts: int = 0  # speculative proposals verified (one per sequence and step)
     spec_draft_tokens: int = 0  # tokens they proposed
     spec_accepted_tokens: int = 0  # of which the model kept
+    map_ahead_seconds: float = 0.0  # the map-ahead worker's mapping time
+    map_ahead_wait_seconds: float = 0.0  # steps' time spent waiting for it (exposed)
+
+    @property
+    def map_exposed_seconds(self) -> float:
+        """Mapping time on the critical path: in the scheduler, plus waits for the worker."""
+        return self.kv.map_seconds + self.map_ahead_wait_seconds
+
+    @property
+    def map_hidden_seconds(self) -> float:
+        """Mapping time the worker spent while the forward pass ran."""
+        return max(0.0, self.map_ahead_seconds - self.map_ahead_wait_seconds)
 
     @property
     def spec_acceptance_rate(self) -> float:

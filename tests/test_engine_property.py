@@ -28,12 +28,12 @@ def weights() -> tuple:
     return engine.model, engine.tokenizer
 
 
-def engine_for(layout: str, pages: int, seats: int, caching: bool, swap_pages: int = 0) -> LLM:
+def engine_for(layout: str, pages: int, seats: int, caching: bool, swap_pages: int = 0, ahead: int = 0) -> LLM:
     kv_memory = pages * (16 * 512 if layout == "paged" else PAGE)  # paged: blocks of 16 tokens
     swap = {"preemption_mode": "swap", "swap_space": swap_pages * PAGE / (1 << 30)} if swap_pages else {}
     config = EngineConfig(model="random:tiny", kv_layout=layout, page_size=PAGE, kv_cache_memory=kv_memory,
                           max_num_seqs=seats, enable_prefix_caching=caching, max_num_batched_tokens=32, seed=0,
-                          **swap)
+                          map_ahead_tokens=ahead, **swap)
     llm = LLM.from_config(config, weights())
     llm.engine.scheduler.swap_min_tokens = 4  # short requests here: swap most preempted ones
     return llm
@@ -74,9 +74,11 @@ request = st.fixed_dictionaries({
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(layout=st.sampled_from(list(PAGES)), tight=st.booleans(), seats=st.integers(3, 5), caching=st.booleans(),
-       swap_pages=st.sampled_from([0, 6, 64]), requests=st.lists(request, min_size=3, max_size=8))
-def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, seats, caching, swap_pages, requests):
-    llm = engine_for(layout, PAGES[layout][tight], seats, caching, 0 if layout == "paged" else swap_pages)
+       swap_pages=st.sampled_from([0, 6, 64]), ahead=st.sampled_from([0, 4]),
+       requests=st.lists(request, min_size=3, max_size=8))
+def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, seats, caching, swap_pages, ahead,
+                                                              requests):
+    llm = engine_for(layout, PAGES[layout][tight], seats, caching, 0 if layout == "paged" else swap_pages, ahead)
     engine, done, step = llm.engine, {}, 0
     while step < 2000 and (engine.has_unfinished() or step <= 8):
         for i, r in enumerate(requests):

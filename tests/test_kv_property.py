@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import vmm
 from engine.kv.paged import PagedKVCache
 from engine.kv.virtual import VirtualKVCache
+from engine.map_ahead import MapAhead
 from engine.models.config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -50,12 +51,15 @@ class TrafficMachine(RuleBasedStateMachine):
     cuda = False
 
     @initialize(layout=st.sampled_from(["interleaved", "per_layer", "paged"]), pages=st.integers(24, 48),
-                swap_pages=st.sampled_from([0, 0, 4, 16, 64]), swap_min_tokens=st.integers(1, 24))
-    def setup(self, layout, pages, swap_pages, swap_min_tokens):
+                swap_pages=st.sampled_from([0, 0, 4, 16, 64]), swap_min_tokens=st.integers(1, 24),
+                ahead=st.sampled_from([0, 0, 1, 6]))
+    def setup(self, layout, pages, swap_pages, swap_min_tokens, ahead):
         swap_pages = 0 if layout == "paged" else swap_pages  # swapping needs a virtual layout
         self.kv = make_cache(layout, pages, self.cuda and layout != "paged", swap_pages)
         self.sched = Scheduler(self.kv, max_num_seqs=6, max_num_batched_tokens=48,
                                preemption_mode="swap" if swap_pages else "recompute", swap_min_tokens=swap_min_tokens)
+        # The map-ahead worker maps pages while the "forward pass" below writes rows.
+        self.ahead = MapAhead(self.kv, ahead, self.sched.headroom_pages) if ahead else None
         self.live: list[Sequence] = []
         self.forks_left: dict[int, int] = {}
         self.next_id = 0
@@ -101,11 +105,15 @@ class TrafficMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         scheduled = self.sched.schedule()
+        if self.ahead:
+            self.ahead.start(scheduled)
         for seq, n in scheduled:
             first = seq.num_computed_tokens
             for layer in range(CFG.num_layers):
                 values = torch.tensor([prefix_value(seq.token_ids[:p + 1]) for p in range(first, first + n)])
                 self.write(seq, layer, first, values)
+        if self.ahead:
+            self.ahead.wait()
         self.sched.update_after_step(scheduled)
         for seq, _ in scheduled:
             if seq.num_computed_tokens == len(seq) and not seq.is_finished:
@@ -155,8 +163,10 @@ class TrafficMachine(RuleBasedStateMachine):
         if not hasattr(self, "kv"):
             return
         stats = self.kv.stats()
+        if self.ahead:
+            self.ahead.close()
         for name, happened in [("preemption", self.sched.num_preemptions), ("copy-on-write", stats.cow_copies),
-                               ("swap-in", stats.swap_ins),
+                               ("swap-in", stats.swap_ins), ("mapped ahead", self.ahead and self.ahead.seconds),
                                ("prefix hit", stats.prefix_cache_hits), ("eviction", stats.evictions)]:
             event(f"{name}: {'yes' if happened else 'no'}")
         for seq in list(self.live):

@@ -223,6 +223,14 @@ class KVCacheBase(ABC):
         self.map_seconds += time.perf_counter() - start
         return True
 
+    def map_ahead(self, seq: Sequence, start: int, end: int, keep_free: int) -> None:
+        """Fresh pages for rows [start, end) that seq will write in later steps, taken from the
+        free pool while keep_free pages stay free (see engine/map_ahead.py)."""
+        missing = [k for k in self.page_range(start, self.tile_end(end)) if self.pages_at(seq, k) is None]
+        room = (self.pool.num_free - keep_free) // self.num_regions
+        if missing and room > 0:
+            self.map_fresh(seq, missing[:room])
+
     def plan_mapping(self, seq: Sequence, num_tokens: int) -> tuple[list[int], list[int]]:
         """For rows [computed, num_tokens): the page indices to map, and the shared ones to copy."""
         written = self.page_range(seq.num_computed_tokens, num_tokens)

@@ -41,7 +41,11 @@ COUNTERS = {
     "vkv:generation_tokens": (lambda s: s.generation_tokens, "Tokens generated."),
     "vkv:request_success": (lambda s: s.requests_finished, "Requests finished."),
     "vkv:request_failure": (lambda s: s.requests_failed, "Requests that failed inside the engine."),
-    "vkv:page_map_seconds": (lambda s: s.kv.map_seconds, "Time spent mapping KV pages."),
+    "vkv:page_map_seconds": (lambda s: s.kv.map_seconds, "Time spent mapping KV pages in the scheduler."),
+    "vkv:page_map_exposed_seconds": (lambda s: s.map_exposed_seconds,
+                                     "Mapping time on the critical path (scheduler, waits for the map-ahead worker)."),
+    "vkv:page_map_hidden_seconds": (lambda s: s.map_hidden_seconds,
+                                    "Mapping time the map-ahead worker hid behind forward passes."),
     "vkv:spec_decode_num_drafts": (lambda s: s.spec_drafts, "Speculative proposals verified."),
     "vkv:spec_decode_num_draft_tokens": (lambda s: s.spec_draft_tokens, "Tokens proposed by speculative decoding."),
     "vkv:spec_decode_num_accepted_tokens": (lambda s: s.spec_accepted_tokens, "Proposed tokens the model kept."),
@@ -68,7 +72,7 @@ class Metrics:
         self.ttft = hist("vkv:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
         self.itl = hist("vkv:inter_token_latency_seconds", "Time between tokens of a request.", LATENCY_BUCKETS)
         self.e2e = hist("vkv:e2e_request_latency_seconds", "Request latency, arrival to finish.", LATENCY_BUCKETS)
-        self.map_time = hist("vkv:page_map_seconds_per_step", "Page mapping time in one engine step.", MAP_BUCKETS)
+        self.map_time = hist("vkv:page_map_seconds_per_step", "Page mapping time on the critical path of one engine step.", MAP_BUCKETS)
         self.snapshot = _Snapshot()
         self.registry.register(self.snapshot)
 
