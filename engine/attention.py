@@ -50,8 +50,9 @@ def library(kernel: str):
 
 
 def pick_attention(name: str | None, device: torch.device, dtype: torch.dtype, kv_layout: str,
-                   head_dim: int, block_size: int = 16) -> str:
-    """The user's choice, checked; else the best kernel present for this device, dtype, layout."""
+                   head_dim: int, block_size: int = 16, sliding_window: int | None = None) -> str:
+    """The user's choice, checked; else the best kernel present for this device, dtype, layout
+    (a sliding window runs on sdpa alone: the others are not given the window)."""
     gpu = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
     virtual = kv_layout != "paged"
     reasons = {
@@ -66,6 +67,9 @@ def pick_attention(name: str | None, device: torch.device, dtype: torch.dtype, k
         f"needs the CPU, fp32 or bf16, an even head_dim and the built kernels ({ext.cpu_kernels_error()})",
         "sdpa": None,
     }
+    if sliding_window:
+        reasons = {k: why or ("is not given sliding windows yet: use sdpa" if k != "sdpa" else None)
+                   for k, why in reasons.items()}
     assert set(reasons) == set(ATTENTION_BACKENDS)
     if name is None:
         return next(kernel for kernel, why in reasons.items() if why is None)
@@ -79,8 +83,9 @@ class StepAttention:
     positions, attend over each sequence's cached context."""
 
     def __init__(self, kernel: str, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 batch: StepBatch, cos_sin: torch.Tensor, paged: bool = False):
+                 batch: StepBatch, cos_sin: torch.Tensor, paged: bool = False, window: int | None = None):
         self.kernel, self.k_caches, self.v_caches, self.batch = kernel, k_caches, v_caches, batch
+        self.window = window  # sliding window: keys before it are read by no query (and may be unmapped)
         self.paged = paged  # a block table of many blocks, not one slot per sequence
         self.cos_sin = cos_sin
         if kernel == "native" and ext.cpu_kernels() is None:
@@ -123,8 +128,9 @@ class StepAttention:
             return self._with_kvcache(q, k_cache, v_cache)
         out = torch.empty_like(q)
         for table, start, q_len, ctx in zip(self.tables, b.starts, b.q_lens, b.ctx_lens):
-            keys, values = sequence_rows(k_cache, table, ctx), sequence_rows(v_cache, table, ctx)
-            out[start:start + q_len] = sdpa_sequence(q[start:start + q_len], keys, values)
+            first = max(0, ctx - q_len - self.window + 1) if self.window else 0  # the first key any query sees
+            keys, values = sequence_rows(k_cache, table, ctx, first), sequence_rows(v_cache, table, ctx, first)
+            out[start:start + q_len] = sdpa_sequence(q[start:start + q_len], keys, values, self.window, first)
         return out
 
     def _padded_groups(self) -> list[tuple]:
@@ -153,31 +159,36 @@ class StepAttention:
         return out
 
 
-def sequence_rows(cache: torch.Tensor, table: list[int], ctx: int) -> torch.Tensor:
-    """A sequence's first ctx rows: a view of its slot, or its blocks gathered."""
-    blocks = -(-ctx // cache.shape[1])
-    if blocks == 1:
-        return cache[table[0], :ctx]
-    return cache[table[:blocks]].flatten(0, 1)[:ctx]
+def sequence_rows(cache: torch.Tensor, table: list[int], ctx: int, first: int = 0) -> torch.Tensor:
+    """A sequence's rows [first, ctx): a view of its slot, or its blocks gathered."""
+    size = cache.shape[1]
+    if -(-ctx // size) == 1:
+        return cache[table[0], first:ctx]
+    skip = first // size  # blocks wholly before `first` are neither read nor gathered
+    return cache[table[skip:-(-ctx // size)]].flatten(0, 1)[first - skip * size:ctx - skip * size]
 
 
-def causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor:
-    """Query i sits at position ctx_len - q_len + i and sees keys up to there."""
+def causal_mask(q_len: int, ctx_len: int, device, window: int | None = None, first: int = 0) -> torch.Tensor:
+    """Query i sits at position ctx_len - q_len + i and sees the keys at positions [first,
+    ctx_len) up to its own, and with a window only the last `window` of those."""
     q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
-    return torch.arange(ctx_len, device=device)[None, :] <= q_pos
+    k_pos = torch.arange(first, ctx_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    return mask & (k_pos > q_pos - window) if window else mask
 
 
-def sdpa_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q: [q_len, heads, D]; k, v: [ctx_len, kv_heads, D], any strides. The query heads that
-    share a KV head become extra query rows of it ([kv_heads, q_len * group, D]), so K and V
-    are read as they lie, never expanded."""
+def sdpa_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
+                  first: int = 0) -> torch.Tensor:
+    """q: [q_len, heads, D]; k, v: the keys and values at positions [first, first + len), any
+    strides. The query heads that share a KV head become extra query rows of it ([kv_heads,
+    q_len * group, D]), so K and V are read as they lie, never expanded."""
     q_len, num_heads, dim = q.shape
-    ctx_len, kv_heads = k.shape[0], k.shape[1]
+    ctx_len, kv_heads = first + k.shape[0], k.shape[1]
     group = num_heads // kv_heads
     qs = q.view(q_len, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, q_len * group, dim)
     mask = None
     if q_len > 1:
-        mask = causal_mask(q_len, ctx_len, q.device).repeat_interleave(group, dim=0)
+        mask = causal_mask(q_len, ctx_len, q.device, window, first).repeat_interleave(group, dim=0)
     o = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
     return o.view(kv_heads, q_len, group, dim).transpose(0, 1).reshape(q_len, num_heads, dim)
 

@@ -73,8 +73,9 @@ class LLMEngine:
         self.model, self.tokenizer = loaded
         self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.attention = pick_attention(c.attention_backend, c.device, c.dtype, c.kv_layout,
-                                        self.model_config.head_dim, c.block_size)
+                                        self.model_config.head_dim, c.block_size, self.model_config.sliding_window)
         self.kv = self._make_kv_cache()
+        self.kv.window = self.model_config.sliding_window
         self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, policy=c.scheduling_policy,
                                    preemption_mode=c.preemption_mode)
         self.runner = ModelRunner(self.model, self.kv, self.attention, self.max_model_len, c.device, c.dtype)
@@ -136,7 +137,8 @@ class LLMEngine:
         width = params.beam_width if isinstance(params, BeamSearchParams) else 1
         if width > self.config.max_num_seqs:
             raise ValueError(f"beam_width {width} exceeds max_num_seqs {self.config.max_num_seqs}")
-        pages = width * self.kv.pages_for(total)
+        window = self.model_config.sliding_window  # its pages are let go as it grows
+        pages = width * self.kv.pages_for(min(total, window + self.config.max_num_batched_tokens) if window else total)
         if pages > self.kv.pool.num_pages:
             beams = f" for {width} beams" if width > 1 else ""
             raise ValueError(f"{total} tokens{beams} need {pages} KV pages, more than the "

@@ -47,5 +47,5 @@ class ModelRunner:
     def run(self, scheduled: Scheduled) -> tuple[torch.Tensor, list]:
         input_ids, batch, logits_indices, sampling = self.prepare(scheduled)
         attn = StepAttention(self.kernel, self.kv.k_caches, self.kv.v_caches, batch, self.cos_sin,
-                             paged=self.kv.layout == "paged")
+                             paged=self.kv.layout == "paged", window=self.kv.window)
         return self.model(input_ids, attn, logits_indices), sampling

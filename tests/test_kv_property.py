@@ -52,10 +52,11 @@ class TrafficMachine(RuleBasedStateMachine):
 
     @initialize(layout=st.sampled_from(["interleaved", "per_layer", "paged"]), pages=st.integers(24, 48),
                 swap_pages=st.sampled_from([0, 0, 4, 16, 64]), swap_min_tokens=st.integers(1, 24),
-                ahead=st.sampled_from([0, 0, 1, 6]))
-    def setup(self, layout, pages, swap_pages, swap_min_tokens, ahead):
+                ahead=st.sampled_from([0, 0, 1, 6]), window=st.sampled_from([None, None, 5, 12]))
+    def setup(self, layout, pages, swap_pages, swap_min_tokens, ahead, window):
         swap_pages = 0 if layout == "paged" else swap_pages  # swapping needs a virtual layout
         self.kv = make_cache(layout, pages, self.cuda and layout != "paged", swap_pages)
+        self.kv.window = window  # sliding window: pages before it are let go as sequences grow
         self.sched = Scheduler(self.kv, max_num_seqs=6, max_num_batched_tokens=48,
                                preemption_mode="swap" if swap_pages else "recompute", swap_min_tokens=swap_min_tokens)
         # The map-ahead worker maps pages while the "forward pass" below writes rows.
@@ -64,13 +65,13 @@ class TrafficMachine(RuleBasedStateMachine):
         self.forks_left: dict[int, int] = {}
         self.next_id = 0
 
-    def rows(self, seq: Sequence, layer: int, count: int) -> torch.Tensor:
-        """K of `layer` for seq's first `count` tokens, first element of each row."""
+    def rows(self, seq: Sequence, layer: int, first: int, count: int) -> torch.Tensor:
+        """K of `layer` for seq's tokens [first, count), first element of each row."""
         if isinstance(self.kv, PagedKVCache):
             bs = self.kv.block_size
-            blocks = torch.tensor(self.kv.tables[seq.seq_id][:-(-count // bs)], dtype=torch.long)
-            return self.kv.k_caches[layer][blocks].flatten(0, 1)[:count, 0, 0]
-        return self.kv.k_caches[layer][self.kv.slot(seq), :count, 0, 0]
+            blocks = torch.tensor(self.kv.tables[seq.seq_id][first // bs:-(-count // bs)], dtype=torch.long)
+            return self.kv.k_caches[layer][blocks].flatten(0, 1)[first % bs:count - first // bs * bs, 0, 0]
+        return self.kv.k_caches[layer][self.kv.slot(seq), first:count, 0, 0]
 
     @rule(prefix=st.sampled_from([[], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [7] * 20]),
           tail=st.lists(st.integers(0, 63), min_size=1, max_size=12), out=st.integers(1, 16),
@@ -155,9 +156,10 @@ class TrafficMachine(RuleBasedStateMachine):
             count = seq.num_computed_tokens
             if not count:
                 continue
-            want = torch.tensor([prefix_value(seq.token_ids[:p + 1]) for p in range(count)])
+            first = max(0, count - self.kv.window + 1) if self.kv.window else 0  # rows before it may be gone
+            want = torch.tensor([prefix_value(seq.token_ids[:p + 1]) for p in range(first, count)])
             for layer in range(CFG.num_layers):
-                assert torch.equal(self.rows(seq, layer, count), want), (seq.request_id, layer)
+                assert torch.equal(self.rows(seq, layer, first, count), want), (seq.request_id, layer)
 
     def teardown(self):
         if not hasattr(self, "kv"):

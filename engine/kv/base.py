@@ -10,7 +10,8 @@ its slot; paged: its block table). The scheduler alone drives the life cycle:
   ensure_mapped  before a step writes rows [computed, end): map missing pages, and copy any
                  page there that is shared (copy-on-write: a cached prefix's last page, the
                  prompt's last page after a fork)
-  commit         after a step: hash each newly complete page and offer it to the prefix cache
+  commit         after a step: hash each newly complete page and offer it to the prefix cache;
+                 with a sliding window, let go of the pages no later query can see
   fork           a child maps the pages of its parent's computed tokens (n > 1, beams)
   swap_out       preempted, it keeps its place and shared pages; its private pages' bytes go
                  to the swap tier and the pages back to the pool (virtual layouts only)
@@ -41,6 +42,7 @@ from vmm import PageAllocator
 class _Hashes:
     pages: list[int] = field(default_factory=list)  # chain hashes of the complete pages known
     committed: int = 0  # pages already offered to the prefix cache
+    slid: int = 0  # pages before the sliding window, already let go
 
 
 class KVCacheBase(ABC):
@@ -48,6 +50,7 @@ class KVCacheBase(ABC):
     num_regions: int = 1  # pages per page index: 2 x layers for per_layer, else 1
     k_caches: list  # per layer, [blocks, rows, heads, D]
     v_caches: list
+    window: int | None = None  # sliding window: pages wholly before it are let go as a sequence grows
 
     def __init__(self, pool: PageAllocator, enable_prefix_caching: bool, cache_salt: int = NO_PARENT):
         self.pool = pool
@@ -99,8 +102,13 @@ class KVCacheBase(ABC):
         """The pool pages (one per region) behind seq's page k, or None."""
 
     @abstractmethod
-    def install(self, seq: Sequence, k: int, pages: tuple[int, ...]) -> None:
-        """Put existing pages (someone else's) behind seq's page k: one more reference each."""
+    def install(self, seq: Sequence, k: int, pages: tuple[int, ...] | None) -> None:
+        """Put existing pages (someone else's) behind seq's page k: one more reference each
+        (None: a page before the window, nothing to map)."""
+
+    @abstractmethod
+    def drop_page(self, seq: Sequence, k: int) -> None:
+        """seq lets go of its page k (it left the sliding window)."""
 
     def after_install(self, seq: Sequence, num_installed: int) -> None:
         """Called once the shared pages are installed (a reused slot tidies up here)."""
@@ -242,25 +250,37 @@ class KVCacheBase(ABC):
         return any(self.pool.ref_counts[p] > 1 for p in self.pages_at(seq, k))
 
     def commit(self, seq: Sequence) -> None:
-        """After a step: offer seq's newly complete pages to the prefix cache."""
-        if not self.prefix_cache:
-            return
+        """After a step: offer seq's newly complete pages to the prefix cache; slide its window."""
         state = self._hashes[seq.seq_id]
-        hashes = self._page_hashes(seq, seq.num_computed_tokens)
-        while state.committed < len(hashes) and self.page_end(state.committed) <= seq.num_computed_tokens:
-            self.prefix_cache.insert(hashes[state.committed], self.pages_at(seq, state.committed))
-            state.committed += 1
+        if self.prefix_cache:
+            hashes = self._page_hashes(seq, seq.num_computed_tokens)
+            while state.committed < len(hashes) and self.page_end(state.committed) <= seq.num_computed_tokens:
+                pages = self.pages_at(seq, state.committed)
+                if pages is not None:  # else the window has passed it already
+                    self.prefix_cache.insert(hashes[state.committed], pages)
+                state.committed += 1
+        if self.window:
+            self._slide(seq, state)
+
+    def _slide(self, seq: Sequence, state: _Hashes) -> None:
+        """The next query sits at position `computed` and sees keys after computed - window:
+        pages whose rows all lie before that are let go (others may still map them)."""
+        first_live = seq.num_computed_tokens - self.window + 1
+        while self.page_end(state.slid) <= first_live:
+            if self.pages_at(seq, state.slid) is not None:
+                self.drop_page(seq, state.slid)
+            state.slid += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child continues from parent's state: same tokens so far, the pages holding their
         K/V shared. The scheduler counts the child's computed tokens as the parent's."""
         self.allocate(child)
         shared = self.page_range(0, parent.num_computed_tokens)
-        for k in shared:
+        for k in shared:  # None: before the parent's window, let go
             self.install(child, k, self.pages_at(parent, k))
         self.after_install(child, len(shared))
         mine = self._hashes[parent.seq_id]
-        self._hashes[child.seq_id] = _Hashes(mine.pages[:], mine.committed)
+        self._hashes[child.seq_id] = _Hashes(mine.pages[:], mine.committed, mine.slid)
 
     def release(self, seq: Sequence, keep_pages: bool = True) -> None:
         """seq is done (keep_pages: its slot may stay mapped for the next) or preempted."""

@@ -21,6 +21,9 @@ from engine.models.config import ModelConfig
 from engine.sequence import Sequence
 
 
+GONE = -1  # a table entry before the sliding window: its block went back to the pool
+
+
 class PagedKVCache(KVCacheBase):
     layout = "paged"
 
@@ -75,7 +78,7 @@ class PagedKVCache(KVCacheBase):
 
     def pages_at(self, seq: Sequence, k: int) -> tuple[int, ...] | None:
         table = self.tables[seq.seq_id]
-        return (table[k],) if k < len(table) else None
+        return (table[k],) if k < len(table) and table[k] != GONE else None
 
     # -- blocks ---------------------------------------------------------------------------
     def can_allocate(self) -> bool:
@@ -84,9 +87,15 @@ class PagedKVCache(KVCacheBase):
     def allocate(self, seq: Sequence) -> None:
         self.tables[seq.seq_id] = []
 
-    def install(self, seq: Sequence, k: int, pages: tuple[int, ...]) -> None:
-        self.pool.hold(pages[0])
-        self.tables[seq.seq_id].append(pages[0])
+    def install(self, seq: Sequence, k: int, pages: tuple[int, ...] | None) -> None:
+        if pages is not None:
+            self.pool.hold(pages[0])
+        self.tables[seq.seq_id].append(GONE if pages is None else pages[0])
+
+    def drop_page(self, seq: Sequence, k: int) -> None:
+        table = self.tables[seq.seq_id]
+        self.pool.drop(table[k])
+        table[k] = GONE
 
     def map_fresh(self, seq: Sequence, indices: list[int]) -> None:
         self.tables[seq.seq_id] += self.pool.alloc_many(len(indices))  # indices always extend the table
@@ -102,16 +111,18 @@ class PagedKVCache(KVCacheBase):
     def free(self, seq: Sequence, keep_pages: bool) -> None:
         """Blocks go straight back: a block table has nothing to gain from keeping them."""
         for block in self.tables.pop(seq.seq_id):
-            self.pool.drop(block)
+            if block != GONE:
+                self.pool.drop(block)
 
     # -- checks ---------------------------------------------------------------------------
     def audit(self) -> None:
-        expected = Counter(b for table in self.tables.values() for b in table)
+        expected = Counter(b for table in self.tables.values() for b in table if b != GONE)
         expected.update(self.held_by_cache())
         self.pool.check(expected)
 
     def block_table(self, seqs: list[Sequence], ctx_lens: list[int]) -> tuple[list[list[int]], int]:
-        return [self.tables[s.seq_id][:-(-ctx // self.block_size)] for s, ctx in zip(seqs, ctx_lens)], self.block_size
+        return [[max(b, 0) for b in self.tables[s.seq_id][:-(-ctx // self.block_size)]]  # GONE: never read
+                for s, ctx in zip(seqs, ctx_lens)], self.block_size
 
     def close(self) -> None:
         if self.prefix_cache:

@@ -113,8 +113,11 @@ class VirtualKVCache(KVCacheBase):
         else:
             self.slots[seq.seq_id] = self.free_slots.popleft()
 
-    def install(self, seq: Sequence, k: int, pages: tuple[int, ...]) -> None:
+    def install(self, seq: Sequence, k: int, pages: tuple[int, ...] | None) -> None:
         if self.pages_at(seq, k) == pages:
+            return
+        if pages is None:
+            self._unmap(self.slot(seq), [k])
             return
         if self.pages_at(seq, k) is not None:
             self._unmap(self.slot(seq), [k])
@@ -127,6 +130,9 @@ class VirtualKVCache(KVCacheBase):
         stale = [k for k in range(num_installed, self.slot_pages)
                  if self.pages_at(seq, k) is not None and self.is_shared(seq, k)]
         self._unmap(self.slot(seq), stale)
+
+    def drop_page(self, seq: Sequence, k: int) -> None:
+        self._unmap(self.slot(seq), [k])
 
     def map_fresh(self, seq: Sequence, indices: list[int]) -> None:
         for first, count in consecutive_runs(indices):

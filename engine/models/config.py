@@ -21,6 +21,7 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
     model_type: str = "llama"
+    sliding_window: int | None = None  # every layer attends to its last W keys (Mistral v0.1)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -36,6 +37,11 @@ class ModelConfig:
             raise ValueError(f"unsupported RoPE scaling {rope_type!r}")
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
+        window = hf.get("sliding_window") if model_type == "mistral" else None
+        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+            if hf.get("max_window_layers", 0) < hf["num_hidden_layers"] and hf.get("max_window_layers", 0) > 0:
+                raise ValueError("a sliding window on only some layers (max_window_layers) is not supported")
+            window = hf.get("sliding_window") if hf.get("max_window_layers", 0) == 0 else None
         return cls(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
@@ -46,7 +52,7 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", model_type == "qwen2"),
-            qk_norm=model_type == "qwen3", model_type=model_type,
+            qk_norm=model_type == "qwen3", model_type=model_type, sliding_window=window,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         )
