@@ -14,7 +14,7 @@ from engine.serving.options import ServerOptions
 from engine.serving.server import build_app
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def tiny_engine():
     engine = AsyncEngine(LLMEngine(EngineConfig(model="random:tiny", max_num_seqs=8, kv_cache_memory=16 << 20,
                                                 page_size=4096, max_model_len=48)))
@@ -22,7 +22,7 @@ def tiny_engine():
     engine.shutdown()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def api_schema(tiny_engine):
     app = build_app(tiny_engine, "tiny", ServerOptions(max_prompts_per_request=8, max_n=4))
     return schemathesis.openapi.from_asgi("/openapi.json", app)

@@ -121,9 +121,7 @@ class PagePool(PageAllocator):
         for _ in range(num_pages):
             self.handles.append(backend.create_page())
 
-    @property
-    def asleep(self) -> bool:
-        return not self.handles
+    asleep = False  # release_memory() has given every page back
 
     def release_memory(self) -> None:
         """Sleep: give every physical page back to the system while every reservation (and
@@ -135,6 +133,7 @@ class PagePool(PageAllocator):
                                          f"unmap them before releasing the pool's memory")
             self.free_ids.clear()  # alloc() finds nothing while asleep
             _release_all(self.backend, self.handles)
+            self.asleep = True
 
     def restore_memory(self) -> None:
         """Wake: create the pages again (their contents are undefined, as new pages' are). On
@@ -149,6 +148,7 @@ class PagePool(PageAllocator):
                 _release_all(self.backend, self.handles)
                 raise
             self.free_ids.extend(range(self.num_pages))
+            self.asleep = False
 
     def audit(self, reservations: Iterable, held: Mapping[int, int] = {}) -> None:
         """Each page's count equals its mappings in `reservations` plus its holds in `held`."""

@@ -150,7 +150,8 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
 
     # vLLM's sleep mode: /sleep drains the requests in flight (new ones get 503), then releases
     # every physical KV page; /wake_up maps memory back. Nothing above the KV cache is rebuilt.
-    @app.post("/sleep", dependencies=[Depends(authorize)])
+    # Admin routes, as in vLLM: left out of the OpenAPI schema.
+    @app.post("/sleep", dependencies=[Depends(authorize)], include_in_schema=False)
     async def sleep(level: int = 1):
         try:
             await engine.sleep(level)
@@ -158,12 +159,12 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
             raise HTTPError(400, str(exc)) from exc
         return {"is_sleeping": True}
 
-    @app.post("/wake_up", dependencies=[Depends(authorize)])
+    @app.post("/wake_up", dependencies=[Depends(authorize)], include_in_schema=False)
     async def wake_up():
         await engine.wake_up()
         return {"is_sleeping": False}
 
-    @app.get("/is_sleeping", dependencies=[Depends(authorize)])
+    @app.get("/is_sleeping", dependencies=[Depends(authorize)], include_in_schema=False)
     async def is_sleeping():
         return {"is_sleeping": engine.is_sleeping}
 
