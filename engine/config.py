@@ -37,6 +37,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": private pages to the swap tier (virtual layouts)
     swap_space: float = 4  # GiB of swap tier (preemption_mode="swap"): a sparse file, pinned memory on CUDA
     swap_path: str | None = None  # the host tier's file; default: an anonymous temporary file
+    tensor_parallel_size: int = 1  # ranks sharing every layer's heads (CPU, torch.distributed gloo)
+    distributed_init: str | None = None  # rank 0's rendezvous, e.g. tcp://10.0.0.1:29500; default: a free local port
     map_ahead_tokens: int = 0  # > 0: a worker thread maps each sequence's next pages during the forward pass
     speculative_config: dict | None = None  # vLLM's: {"method": "ngram", "num_speculative_tokens": k, ...}
     seed: int = 0
@@ -66,6 +68,10 @@ class EngineConfig:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}: "
                              f"choose one of {ATTENTION_BACKENDS}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.device.type != "cpu":
+            raise ValueError("tensor parallelism runs on the CPU (gloo) so far; the GPU path (NCCL) is not wired")
         if self.map_ahead_tokens < 0:
             raise ValueError(f"map_ahead_tokens must be >= 0, got {self.map_ahead_tokens}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -116,6 +122,9 @@ class EngineConfig:
                        help="swap: a preempted sequence's KV waits in the swap tier instead of being recomputed")
         g.add_argument("--swap-space", type=float, default=EngineConfig.swap_space, help="GiB of swap tier")
         g.add_argument("--swap-path", default=None, help="file for the host swap tier (default: a temporary file)")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=EngineConfig.tensor_parallel_size,
+                       help="processes sharing every layer's heads, each with its own KV page pool")
+        g.add_argument("--distributed-init", default=None, help="rendezvous of rank 0, e.g. tcp://HOST:PORT")
         g.add_argument("--map-ahead-tokens", type=int, default=EngineConfig.map_ahead_tokens,
                        help="tokens per sequence whose pages a worker thread maps during each forward pass (0: off)")
         g.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
@@ -127,5 +136,5 @@ class EngineConfig:
         names = ("model", "device", "dtype", "kv_layout", "kv_cache_memory", "page_size", "block_size",
                  "max_num_seqs", "max_model_len", "max_num_batched_tokens", "attention_backend",
                  "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
-                 "map_ahead_tokens", "speculative_config")
+                 "tensor_parallel_size", "distributed_init", "map_ahead_tokens", "speculative_config")
         return cls(**{name: getattr(args, name) for name in names}, seed=args.model_seed)

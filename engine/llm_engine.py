@@ -25,6 +25,7 @@ from engine.kv.paged import PagedKVCache
 from engine.kv.virtual import VirtualKVCache
 from engine.map_ahead import MapAhead
 from engine.model_runner import ModelRunner
+from engine.parallel import RecordedKV, Workers, check_divisible, shard_config
 from engine.models import load_config, load_model, load_tokenizer
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampler import Sampled, sample
@@ -62,23 +63,36 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: tuple | None = None):
+    def __init__(self, config: EngineConfig, loaded: tuple | None = None, tp_rank: int = 0):
         """loaded: (model, tokenizer) already in memory for config.model, to run another engine
-        over the same weights (a fresh KV cache and scheduler) without loading them again."""
+        over the same weights (a fresh KV cache and scheduler) without loading them again.
+        tp_rank > 0: a tensor-parallel worker's engine (engine/parallel.py), never stepped."""
         self.config = c = config
         self.model_config = load_config(c.model)
         self.max_model_len = c.resolve_max_model_len(self.model_config.max_position_embeddings)
+        tp = c.tensor_parallel_size
+        self.workers = None
+        if tp > 1:
+            check_divisible(self.model_config, tp)
+            if loaded is not None:
+                raise ValueError("an engine with tensor_parallel_size > 1 loads its own weight shards")
+            if tp_rank == 0:
+                self.workers = Workers(c, tp)
         if loaded is None:
-            loaded = (load_model(c.model, self.model_config, c.device, c.dtype, c.seed), load_tokenizer(c.model))
+            loaded = (load_model(c.model, self.model_config, c.device, c.dtype, c.seed, (tp_rank, tp)),
+                      load_tokenizer(c.model))
         self.model, self.tokenizer = loaded
         self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.attention = pick_attention(c.attention_backend, c.device, c.dtype, c.kv_layout,
                                         self.model_config.head_dim, c.block_size, self.model_config.sliding_window)
-        self.kv = self._make_kv_cache()
+        self.kv = self._make_kv_cache(shard_config(self.model_config, tp), c.kv_budget_bytes() // tp)
         self.kv.window = self.model_config.sliding_window
+        if self.workers:
+            self.kv = RecordedKV(self.kv)
         self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, policy=c.scheduling_policy,
                                    preemption_mode=c.preemption_mode)
-        self.runner = ModelRunner(self.model, self.kv, self.attention, self.max_model_len, c.device, c.dtype)
+        self.runner = ModelRunner(self.model, self.kv, self.attention, self.max_model_len, c.device, c.dtype,
+                                  self.workers)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = self.num_generation_tokens = 0
@@ -89,28 +103,29 @@ class LLMEngine:
         self.map_ahead = MapAhead(self.kv, c.map_ahead_tokens, self.scheduler.headroom_pages) \
             if c.map_ahead_tokens else None
 
-    def _make_kv_cache(self) -> VirtualKVCache | PagedKVCache:
+    def _make_kv_cache(self, cfg, budget: int) -> VirtualKVCache | PagedKVCache:
+        """This rank's KV cache: cfg holds its share of the KV heads, budget its bytes."""
         c = self.config
         if c.kv_layout == "paged":
             itemsize = torch.empty((), dtype=c.dtype).element_size()
-            block_bytes = c.block_size * self.model_config.kv_bytes_per_token(itemsize)
-            num_blocks = c.kv_budget_bytes() // block_bytes
+            block_bytes = c.block_size * cfg.kv_bytes_per_token(itemsize)
+            num_blocks = budget // block_bytes
             if num_blocks < 1:
-                raise ValueError(f"kv_cache_memory {c.kv_budget_bytes()} is below one block ({block_bytes} bytes)")
-            return PagedKVCache(self.model_config, c.block_size, num_blocks, c.dtype, c.device,
+                raise ValueError(f"kv_cache_memory {budget} is below one block ({block_bytes} bytes)")
+            return PagedKVCache(cfg, c.block_size, num_blocks, c.dtype, c.device,
                                 c.enable_prefix_caching)
         if c.device.type == "cuda":
             backend = vmm.CudaBackend(c.device.index or 0, c.page_size)
         else:
             backend = vmm.HostBackend(c.page_size or DEFAULT_HOST_PAGE)
-        num_pages = c.kv_budget_bytes() // backend.page_size
+        num_pages = budget // backend.page_size
         if num_pages < 1:
             backend.close()
-            raise ValueError(f"kv_cache_memory {c.kv_budget_bytes()} is below one page ({backend.page_size} bytes)")
+            raise ValueError(f"kv_cache_memory {budget} is below one page ({backend.page_size} bytes)")
         swap = None
         if c.preemption_mode == "swap":  # swapped sequences keep their slots: twice the slots
             swap = vmm.SwapSpace(backend, int(c.swap_space * (1 << 30)), c.swap_path)
-        return VirtualKVCache(self.model_config, c.kv_layout, c.max_num_seqs * (2 if swap else 1),
+        return VirtualKVCache(cfg, c.kv_layout, c.max_num_seqs * (2 if swap else 1),
                               self.max_model_len, c.dtype, backend, num_pages, c.enable_prefix_caching,
                               TILE_ROWS.get(self.attention, 1), swap)
 
@@ -210,9 +225,16 @@ class LLMEngine:
             raise RuntimeError(f"cannot sleep with {len(self.requests)} requests in flight: finish or abort them")
         if not self.is_sleeping:
             self.kv.sleep()
+            self.sync_workers()
 
     def wake_up(self) -> None:
         self.kv.wake_up()
+        self.sync_workers()
+
+    def sync_workers(self) -> None:
+        """Tensor parallel: the other ranks make the KV calls made outside a step now."""
+        if self.workers:
+            self.workers.send(self.kv.take_calls(), None)
 
     @property
     def is_sleeping(self) -> bool:
@@ -435,4 +457,6 @@ class LLMEngine:
     def close(self) -> None:
         if self.map_ahead:
             self.map_ahead.close()
+        if self.workers:
+            self.workers.close()
         self.kv.close()

@@ -1,6 +1,8 @@
 """Build one step's flat batch, run the model, return logits of the sequences that sample."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engine.attention import StepAttention
@@ -13,8 +15,9 @@ from engine.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model, kv: KVCacheBase, kernel: str, max_model_len: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, workers=None):
         self.model, self.kv, self.kernel, self.device = model, kv, kernel, device
+        self.workers = workers  # engine.parallel.Workers when tensor parallel (kv is then a RecordedKV)
         self.cos_sin = rope_table(model.inv_freq, max_model_len, dtype, device)
 
     def prepare(self, scheduled: Scheduled) -> tuple[torch.Tensor, StepBatch, torch.Tensor, list]:
@@ -46,6 +49,12 @@ class ModelRunner:
 
     def run(self, scheduled: Scheduled) -> tuple[torch.Tensor, list]:
         input_ids, batch, logits_indices, sampling = self.prepare(scheduled)
+        if self.workers:  # tensor parallel: the other ranks replay the KV calls and run the same step
+            self.workers.send(self.kv.take_calls(), (input_ids, dataclasses.replace(batch, seqs=[]), logits_indices))
+        return self.forward(input_ids, batch, logits_indices), sampling
+
+    def forward(self, input_ids: torch.Tensor, batch: StepBatch, logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """The model over one flat batch; logits on rank 0, None on the other ranks."""
         attn = StepAttention(self.kernel, self.kv.k_caches, self.kv.v_caches, batch, self.cos_sin,
                              paged=self.kv.layout == "paged", window=self.kv.window)
-        return self.model(input_ids, attn, logits_indices), sampling
+        return self.model(input_ids, attn, logits_indices)

@@ -11,12 +11,18 @@ does, in order, the same arithmetic as Hugging Face's modules:
 
 Checkpoints load as they are (`load_checkpoint` fuses q/k/v and gate/up once). The small fused
 operations run native on the CPU where the kernels build (engine/ops.py).
+
+Tensor parallelism (`shard`, Megatron's split): each rank keeps its share of the query and KV
+heads (q/k/v rows, o_proj columns) and of the MLP (gate/up rows, down_proj columns); o_proj
+and down_proj outputs are partial sums, all-reduced over the group. Embeddings and the LM head
+are whole on every rank, and only rank 0 computes logits.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from engine import ops
@@ -61,6 +67,18 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
+    def shard(self, rank: int, world: int) -> None:
+        """Keep this rank's query heads and the KV heads they read (GQA groups stay whole)."""
+        d, (nq, nk, _) = self.head_dim, self.split
+        q, k, v = (part.chunk(world)[rank] for part in self.qkv_proj.weight.data.split(self.split))
+        self.qkv_proj.weight.data = torch.cat([q, k, v])
+        if self.qkv_proj.bias is not None:
+            parts = (part.chunk(world)[rank] for part in self.qkv_proj.bias.data.split(self.split))
+            self.qkv_proj.bias.data = torch.cat(list(parts))
+        self.o_proj.weight.data = self.o_proj.weight.data.chunk(world, dim=1)[rank]
+        self.num_heads, self.num_kv_heads = self.num_heads // world, self.num_kv_heads // world
+        self.split = (nq // world, nk // world, nk // world)
+
     def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -69,7 +87,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q.contiguous())[0], self.k_norm(k.contiguous())[0]
         out = attn(self.layer, q, k, v)
-        return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
+        return all_reduce(self.o_proj(out.view(-1, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
@@ -78,8 +96,20 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def shard(self, rank: int, world: int) -> None:
+        gate, up = self.gate_up_proj.weight.data.chunk(2)
+        self.gate_up_proj.weight.data = torch.cat([gate.chunk(world)[rank], up.chunk(world)[rank]])
+        self.down_proj.weight.data = self.down_proj.weight.data.chunk(world, dim=1)[rank]
+
     def forward(self, x: torch.Tensor, native: bool) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), native))
+        return all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), native)))
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum a row-parallel projection's partial outputs over the tensor-parallel group."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x)
+    return x
 
 
 class DecoderLayer(nn.Module):
@@ -115,6 +145,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie(self.model.embed_tokens.weight)
         self.inv_freq = rope_inv_freq(cfg)  # fp32 on purpose: not a buffer, so .to(dtype) skips it
         self.native = False  # run the native small ops (set by `prepare`)
+        self.rank = 0  # tensor-parallel rank: only rank 0 computes logits
 
     def load_checkpoint(self, state: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face state dict: q/k/v and gate/up projections are fused here."""
@@ -137,6 +168,13 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens.weight)
 
+    def shard(self, rank: int, world: int) -> None:
+        """Keep rank's share of every layer (see the note above); before `prepare`."""
+        for layer in self.model.layers:
+            layer.self_attn.shard(rank, world)
+            layer.mlp.shard(rank, world)
+        self.rank = rank
+
     def prepare(self, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
         """Move to the device and dtype, then put every projection's weight in the layout its
         GEMM runs fastest from, and decide whether the native small ops run."""
@@ -154,5 +192,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, attn, self.native)
+        if self.rank:
+            return None
         x, _ = self.model.norm(x[logits_indices], residual[logits_indices], self.native)  # rows that sample
         return self.lm_head(x).float()

@@ -88,7 +88,8 @@ def load_config(spec: str | None) -> ModelConfig:
 
 
 def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               seed: int = 0) -> LlamaForCausalLM:
+               seed: int = 0, tp: tuple[int, int] = (0, 1)) -> LlamaForCausalLM:
+    """The model on device in dtype; with tp = (rank, world), rank's tensor-parallel share."""
     path = checkpoint_dir(spec)
     if path is None:
         torch.manual_seed(seed)
@@ -96,13 +97,15 @@ def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: 
             model = LlamaForCausalLM(cfg).to(dtype)
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
-        return model.prepare(device, dtype)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    try:
-        model.load_checkpoint(_read_safetensors(path))
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from exc
+    else:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        try:
+            model.load_checkpoint(_read_safetensors(path))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+    if tp[1] > 1:
+        model.shard(*tp)
     return model.prepare(device, dtype)
 
 

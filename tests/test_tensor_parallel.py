@@ -1,0 +1,130 @@
+"""Tensor parallelism over torch.distributed (gloo) on the CPU: greedy output identical to one
+rank on every layout, with prefix caching, forks, preemption (recompute and swap) and sleep;
+every rank's page pool in lockstep with rank 0's; 1/N of the KV bytes per rank; a dead worker
+fails the step instead of hanging; the server works with N > 1."""
+import asyncio
+
+import httpx
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.parallel import pool_state
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.server import build_app
+from helpers import assert_pool_whole
+
+SHARED = "You are a terse assistant. Answer in one short sentence. Question: "
+PROMPTS = [SHARED + q for q in ("What is the capital of France?", "Why is the sky blue?", "What is rain?")]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, n=2)
+
+
+def tokens(outs) -> list:
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def assert_in_lockstep(llm: LLM) -> None:
+    """Every worker's pool equals rank 0's page for page, and audits whole."""
+    kv = llm.engine.kv
+    kv.audit()
+    llm.engine.sync_workers()  # the calls made since the last step (commits, releases) first
+    mine = pool_state(kv)
+    assert all(state == mine for state in llm.engine.workers.pool_states())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    one = LLM(kv_cache_memory=64 << 20)
+    outs = tokens(one.generate(PROMPTS, GREEDY, use_tqdm=False))
+    one.engine.close()
+    return outs
+
+
+# Per rank: interleaved 18 pages of 64 KiB (4 tokens each), per_layer 180 (3 per region), paged
+# 10 blocks of 16 tokens: two or three of the six sequences at a time.
+BUDGET_PER_RANK = {"interleaved": 18 * 65536, "per_layer": 180 * 65536, "paged": 10 * 16 * 15360}
+
+
+@pytest.mark.parametrize("kv_layout", ["interleaved", "per_layer", "paged"])
+def test_three_ranks_on_smollm2_equal_one_rank(kv_layout, reference):
+    # SmolLM2: 9 query heads, 3 KV heads: three query heads and one KV head per rank.
+    llm = LLM(tensor_parallel_size=3, kv_layout=kv_layout, kv_cache_memory=3 * BUDGET_PER_RANK[kv_layout],
+              max_num_seqs=4)
+    try:
+        kv = llm.engine.kv
+        assert kv.token_bytes * 3 == 2 * 30 * 3 * 64 * 4  # 1/N of every token's K/V (fp32)
+        assert kv.pool.num_pages * kv.pool.page_size <= BUDGET_PER_RANK[kv_layout]
+        engine = llm.engine
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, GREEDY)
+        done, steps = {}, 0
+        while engine.has_unfinished():
+            done |= {o.request_id: o for o in engine.step() if o.finished}
+            steps += 1
+            if steps % 7 == 0:
+                assert_in_lockstep(llm)
+        assert tokens([done[str(i)] for i in range(3)]) == reference
+        stats = llm.stats()
+        assert stats.kv.cow_copies > 0, stats  # n=2: the forks' first writes copy the prompt's last page
+        if kv_layout == "interleaved":
+            assert stats.preemptions > 0 and stats.kv.prefix_cache_hits > 0, stats
+        assert_pool_whole(llm)
+        assert_in_lockstep(llm)
+    finally:
+        llm.engine.close()
+
+
+def test_two_ranks_swap_and_sleep_in_lockstep():
+    # random:tiny: 4 query heads, 2 KV heads, MLP 128 wide; random weights, same on every rank.
+    # Per rank 5 pages of 16 tokens: two of these 38-token sequences at a time, then swapping.
+    config = dict(model="random:tiny", kv_cache_memory=2 * 5 * 4096, page_size=4096, max_num_seqs=4)
+    prompts = [[5 + i, 17, 300 + i, 41, 9, 1000 + 3 * i] * 3 for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    one = LLM(**config | {"kv_cache_memory": 1 << 20})
+    want = tokens(one.generate(prompts, greedy, use_tqdm=False))
+    one.engine.close()
+    two = LLM(tensor_parallel_size=2, preemption_mode="swap", swap_space=0.01, **config)
+    try:
+        two.engine.scheduler.swap_min_tokens = 1
+        assert tokens(two.generate(prompts, greedy, use_tqdm=False)) == want
+        assert two.stats().kv.swap_ins > 0
+        assert_in_lockstep(two)
+        two.sleep()
+        assert_in_lockstep(two)
+        two.wake_up()
+        assert tokens(two.generate(prompts[:1], greedy, use_tqdm=False)) == want[:1]
+        assert_pool_whole(two)
+        assert_in_lockstep(two)
+    finally:
+        two.engine.close()
+
+
+def test_sizes_that_do_not_divide_are_refused():
+    with pytest.raises(ValueError, match="must divide the model's attention heads"):
+        LLM(tensor_parallel_size=2)  # SmolLM2 has 9 query heads
+
+
+def test_a_dead_worker_fails_the_step_and_the_server_reports_unhealthy():
+    engine = AsyncEngine(LLMEngine(EngineConfig(model="random:tiny", tensor_parallel_size=2,
+                                                kv_cache_memory=1 << 20, page_size=4096)))
+    app = build_app(engine, "tiny")
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "ignore_eos": True}
+
+    async def request():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://vkv") as c:
+            return await c.post("/v1/completions", json=body), await c.get("/health")
+
+    try:
+        ok, health = asyncio.run(request())
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["text"]) > 0 and health.status_code == 200
+        worker = engine.engine.workers.procs[0]
+        worker.kill()
+        worker.join(timeout=10)
+        failed, health = asyncio.run(request())
+        assert failed.status_code in (500, 503) and health.status_code == 503
+        assert isinstance(engine.dead.__cause__ or engine.dead, Exception)
+        assert "worker" in str(engine.dead)
+    finally:
+        engine.shutdown()
+    assert not any(p.is_alive() for p in engine.engine.workers.procs)
