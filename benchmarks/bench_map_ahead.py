@@ -46,6 +46,7 @@ def run_once(config: EngineConfig, loaded, prompts, params) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--page-sizes", default="32768,65536,262144,2097152")
     parser.add_argument("--kv-cache-memory", type=int, default=512 << 20,
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--plot", dest="plot_path")
     args = parser.parse_args(argv)
-    first = LLM(model=args.model, device="cpu", dtype=args.dtype)
+    first = LLM(model=args.model, device=args.device, dtype=args.dtype)
     loaded = (first.engine.model, first.engine.tokenizer)
     first.engine.close()
     requests = sample_requests(loaded[1], args.num, 0, max_output=args.max_tokens)
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
         runs = {0: [], args.ahead: []}
         for repeat in range(args.repeats):
             for ahead in (list(runs) if repeat % 2 == 0 else list(runs)[::-1]):
-                config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype, page_size=page_size,
+                config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, page_size=page_size,
                                       kv_cache_memory=args.kv_cache_memory, map_ahead_tokens=ahead)
                 run = run_once(config, loaded, prompts, params)
                 reference = reference or run["tokens"]

@@ -52,13 +52,14 @@ def resume_once(llm: LLM, prompt: list[int], mode: str) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--lengths", default="16,32,64,128,256,512,1024,1536")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--plot", dest="plot_path")
     args = parser.parse_args(argv)
-    config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype, preemption_mode="swap",
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, preemption_mode="swap",
                           enable_prefix_caching=False, max_num_batched_tokens=4096)
     llm = LLM.from_config(config)
     vocab = llm.engine.model_config.vocab_size

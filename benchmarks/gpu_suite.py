@@ -12,6 +12,10 @@
                attention.json / .png
   4. e2e       offline throughput of random-weight Llama-3-8B (bf16) on ShareGPT requests,
                for each KV layout: throughput.json / .png
+  5. swap      resuming a preempted sequence by swap (pinned host memory) vs recompute:
+               swap.json / .png
+  6. map_ahead page-mapping time exposed and hidden with the map-ahead worker, 2 MiB pages:
+               map_ahead.json / .png
 Writes suite.json (device, driver, torch and CUDA versions, each part's outcome and time)
 and prints a summary. Without a GPU it says so and exits with status 2.
 """
@@ -95,12 +99,27 @@ def main() -> None:
                                    "--json", str(out / "throughput.json"), "--plot", str(out / "throughput.png")])
         return {r2["system"]: r2["output_tokens_per_s"] for r2 in r["runs"]}
 
+    def swap():
+        import bench_swap
+        r = bench_swap.main(["--device", "cuda", "--dtype", "bfloat16", "--lengths", "64,512,2048", "--repeats", "2",
+                             "--json", str(out / "swap.json"), "--plot", str(out / "swap.png")])
+        return {row["prompt_tokens"]: (row["resume_swap_s"], row["resume_recompute_s"]) for row in r["rows"]}
+
+    def map_ahead():
+        import bench_map_ahead
+        r = bench_map_ahead.main(["--device", "cuda", "--dtype", "bfloat16", "--page-sizes", "2097152",
+                                  "--num", "64", "--max-tokens", "128", "--repeats", "1",
+                                  "--json", str(out / "map_ahead.json"), "--plot", str(out / "map_ahead.png")])
+        return {row["map_ahead_tokens"]: row["exposed_ms_per_step"] for row in r["rows"]}
+
     started = time.perf_counter()
     os.chdir(ROOT)
     part("tests", tests)
     part("mapping", mapping)
     part("attention", attention)
     part("e2e", e2e)
+    part("swap", swap)
+    part("map_ahead", map_ahead)
     result = {"suite": "gpu", "machine": machine_info(), "parts": parts, "seconds": time.perf_counter() - started,
               "command": "python benchmarks/gpu_suite.py " + " ".join(sys.argv[1:])}
     (out / "suite.json").write_text(json.dumps(result, indent=1))

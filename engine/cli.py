@@ -32,6 +32,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         s = llm.stats()
         print(f"\n[vkv] {s.kv.layout} KV, {s.attention_backend} attention, peak {s.kv.peak_pages_mapped} "
               f"pages of {s.kv.page_size >> 10} KiB mapped, {s.preemptions} preemptions", file=sys.stderr)
+    llm.engine.close()  # tensor parallel: the workers stop with it
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

@@ -77,7 +77,7 @@ class LLMEngine:
             if loaded is not None:
                 raise ValueError("an engine with tensor_parallel_size > 1 loads its own weight shards")
             if tp_rank == 0:
-                self.workers = Workers(c, tp)
+                self.workers = Workers(c, tp, LLMEngine)
         if loaded is None:
             loaded = (load_model(c.model, self.model_config, c.device, c.dtype, c.seed, (tp_rank, tp)),
                       load_tokenizer(c.model))

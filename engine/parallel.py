@@ -142,12 +142,13 @@ def free_port() -> int:
 class Workers:
     """Ranks 1..N-1 as processes; rank 0 (this process) joins the group too."""
 
-    def __init__(self, config, world: int):
+    def __init__(self, config, world: int, engine_class):
+        """engine_class(config, tp_rank=r) builds rank r's engine in its process (LLMEngine)."""
         self.world = world
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the cores
         self.init = config.distributed_init or f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_worker_main, args=(config, rank, world, self.init), daemon=True,
+        self.procs = [ctx.Process(target=_worker_main, args=(engine_class, config, rank, world, self.init), daemon=True,
                                   name=f"vkv-tp-{rank}") for rank in range(1, world)]
         for p in self.procs:
             p.start()
@@ -190,12 +191,11 @@ class Workers:
             dist.destroy_process_group()
 
 
-def _worker_main(config, rank: int, world: int, init: str) -> None:
+def _worker_main(engine_class, config, rank: int, world: int, init: str) -> None:
     """A worker: the model's share and a KV cache like rank 0's, then steps as told."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=TIMEOUT)
-    from engine.llm_engine import LLMEngine
-    engine = LLMEngine(config, tp_rank=rank)
+    engine = engine_class(config, tp_rank=rank)
     seqs: dict[int, SeqState] = {}
     try:
         while True:

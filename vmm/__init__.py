@@ -16,6 +16,12 @@ address kills the process (host: SIGSEGV) or the CUDA context, so views are only
 the mappings behind them: `view(check=True)` refuses spans with holes, and a view must not
 outlive its reservation. The CUDA backend waits for the device before it unmaps.
 
+Sleep and swap: `PagePool.release_memory` gives every (free) physical page back while every
+reservation, and every view into one, stays valid; `restore_memory` creates them again, so
+nothing built over the addresses is rebuilt. A `SwapSpace` holds page contents in a slower tier
+(a file, pinned host memory) so a page can be unmapped and a fresh one mapped at the same
+address later with the same bytes.
+
 Threads: every pool and reservation method takes the pool's lock, so a worker thread may map
 while another thread computes. All memory goes back at `release()`/`close()`, on garbage
 collection, or at interpreter exit.
