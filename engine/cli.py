@@ -1,4 +1,4 @@
-"""`vkv`: generate, serve."""
+"""`vkv`: generate, serve, tp-worker."""
 from __future__ import annotations
 
 import argparse
@@ -41,6 +41,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(args)
 
 
+def cmd_tp_worker(args: argparse.Namespace) -> None:
+    from engine.llm_engine import LLMEngine
+    from engine.parallel import worker_main
+
+    config = EngineConfig.from_cli_args(args)
+    if not config.distributed_init or config.tensor_parallel_size < 2:
+        raise ValueError("a tensor-parallel worker needs --distributed-init and --tensor-parallel-size >= 2")
+    if not 1 <= args.rank < config.tensor_parallel_size:
+        raise ValueError(f"--rank must be in [1, {config.tensor_parallel_size - 1}]")
+    worker_main(LLMEngine, config, args.rank, config.tensor_parallel_size, config.distributed_init)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="vkv", description="LLM serving on GPU virtual memory")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     ServerOptions.add_cli_args(srv)
     EngineConfig.add_cli_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+    worker = sub.add_parser("tp-worker", help="one tensor-parallel rank (1..N-1) for a driver started with "
+                            "--tensor-parallel-workers external, on this host or another")
+    worker.add_argument("--rank", type=int, required=True)
+    EngineConfig.add_cli_args(worker)
+    worker.set_defaults(func=cmd_tp_worker)
 
     args = parser.parse_args(argv)
     try:

@@ -39,6 +39,7 @@ class EngineConfig:
     swap_path: str | None = None  # the host tier's file; default: an anonymous temporary file
     tensor_parallel_size: int = 1  # ranks sharing every layer's heads (CPU, torch.distributed gloo)
     distributed_init: str | None = None  # rank 0's rendezvous, e.g. tcp://10.0.0.1:29500; default: a free local port
+    tensor_parallel_workers: str = "spawn"  # or "external": ranks 1..N-1 are started with `vkv tp-worker`
     map_ahead_tokens: int = 0  # > 0: a worker thread maps each sequence's next pages during the forward pass
     speculative_config: dict | None = None  # vLLM's: {"method": "ngram", "num_speculative_tokens": k, ...}
     seed: int = 0
@@ -70,6 +71,10 @@ class EngineConfig:
                              f"choose one of {ATTENTION_BACKENDS}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_workers not in ("spawn", "external"):
+            raise ValueError(f"tensor_parallel_workers must be 'spawn' or 'external', got {self.tensor_parallel_workers!r}")
+        if self.tensor_parallel_workers == "external" and not self.distributed_init:
+            raise ValueError("tensor_parallel_workers='external' needs distributed_init (where the workers meet rank 0)")
         if self.tensor_parallel_size > 1 and self.device.type != "cpu":
             raise ValueError("tensor parallelism runs on the CPU (gloo) so far; the GPU path (NCCL) is not wired")
         if self.map_ahead_tokens < 0:
@@ -125,6 +130,8 @@ class EngineConfig:
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=EngineConfig.tensor_parallel_size,
                        help="processes sharing every layer's heads, each with its own KV page pool")
         g.add_argument("--distributed-init", default=None, help="rendezvous of rank 0, e.g. tcp://HOST:PORT")
+        g.add_argument("--tensor-parallel-workers", default=EngineConfig.tensor_parallel_workers,
+                       choices=("spawn", "external"), help="external: start ranks 1..N-1 with `vkv tp-worker`")
         g.add_argument("--map-ahead-tokens", type=int, default=EngineConfig.map_ahead_tokens,
                        help="tokens per sequence whose pages a worker thread maps during each forward pass (0: off)")
         g.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
@@ -136,5 +143,5 @@ class EngineConfig:
         names = ("model", "device", "dtype", "kv_layout", "kv_cache_memory", "page_size", "block_size",
                  "max_num_seqs", "max_model_len", "max_num_batched_tokens", "attention_backend",
                  "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
-                 "tensor_parallel_size", "distributed_init", "map_ahead_tokens", "speculative_config")
+                 "tensor_parallel_size", "distributed_init", "tensor_parallel_workers", "map_ahead_tokens", "speculative_config")
         return cls(**{name: getattr(args, name) for name in names}, seed=args.model_seed)

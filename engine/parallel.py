@@ -17,8 +17,11 @@ Failure: before each step rank 0 checks that every worker is alive, and the proc
 a timeout, so a dead worker fails the step (the engine then fails its requests; the server
 answers 503) instead of hanging; closing the engine stops the others.
 
-Multi-host is the same code: `distributed_init="tcp://HOST:PORT"` names rank 0's rendezvous,
-and the workers are started on this host (one process per rank here).
+Multi-host is the same code: `distributed_init="tcp://HOST:PORT"` names rank 0's rendezvous;
+with `tensor_parallel_workers="external"` rank 0 spawns nothing and waits there for ranks
+1..N-1, each started with `vkv tp-worker --rank R` and the same engine flags on any host. Only
+spawned workers can be watched for liveness; an external one that dies surfaces as the next
+collective's error (or the group's timeout).
 """
 from __future__ import annotations
 
@@ -148,8 +151,9 @@ class Workers:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the cores
         self.init = config.distributed_init or f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_worker_main, args=(engine_class, config, rank, world, self.init), daemon=True,
-                                  name=f"vkv-tp-{rank}") for rank in range(1, world)]
+        spawn = config.tensor_parallel_workers == "spawn"  # else started by `vkv tp-worker`, anywhere
+        self.procs = [ctx.Process(target=worker_main, args=(engine_class, config, rank, world, self.init), daemon=True,
+                                  name=f"vkv-tp-{rank}") for rank in range(1, world) if spawn]
         for p in self.procs:
             p.start()
         dist.init_process_group("gloo", init_method=self.init, rank=0, world_size=world, timeout=TIMEOUT)
@@ -191,7 +195,7 @@ class Workers:
             dist.destroy_process_group()
 
 
-def _worker_main(engine_class, config, rank: int, world: int, init: str) -> None:
+def worker_main(engine_class, config, rank: int, world: int, init: str) -> None:
     """A worker: the model's share and a KV cache like rank 0's, then steps as told."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=TIMEOUT)

@@ -128,3 +128,79 @@ def test_a_dead_worker_fails_the_step_and_the_server_reports_unhealthy():
     finally:
         engine.shutdown()
     assert not any(p.is_alive() for p in engine.engine.workers.procs)
+
+
+def test_a_worker_started_by_the_cli_joins_an_external_rendezvous():
+    # The multi-host way: rank 0 waits at --distributed-init; rank 1 is `vkv tp-worker` with the
+    # same engine flags (here on this host, over TCP).
+    import subprocess
+    import sys
+
+    from engine.parallel import free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    flags = ["--model", "random:tiny", "--kv-cache-memory", str(1 << 20), "--page-size", "4096",
+             "--tensor-parallel-size", "2", "--distributed-init", init, "--tensor-parallel-workers", "external"]
+    worker = subprocess.Popen([sys.executable, "-c", "from engine.cli import main; main()", "tp-worker", "--rank", "1",
+                               *flags])
+    prompts = [[5, 17, 300, 41, 9, 1000], [6, 18, 301, 42]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    try:
+        two = LLM(model="random:tiny", kv_cache_memory=1 << 20, page_size=4096, tensor_parallel_size=2,
+                  distributed_init=init, tensor_parallel_workers="external")
+        got = tokens(two.generate(prompts, greedy, use_tqdm=False))
+        assert_in_lockstep(two)
+        two.engine.close()
+        assert worker.wait(timeout=30) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    one = LLM(model="random:tiny", kv_cache_memory=1 << 20, page_size=4096)
+    assert got == tokens(one.generate(prompts, greedy, use_tqdm=False))
+    one.engine.close()
+
+
+def test_two_ranks_in_two_network_namespaces():
+    """Two "hosts": network namespaces joined by a veth pair, rank 0 in one, `vkv tp-worker`
+    in the other, meeting over TCP at rank 0's address. Needs root and iproute2, else skips."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    a, b = f"vkva{os.getpid()}", f"vkvb{os.getpid()}"
+    ip = shutil.which("ip")
+    if ip is None or subprocess.run([ip, "netns", "add", a], capture_output=True).returncode:
+        pytest.skip("network namespaces need root and iproute2")
+    try:
+        for cmd in ([ip, "netns", "add", b], [ip, "link", "add", a + "v", "type", "veth", "peer", "name", b + "v"],
+                    [ip, "link", "set", a + "v", "netns", a], [ip, "link", "set", b + "v", "netns", b],
+                    [ip, "-n", a, "addr", "add", "10.213.0.1/24", "dev", a + "v"],
+                    [ip, "-n", b, "addr", "add", "10.213.0.2/24", "dev", b + "v"],
+                    [ip, "-n", a, "link", "set", a + "v", "up"], [ip, "-n", b, "link", "set", b + "v", "up"],
+                    [ip, "-n", a, "link", "set", "lo", "up"], [ip, "-n", b, "link", "set", "lo", "up"]):
+            subprocess.run(cmd, check=True, capture_output=True)
+        flags = ["--model", "random:tiny", "--kv-cache-memory", str(1 << 20), "--page-size", "4096",
+                 "--tensor-parallel-size", "2", "--distributed-init", "tcp://10.213.0.1:29531",
+                 "--tensor-parallel-workers", "external"]
+        vkv = [sys.executable, "-c", "from engine.cli import main; main()"]
+        worker = subprocess.Popen([ip, "netns", "exec", b, *vkv, "tp-worker", "--rank", "1", *flags],
+                                  env=os.environ | {"GLOO_SOCKET_IFNAME": b + "v"})
+        try:
+            driver = subprocess.run([ip, "netns", "exec", a, *vkv, "generate", "--json", "--max-tokens", "8",
+                                     *flags, "Hello there"], env=os.environ | {"GLOO_SOCKET_IFNAME": a + "v"},
+                                    capture_output=True, text=True, timeout=180)
+            assert driver.returncode == 0, driver.stderr[-2000:]
+            assert worker.wait(timeout=30) == 0
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+    finally:
+        subprocess.run([ip, "netns", "del", a], capture_output=True)
+        subprocess.run([ip, "netns", "del", b], capture_output=True)
+    got = json.loads(driver.stdout.strip().splitlines()[-1])["outputs"][0]["token_ids"]
+    one = LLM(model="random:tiny", kv_cache_memory=1 << 20, page_size=4096)
+    want = one.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert got == want[0].outputs[0].token_ids
+    one.engine.close()
