@@ -122,8 +122,7 @@ class Scheduler:
         """Swapped sequences back in, the most urgent first, while they fit above the headroom."""
         scheduled = []
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
-            urgency = (lambda s: s.priority) if self.policy == "priority" else (lambda s: 0)
-            seq = min(self.swapped, key=urgency)  # ties: the first swapped out
+            seq = min(self.swapped, key=self._urgency)  # ties: the first swapped out
             n = min(seq.num_pending_tokens, budget)
             keep_free = self.headroom_pages if self.running else 0
             if not self.kv.swap_in(seq, seq.num_computed_tokens + n, keep_free):
@@ -158,9 +157,12 @@ class Scheduler:
         the front)."""
         if len(self.waiting) == 1:
             return self.waiting[0]
-        urgency = (lambda s: s.priority) if self.policy == "priority" else (lambda s: 0)
-        key = lambda i: (urgency(self.waiting[i]), self.admitted[self.waiting[i].group], i)
+        key = lambda i: (self._urgency(self.waiting[i]), self.admitted[self.waiting[i].group], i)
         return self.waiting[min(range(len(self.waiting)), key=key)]
+
+    def _urgency(self, seq: Sequence) -> int:
+        """Lower goes first: the request's priority under the priority policy, else all equal."""
+        return seq.priority if self.policy == "priority" else 0
 
     def _fits(self, seq: Sequence, budget: int) -> bool:
         headroom = self.headroom_pages if self.running else 0
