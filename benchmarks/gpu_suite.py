@@ -2,10 +2,11 @@
 
     python benchmarks/gpu_suite.py --out benchmarks/results/<gpu-name>
 
-  1. tests     the CUDA tests on the real driver: `pytest -m "cuda_emulated or gpu"` (the tests
-               that run against the driver emulator elsewhere), and the attention contracts
+  1. tests     the CUDA tests on the real driver: `pytest -m "cuda_emulated or gpu or contracts"`
+               (the tests that run against the driver emulator elsewhere, and the attention
+               contracts, which then run against the real kernels too)
   2. mapping   page-mapping latency of the CUDA backend (create, map, set-access, unmap,
-               release; batched runs): mapping.json / .png
+               release; batched runs) at 1, 2, 4 and 8 x the granularity: mapping.json / .png
   3. attention FlashAttention over virtual KV: decode and prefill, SmolLM2 and Llama-3-8B head
                shapes, contiguous vs per_layer vs interleaved vs block table, each kernel
                present, against a device-to-device copy measured in the same run:
@@ -67,7 +68,7 @@ def main() -> None:
 
     def tests():
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
-                               "cuda_emulated or gpu", "tests/", "tests/test_attention_contracts.py"],
+                               "cuda_emulated or gpu or contracts", "tests/"],
                               cwd=ROOT, capture_output=True, text=True)
         (out / "tests.txt").write_text(done.stdout + done.stderr)
         if done.returncode:
@@ -78,7 +79,8 @@ def main() -> None:
         import bench_mapping
         r = bench_mapping.main(["--backend", "cuda", "--pages", "256", "--json", str(out / "mapping.json"),
                                 "--plot", str(out / "mapping.png")])
-        return {"median_us": {op: s["median_us"] for op, s in r["per_page"].items()}}
+        return {"median_us": {f"{run['page_size'] >> 20} MiB": {op: s["median_us"] for op, s in run["per_page"].items()}
+                              for run in r["sweep"]}}
 
     def attention():
         import bench_attention

@@ -37,7 +37,34 @@ from engine.ops import rope_reference
 
 LIBRARIES = {"flash-attn": ("flash_attn", "flash_attn_with_kvcache"),
              "flash-attn-4": ("flash_attn.cute", "flash_attn_varlen_func")}
-TILE_ROWS = {"flash-attn-4": 128}  # rows a kernel may load past a sequence's length
+
+
+def fa4_support(head_dim: int, capability: tuple[int, int]) -> tuple[int, str | None]:
+    """flash-attn-4's KV tile for this head size on this GPU (the rows its TMA loads whole, so
+    rows up to a tile boundary must be mapped and finite), or (0, why it is refused). The rule
+    is the library's own (flash_attn/cute/interface.py at fa4-v4.0.0.beta27: `_validate_head_dims`
+    and `_tile_size_fwd_sm90` for a causal, non-local call; SM100 runs 128-row tiles, and its
+    head size 256 kernel refuses seqused_k, which vkv passes). The tile is not exported by the
+    library, so it is reproduced here."""
+    major = capability[0]
+    if head_dim % 8:
+        return 0, f"head_dim {head_dim} is not a multiple of 8"
+    if major == 9:
+        if not 8 <= head_dim <= 256:
+            return 0, f"head_dim {head_dim} is outside 8..256 on Hopper"
+        return (128 if head_dim <= 128 else 128 if head_dim <= 192 else 80), None
+    if major in (10, 11):
+        if not 8 <= head_dim <= 128:
+            return 0, f"head_dim {head_dim} is outside 8..128 (the 256 kernel refuses seqused_k) on SM{major}x"
+        return 128, None
+    return 0, f"compute capability {major}.x is not Hopper or Blackwell"
+
+
+def tile_rows(kernel: str, head_dim: int, device: torch.device) -> int:
+    """Rows a kernel may load past a sequence's length (the KV cache maps and zeroes them)."""
+    if kernel != "flash-attn-4":
+        return 1
+    return fa4_support(head_dim, torch.cuda.get_device_capability(device))[0]
 
 
 def library(kernel: str):
@@ -55,9 +82,11 @@ def pick_attention(name: str | None, device: torch.device, dtype: torch.dtype, k
     (a sliding window runs on sdpa alone: the others are not given the window)."""
     gpu = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
     virtual = kv_layout != "paged"
+    fa4_why = fa4_support(head_dim, torch.cuda.get_device_capability(device))[1] if device.type == "cuda" else "no GPU"
     reasons = {
-        "flash-attn-4": None if gpu and virtual and torch.cuda.get_device_capability(device)[0] >= 9
-        and library("flash-attn-4") else "needs flash-attn-4, a Hopper or newer GPU, fp16/bf16 and a virtual layout",
+        "flash-attn-4": None if gpu and virtual and fa4_why is None and library("flash-attn-4") else
+        "needs flash-attn-4 installed, fp16/bf16, a virtual layout and a GPU it supports"
+        + (f" ({fa4_why})" if fa4_why else ""),
         "flash-attn": None if gpu and (virtual or block_size % 256 == 0) and library("flash-attn") else
         "needs the flash-attn package, a CUDA GPU, fp16/bf16, and a virtual layout or blocks of 256 rows",
         "flash": None if gpu and virtual else
@@ -113,8 +142,8 @@ class StepAttention:
                                     b.ctx_len, q.shape[-1] ** -0.5, out)
             return out
         q, k = rope_reference(q, self.rows), rope_reference(k, self.rows)
-        k_cache[self.store_at] = k
-        v_cache[self.store_at] = v
+        k_cache[self.store_at] = k.to(k_cache.dtype)  # a bf16 cache under fp32 activations: rounded here
+        v_cache[self.store_at] = v.to(v_cache.dtype)
         if self.kernel == "flash":
             return flash_varlen(q, flatten_slots(k_cache), flatten_slots(v_cache), b.cu_seqlens_q,
                                 self.slot_starts, b.max_query_len, b.max_context_len, b.ctx_len)
@@ -129,7 +158,7 @@ class StepAttention:
         out = torch.empty_like(q)
         for table, start, q_len, ctx in zip(self.tables, b.starts, b.q_lens, b.ctx_lens):
             first = max(0, ctx - q_len - self.window + 1) if self.window else 0  # the first key any query sees
-            keys, values = sequence_rows(k_cache, table, ctx, first), sequence_rows(v_cache, table, ctx, first)
+            keys, values = (sequence_rows(c, table, ctx, first).to(q.dtype) for c in (k_cache, v_cache))
             out[start:start + q_len] = sdpa_sequence(q[start:start + q_len], keys, values, self.window, first)
         return out
 

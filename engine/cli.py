@@ -1,10 +1,11 @@
-"""`vkv`: generate, serve, tp-worker."""
+"""`vkv`: generate, serve, tp-worker, profile-mapping."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
+from engine import profile_mapping
 from engine.config import EngineConfig
 from engine.serving.options import ServerOptions
 
@@ -53,6 +54,10 @@ def cmd_tp_worker(args: argparse.Namespace) -> None:
     worker_main(LLMEngine, config, args.rank, config.tensor_parallel_size, config.distributed_init)
 
 
+def cmd_profile_mapping(args: argparse.Namespace) -> None:
+    profile_mapping.run(args, "vkv profile-mapping " + " ".join(sys.argv[2:]))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="vkv", description="LLM serving on GPU virtual memory")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     worker.add_argument("--rank", type=int, required=True)
     EngineConfig.add_cli_args(worker)
     worker.set_defaults(func=cmd_tp_worker)
+
+    prof = sub.add_parser("profile-mapping", help="page-mapping latency of a vmm backend over a sweep of page sizes")
+    profile_mapping.add_cli_args(prof)
+    prof.set_defaults(func=cmd_profile_mapping)
 
     args = parser.parse_args(argv)
     try:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+import ext
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 KV_LAYOUTS = ("interleaved", "per_layer", "paged")
@@ -87,6 +89,24 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the model computes in (activations, GEMMs); weights are rounded to `dtype`
+        first and the KV cache is stored in `dtype`. See `arithmetic`."""
+        return self.arithmetic()[0]
+
+    def arithmetic(self) -> tuple[torch.dtype, str]:
+        """(compute dtype, why). bf16 on a CPU without native bf16 arithmetic (AVX2, most
+        AVX-512 before Cooper Lake) keeps bf16 weights' values and a bf16 KV cache but computes
+        in fp32: oneDNN refuses bf16 weights there, and where it emulates them it is several
+        times slower than fp32."""
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            native, why = ext.bf16_gemm()
+            if not native:
+                return torch.float32, f"bf16 weights and KV cache, fp32 arithmetic: {why}"
+            return torch.bfloat16, why
+        return self.dtype, f"{str(self.dtype).removeprefix('torch.')} throughout"
+
     def resolve_max_model_len(self, model_max: int) -> int:
         if self.max_model_len is None:
             self.max_model_len = min(model_max, 2048)
@@ -94,13 +114,20 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be in [1, {model_max}], got {self.max_model_len}")
         return self.max_model_len
 
-    def kv_budget_bytes(self) -> int:
+    def kv_budget_bytes(self, activation_peak: int = 0) -> int:
+        """The KV pages' bytes: kv_cache_memory if given; on a GPU, gpu_memory_utilization of
+        the memory free after the weights, less the activation peak of a worst-case step
+        (measured by the caller's profile run, as vLLM does); 1 GiB on the CPU."""
         if self.kv_cache_memory is not None:
             return self.kv_cache_memory
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the caching allocator cannot see VMM pages
             free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * self.gpu_memory_utilization)
+            budget = int(free * self.gpu_memory_utilization) - activation_peak
+            if budget <= 0:
+                raise ValueError(f"no GPU memory left for the KV cache: {free} bytes free after the weights, "
+                                 f"{activation_peak} needed by a step of {self.max_num_batched_tokens} tokens")
+            return budget
         return 1 << 30
 
     # -- the command line -----------------------------------------------------------------

@@ -12,15 +12,26 @@ from dataclasses import dataclass
 class Prompt:
     token_ids: list[int]
     text: str | None = None
+    cache_salt: str | None = None  # vLLM's: cached KV is shared only between prompts of the same salt
 
 
 def tokenize(tokenizer, vocab_size: int, prompt) -> Prompt:
-    """A string, a list of token ids, vLLM's {"prompt": ...} / {"prompt_token_ids": ...}, or a
-    Prompt; ValueError, with the reason, for anything empty or out of the vocabulary."""
+    """A string, a list of token ids, vLLM's {"prompt": ...} / {"prompt_token_ids": ...} (either
+    with a "cache_salt"), or a Prompt; ValueError, with the reason, for anything empty, out of
+    the vocabulary, or a dict with other keys."""
     if isinstance(prompt, Prompt):
         return prompt
+    salt = None
     if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids' (one of them) and an optional "
+                             f"'cache_salt', got keys {sorted(prompt)}")
+        salt = check_cache_salt(prompt.get("cache_salt"))
         prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        if salt is not None:
+            inner = tokenize(tokenizer, vocab_size, prompt)
+            return Prompt(inner.token_ids, inner.text, salt)
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -34,6 +45,16 @@ def tokenize(tokenizer, vocab_size: int, prompt) -> Prompt:
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
     return Prompt(list(prompt))
+
+
+def check_cache_salt(salt) -> str | None:
+    """None, or a non-empty string of valid Unicode (the salt is hashed, never stored in clear)."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise ValueError("cache_salt must be a non-empty string")
+    _check_text(salt)
+    return salt
 
 
 def chat_prompt(tokenizer, messages: list[dict]) -> Prompt:

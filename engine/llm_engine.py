@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+import ext
 import vmm
-from engine.attention import TILE_ROWS, pick_attention
+from engine.attention import pick_attention, tile_rows
 from engine.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.config import DEFAULT_HOST_PAGE, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -24,7 +25,7 @@ from engine.inputs import Prompt, tokenize
 from engine.kv.paged import PagedKVCache
 from engine.kv.virtual import VirtualKVCache
 from engine.map_ahead import MapAhead
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, activation_peak
 from engine.parallel import RecordedKV, Workers, check_divisible, shard_config
 from engine.models import load_config, load_model, load_tokenizer
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -79,19 +80,22 @@ class LLMEngine:
             if tp_rank == 0:
                 self.workers = Workers(c, tp, LLMEngine)
         if loaded is None:
-            loaded = (load_model(c.model, self.model_config, c.device, c.dtype, c.seed, (tp_rank, tp)),
+            loaded = (load_model(c.model, self.model_config, c.device, c.dtype, c.seed, (tp_rank, tp), c.compute_dtype),
                       load_tokenizer(c.model))
         self.model, self.tokenizer = loaded
         self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
-        self.attention = pick_attention(c.attention_backend, c.device, c.dtype, c.kv_layout,
+        self.attention = pick_attention(c.attention_backend, c.device, c.compute_dtype, c.kv_layout,
                                         self.model_config.head_dim, c.block_size, self.model_config.sliding_window)
-        self.kv = self._make_kv_cache(shard_config(self.model_config, tp), c.kv_budget_bytes() // tp)
+        peak = 0
+        if c.device.type == "cuda" and c.kv_cache_memory is None:  # size the pool after a profile run
+            peak = activation_peak(self.model, c.max_num_batched_tokens, c.max_num_seqs, c.device)
+        self.kv = self._make_kv_cache(shard_config(self.model_config, tp), c.kv_budget_bytes(peak) // tp)
         self.kv.window = self.model_config.sliding_window
         if self.workers:
             self.kv = RecordedKV(self.kv)
         self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, policy=c.scheduling_policy,
                                    preemption_mode=c.preemption_mode)
-        self.runner = ModelRunner(self.model, self.kv, self.attention, self.max_model_len, c.device, c.dtype,
+        self.runner = ModelRunner(self.model, self.kv, self.attention, self.max_model_len, c.device, c.compute_dtype,
                                   self.workers)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.requests: dict[str, Request] = {}
@@ -102,6 +106,17 @@ class LLMEngine:
         self.num_drafts = self.num_drafted = self.num_accepted = 0
         self.map_ahead = MapAhead(self.kv, c.map_ahead_tokens, self.scheduler.headroom_pages) \
             if c.map_ahead_tokens else None
+        if tp_rank == 0:
+            log.info("vkv: %s", "; ".join(f"{k}: {v}" for k, v in self.platform().items()))
+
+    def platform(self) -> dict[str, str]:
+        """Which paths run on this machine, and why: arithmetic, GEMMs, attention, kernel ISA."""
+        compute, why = self.config.arithmetic()
+        isa, isa_why = ext.kernel_isa()
+        return {"compute_dtype": str(compute).removeprefix("torch."), "compute_reason": why,
+                "kv_dtype": str(self.config.dtype).removeprefix("torch."), "gemm": self.model.gemm_path,
+                "attention": self.attention,
+                "kernel_isa": f"{isa} ({isa_why})" if self.model.native else f"none ({ext.cpu_kernels_error()})"}
 
     def _make_kv_cache(self, cfg, budget: int) -> VirtualKVCache | PagedKVCache:
         """This rank's KV cache: cfg holds its share of the KV heads, budget its bytes."""
@@ -127,7 +142,7 @@ class LLMEngine:
             swap = vmm.SwapSpace(backend, int(c.swap_space * (1 << 30)), c.swap_path)
         return VirtualKVCache(cfg, c.kv_layout, c.max_num_seqs * (2 if swap else 1),
                               self.max_model_len, c.dtype, backend, num_pages, c.enable_prefix_caching,
-                              TILE_ROWS.get(self.attention, 1), swap)
+                              tile_rows(self.attention, cfg.head_dim, c.device), swap)
 
     # -- requests -------------------------------------------------------------------------
     def tokenize(self, prompt) -> Prompt:
@@ -178,7 +193,8 @@ class LLMEngine:
             params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
         now, ids = time.monotonic(), prompt.token_ids
         seqs = [Sequence(request_id, i, list(ids), params, now, group or request_id, priority,
-                         generator=self._generator(params, i)) for i in range(params.num_samples)]
+                         generator=self._generator(params, i), cache_salt=prompt.cache_salt)
+                for i in range(params.num_samples)]
         if params.structured_outputs:
             grammar = self.grammars.compile(params.structured_outputs)
             for seq in seqs:
@@ -308,7 +324,7 @@ class LLMEngine:
                 plain.append((first, seq))
             seq.draft = []
         rows, seqs = self._with_forks(plain)
-        masks = self.grammars.masks([s.grammar for s in seqs])
+        masks = self.grammars.masks([s.grammar for s in seqs], logits.device)
         for seq, result in zip(seqs, sample(logits[rows], seqs, self.eos_ids, masks)):
             request = touched[seq.request_id]
             if isinstance(result, Exception):
@@ -444,7 +460,7 @@ class LLMEngine:
         running = self.scheduler.running
         token_bytes = sum(s.num_computed_tokens for s in running) * self.kv.token_bytes
         mapped_bytes = (kv.pages_in_use + kv.pages_idle) * kv.page_size
-        return EngineStats(kv=kv, attention_backend=self.attention, num_running=len(running),
+        return EngineStats(kv=kv, attention_backend=self.attention, platform=self.platform(), num_running=len(running),
                            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.swapped), preemptions=self.scheduler.num_preemptions,
                            kv_utilization=token_bytes / mapped_bytes if mapped_bytes else 0.0,
                            prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generation_tokens,

@@ -13,6 +13,22 @@ from engine.scheduler import Scheduled
 from engine.sequence import Sequence
 
 
+@torch.inference_mode()
+def activation_peak(model, max_tokens: int, max_rows: int, device: torch.device) -> int:
+    """Bytes a worst-case step allocates on the GPU above the weights (vLLM's profile run): the
+    model over max_tokens tokens, logits for max_rows of them, attention stubbed out (its own
+    allocations are the output, the size of q, which the stub returns too)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+    model(ids, lambda layer, q, k, v: q.clone(), torch.arange(min(max_rows, max_tokens), device=device))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    return peak
+
+
 class ModelRunner:
     def __init__(self, model, kv: KVCacheBase, kernel: str, max_model_len: int, device: torch.device,
                  dtype: torch.dtype, workers=None):

@@ -69,6 +69,7 @@ class SeqState:
     token_ids: list[int]
     num_computed_tokens: int
     num_prompt_tokens: int
+    cache_salt: str | None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -76,7 +77,8 @@ class SeqState:
 
 def _snapshot(arg):
     if isinstance(arg, Sequence):
-        return SeqState(arg.seq_id, list(arg.token_ids), arg.num_computed_tokens, arg.num_prompt_tokens)
+        return SeqState(arg.seq_id, list(arg.token_ids), arg.num_computed_tokens, arg.num_prompt_tokens,
+                        arg.cache_salt)
     return arg
 
 

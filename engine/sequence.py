@@ -43,6 +43,7 @@ class Sequence:
     cum_logprob: float = 0.0  # of the output tokens, when logprobs or best_of ask for it
     grammar: object | None = None  # structured outputs: the matcher that masks its next token
     draft: list[int] = field(default_factory=list)  # speculative tokens this step verifies
+    cache_salt: str | None = None  # shares cached pages only with sequences of the same salt
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)
@@ -50,7 +51,7 @@ class Sequence:
     def branch(self) -> Sequence:
         """A new sequence with the same tokens so far, its prompt the same (a beam's fork)."""
         child = Sequence(self.request_id, self.index, list(self.token_ids), self.params, self.arrival,
-                         group=self.group, priority=self.priority)
+                         group=self.group, priority=self.priority, cache_salt=self.cache_salt)
         child.num_prompt_tokens = self.num_prompt_tokens
         return child
 

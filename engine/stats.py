@@ -31,6 +31,7 @@ class KVStats:
 class EngineStats:
     kv: KVStats
     attention_backend: str
+    platform: dict  # which paths run here and why (LLMEngine.platform): compute/KV dtype, GEMM, kernel ISA
     num_running: int
     num_waiting: int
     preemptions: int

@@ -111,8 +111,9 @@ class Grammars:
             raise ValueError(f"invalid structured output: {matcher.get_error()}")
         return matcher
 
-    def masks(self, matchers: list) -> torch.Tensor | None:
-        """bool [rows, vocab]: True where a token may come next; None when no row has a grammar."""
+    def masks(self, matchers: list, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """bool [rows, vocab] on `device` (the logits'): True where a token may come next; None
+        when no row has a grammar."""
         if all(m is None for m in matchers):
             return None
         import llguidance.torch as lt
@@ -124,7 +125,7 @@ class Grammars:
                 lt.fill_next_token_bitmask(matcher, bits, row)
         shifts = torch.arange(32, dtype=torch.int32)
         allowed = (bits[:, :, None] >> shifts) & 1
-        return allowed.flatten(1)[:, :self.vocab_size].bool()
+        return allowed.flatten(1)[:, :self.vocab_size].bool().to(device)
 
 
 def consume(matcher, token_id: int) -> bool:

@@ -39,3 +39,25 @@ def pool(backend):
     p = vmm.PagePool(backend, 16)
     yield p
     p.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def weights_load_once():
+    """Every engine of a test run over the same model, device, dtype and seed shares one loaded
+    copy of the weights (read-only once prepared), so each model loads once per run instead of
+    once per engine. Tensor-parallel shards load as usual."""
+    import engine.llm_engine as llm_engine
+
+    load, loaded = llm_engine.load_model, {}
+
+    def load_once(spec, cfg, device, dtype, seed=0, tp=(0, 1), compute_dtype=None):
+        if tp != (0, 1):
+            return load(spec, cfg, device, dtype, seed, tp, compute_dtype)
+        key = (spec, str(device), dtype, seed, compute_dtype)
+        if key not in loaded:
+            loaded[key] = load(spec, cfg, device, dtype, seed, tp, compute_dtype)
+        return loaded[key]
+
+    llm_engine.load_model = load_once
+    yield
+    llm_engine.load_model = load

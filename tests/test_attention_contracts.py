@@ -16,6 +16,7 @@ from engine.attention import StepAttention
 from engine.ops import rope_table
 from helpers import make_batch
 
+pytestmark = pytest.mark.contracts  # benchmarks/gpu_suite.py runs these on a GPU too
 HQ, HKV, D = 6, 2, 64
 COS_SIN = rope_table(1.0 / 10000 ** (torch.arange(0, D, 2).float() / D), 1024, torch.float32, "cpu")
 
@@ -165,3 +166,15 @@ def test_the_gpu_suite_explains_itself_and_refuses_without_a_gpu():
     if not torch.cuda.is_available():
         refused = subprocess.run(suite + ["--out", "/nonexistent"], capture_output=True, text=True)
         assert refused.returncode == 2 and "no CUDA GPU" in refused.stderr
+
+
+def test_flash_attention_4_is_admitted_only_where_the_library_runs_with_its_own_tile():
+    """The library's head-size rule and KV tile (flash_attn/cute/interface.py), per GPU."""
+    assert attention.fa4_support(64, (9, 0)) == (128, None)
+    assert attention.fa4_support(128, (9, 0)) == (128, None)
+    assert attention.fa4_support(256, (9, 0)) == (80, None)
+    assert attention.fa4_support(128, (10, 0)) == (128, None)
+    for head_dim, capability in ((256, (10, 0)), (100, (9, 0)), (264, (9, 0)), (64, (8, 0))):
+        tile, why = attention.fa4_support(head_dim, capability)
+        assert tile == 0 and why, (head_dim, capability)
+    assert attention.tile_rows("flash", 64, torch.device("cpu")) == 1

@@ -122,3 +122,47 @@ def test_a_virtual_kv_cache_gives_everything_back_at_close():
     assert counts().reservations == 2  # the slots' range and the backend's scratch page
     kv.close()
     assert clean()
+
+
+def test_a_released_handle_cannot_be_mapped_again():
+    """The driver keeps a released allocation's memory while a mapping holds it, but the handle
+    is gone: mapping it anew fails (the emulator's rule, as the documentation reads)."""
+    from cuda.bindings import driver as cu
+    backend = EmulatedCudaBackend()
+    handle = backend.create_page()
+    a, b = backend.reserve(backend.page_size), backend.reserve(backend.page_size)
+    backend.map(a, [handle])
+    backend.release_page(handle)  # deferred: a still maps it
+    err, = cu.cuMemMap(b, backend.page_size, 0, handle, 0)
+    assert err != cu.CUresult.CUDA_SUCCESS
+    backend.unmap(a, backend.page_size)
+    backend.free_reservation(a, backend.page_size), backend.free_reservation(b, backend.page_size)
+    backend.close()
+    assert clean()
+
+
+def test_an_unmap_that_fails_part_way_leaves_the_bookkeeping_with_the_driver():
+    backend = EmulatedCudaBackend()
+    pool = vmm.PagePool(backend, 4)
+    res = vmm.Reservation(pool, 4 * pool.page_size)
+    pages = res.map_new(0, 4)
+    fail("cuMemUnmap", 3)  # the third page of the run
+    with pytest.raises(vmm.PartialUnmap) as caught:
+        res.unmap(0, 4)
+    assert caught.value.done == 2
+    assert res.mapped_pages() == {2: pages[2], 3: pages[3]} and counts().mappings == 2
+    pool.audit([res])
+    res.unmap(2, 2)
+    res.release()
+    pool.close()
+    backend.close()
+    assert clean()
+
+
+def test_a_backend_that_fails_to_start_keeps_no_context():
+    fail("cuMemAddressReserve", 1)  # the scratch page's range, the last step of construction
+    with pytest.raises(vmm.VmmError):
+        EmulatedCudaBackend()
+    with pytest.raises(ValueError):
+        EmulatedCudaBackend(page_size=3 * MIB)  # not a multiple of the granularity
+    assert clean()

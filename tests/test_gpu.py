@@ -67,3 +67,17 @@ def test_greedy_tokens_match_the_reference_kernel_on_the_gpu(kernel):
         llm.engine.close()
     same = sum(a[:6] == b[:6] for a, b in zip(outs["sdpa"], outs[kernel]))
     assert same == len(prompts), outs  # bf16 kernels may part ways late; the first tokens must agree
+
+
+def test_the_default_kv_budget_leaves_room_for_a_worst_case_step():
+    """Without kv_cache_memory the pool is sized after a profile run: a full step of
+    max_num_batched_tokens runs after the pool took its share, with structured outputs' masks
+    built on the logits' device."""
+    llm = LLM(model="random:smollm2-135m", device="cuda", max_num_batched_tokens=2048, gpu_memory_utilization=0.9)
+    prompts = [[1 + i % 500] * 1000 for i in range(4)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    guided = llm.generate(["Answer yes or no:"], SamplingParams(max_tokens=4, structured_outputs={"choice": ["yes", "no"]}),
+                          use_tqdm=False)[0].outputs[0]
+    assert guided.finish_reason == "stop" and guided.text in ("yes", "no")
+    assert_pool_whole(llm)

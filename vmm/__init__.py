@@ -46,7 +46,7 @@ behind it: the library cannot stop a kernel from reading past what is mapped.
 from vmm.backend import Backend
 from vmm.cuda import CudaBackend, unavailable_reason as cuda_unavailable_reason
 from vmm.errors import (AlreadyMapped, BackendUnavailable, DoubleFree, InvariantViolation,
-                        NotMapped, OutOfRange, PoolExhausted, ReservationReleased, UnmappedAccess,
+                        NotMapped, OutOfRange, PartialUnmap, PoolExhausted, ReservationReleased, UnmappedAccess,
                         VmmError)
 from vmm.host import HostBackend
 from vmm.pool import PageAllocator, PagePool, PoolStats
@@ -66,4 +66,4 @@ def make_backend(name: str, page_size: int | None = None, device: int = 0) -> Ba
 __all__ = ["Backend", "HostBackend", "CudaBackend", "cuda_unavailable_reason", "make_backend",
            "PageAllocator", "PagePool", "PoolStats", "Reservation", "SwapSpace", "VmmError", "BackendUnavailable",
            "PoolExhausted", "DoubleFree", "NotMapped", "AlreadyMapped", "OutOfRange",
-           "UnmappedAccess", "ReservationReleased", "InvariantViolation"]
+           "UnmappedAccess", "ReservationReleased", "InvariantViolation", "PartialUnmap"]

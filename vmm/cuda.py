@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from vmm.backend import Backend
-from vmm.errors import BackendUnavailable, PoolExhausted, VmmError
+from vmm.errors import BackendUnavailable, PartialUnmap, PoolExhausted, VmmError
 
 try:
     from cuda.bindings import driver as cu
@@ -77,6 +77,16 @@ class CudaBackend(Backend):
         _ok("cuInit", cu.cuInit(0))
         self.cu_device = _ok("cuDeviceGet", cu.cuDeviceGet(device))
         self.context = _ok("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self.cu_device))
+        self._scratch = 0
+        try:
+            self._setup(device, page_size)
+        except BaseException:  # undo the retain: a failed construction leaks no context
+            if self._scratch:
+                self.free_reservation(self._scratch, self.page_size)
+            self._release_context()
+            raise
+
+    def _setup(self, device: int, page_size: int | None) -> None:
         self._in_context()
         self.prop = cu.CUmemAllocationProp()
         self.prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -90,7 +100,6 @@ class CudaBackend(Backend):
             self.prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
         self.page_size = page_size or self.granularity
         if self.page_size % self.granularity:
-            self._release_context()
             raise ValueError(f"page_size must be a multiple of the granularity {self.granularity}")
         self._scratch = self.reserve(self.page_size)
 
@@ -156,8 +165,12 @@ class CudaBackend(Backend):
         self._unmap_pages(addr, nbytes // self.page_size)
 
     def _unmap_pages(self, addr: int, count: int) -> None:
+        """Page by page (a mapping is unmapped whole); a failure says how many went."""
         for i in range(count):
-            _ok("cuMemUnmap", cu.cuMemUnmap(addr + i * self.page_size, self.page_size))
+            try:
+                _ok("cuMemUnmap", cu.cuMemUnmap(addr + i * self.page_size, self.page_size))
+            except VmmError as exc:
+                raise PartialUnmap(f"{exc} (after {i} of {count} pages)", i) from exc
 
     def copy_page(self, dst, src_addr: int) -> None:
         self.map(self._scratch, [dst])

@@ -37,5 +37,13 @@ class ReservationReleased(VmmError):
     """The reservation was already released."""
 
 
+class PartialUnmap(VmmError):
+    """An unmap failed part-way: the first `done` pages of the run are unmapped, the rest are not."""
+
+    def __init__(self, message: str, done: int):
+        super().__init__(message)
+        self.done = done
+
+
 class InvariantViolation(VmmError):
     """Pool bookkeeping disagrees with the mappings: a bug, never user error."""

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from vmm.backend import consecutive_runs
-from vmm.errors import AlreadyMapped, DoubleFree, NotMapped, OutOfRange, ReservationReleased, UnmappedAccess
+from vmm.errors import (AlreadyMapped, DoubleFree, NotMapped, OutOfRange, PartialUnmap, ReservationReleased,
+                        UnmappedAccess)
 from vmm.pool import PagePool
 
 
@@ -92,10 +93,17 @@ class Reservation:
         with self.pool.lock:
             self._check_range(index, count)
             pages = [self._mapped(i) for i in range(index, index + count)]
-            self.pool.backend.unmap(self.addr + self.offset_of(index), count * self.page_size)
-            for i, page in zip(range(index, index + count), pages):
-                del self._pages[i]
-                self.pool.drop(page)
+            try:
+                self.pool.backend.unmap(self.addr + self.offset_of(index), count * self.page_size)
+            except PartialUnmap as exc:  # the bookkeeping follows the driver: the first `done` went
+                self._forget(index, pages[:exc.done])
+                raise
+            self._forget(index, pages)
+
+    def _forget(self, index: int, pages: list[int]) -> None:
+        for i, page in zip(range(index, index + len(pages)), pages):
+            del self._pages[i]
+            self.pool.drop(page)
 
     def copy_on_write(self, index: int) -> int:
         """Make the page at index private: if others map it too, put a copy of its bytes in a

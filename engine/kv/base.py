@@ -32,7 +32,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from engine.kv.prefix_cache import NO_PARENT, PrefixCache, chain_hash
+from engine.kv.prefix_cache import PrefixCache, chain_hash, root_name
 from engine.sequence import Sequence
 from engine.stats import KVStats
 from vmm import PageAllocator
@@ -40,7 +40,7 @@ from vmm import PageAllocator
 
 @dataclass(slots=True)
 class _Hashes:
-    pages: list[int] = field(default_factory=list)  # chain hashes of the complete pages known
+    pages: list[bytes] = field(default_factory=list)  # names (chain hashes) of the complete pages known
     committed: int = 0  # pages already offered to the prefix cache
     slid: int = 0  # pages before the sliding window, already let go
 
@@ -52,10 +52,10 @@ class KVCacheBase(ABC):
     v_caches: list
     window: int | None = None  # sliding window: pages wholly before it are let go as a sequence grows
 
-    def __init__(self, pool: PageAllocator, enable_prefix_caching: bool, cache_salt: int = NO_PARENT):
+    def __init__(self, pool: PageAllocator, enable_prefix_caching: bool, namespace: bytes = b""):
         self.pool = pool
         self.prefix_cache = PrefixCache(pool) if enable_prefix_caching else None
-        self.salt = cache_salt
+        self.namespace = namespace  # page names chain from it (engine/kv/prefix_cache.py)
         self.map_seconds = 0.0
         self.cow_copies = 0
         self.swap_outs = self.swap_ins = 0  # sequences swapped out and back in
@@ -203,12 +203,12 @@ class KVCacheBase(ABC):
         self.prefix_cache.hits += self.tokens_in_pages(len(hits))
         return hits
 
-    def _page_hashes(self, seq: Sequence, known: int) -> list[int]:
-        """Chain hashes of seq's pages whose tokens are all among its first `known` tokens."""
+    def _page_hashes(self, seq: Sequence, known: int) -> list[bytes]:
+        """Names of seq's pages whose tokens are all among its first `known` tokens."""
         hashes = self._hashes[seq.seq_id].pages
         k = len(hashes)
         while self.page_end(k) <= known:
-            parent = hashes[-1] if hashes else self.salt
+            parent = hashes[-1] if hashes else root_name(self.namespace, seq.cache_salt)
             hashes.append(chain_hash(parent, seq.token_ids[self.page_end(k - 1) if k else 0:self.page_end(k)]))
             k += 1
         return hashes

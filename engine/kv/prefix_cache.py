@@ -1,6 +1,14 @@
 """Automatic prefix caching: a page whose tokens are all computed is named by a hash of its
 tokens chained to its parent page's hash, and kept for later sequences with the same prefix.
 
+Names are SHA-256 digests (32 bytes): a page's name is SHA-256(parent's name || its token ids
+as little-endian uint32), and the first page's parent is a root that names the namespace (the
+KV cache's geometry) and the request's `cache_salt`. So the same name means the same tokens in
+the same place after the same prefix, in any process and after a restart, and a match cannot be
+forged offline: Python's `hash()` of a tuple of ints is neither salted nor collision-resistant
+(vLLM's CVE-2025-25183 was exactly this). A request with a cache_salt only ever shares pages
+with requests that carry the same salt (vLLM's semantics). Hashing costs about 1 µs a page.
+
 The cache holds one reference on every page of an entry (an entry is the page of each KV
 region that covers those tokens), so a cached page outlives the sequence that wrote it. Entries
 sit in LRU order; `evict` drops the least recently used entries nobody else maps, only when
@@ -8,24 +16,37 @@ the pool needs the memory.
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import Counter, OrderedDict
 
 from vmm import PageAllocator
 
-NO_PARENT = 0
+ROOT = b"vkv/prefix/v1"
 
 
-def chain_hash(parent: int, token_ids: list[int] | tuple[int, ...]) -> int:
-    return hash((parent, tuple(token_ids)))
+def root_name(namespace: bytes = b"", cache_salt: str | None = None) -> bytes:
+    """The name a sequence's first page chains from: the namespace (what the bytes of a page
+    depend on besides the tokens) and the request's cache_salt, each length-prefixed."""
+    h = hashlib.sha256(ROOT)
+    h.update(struct.pack("<I", len(namespace)) + namespace)
+    if cache_salt is not None:
+        salt = cache_salt.encode("utf-8", "surrogatepass")
+        h.update(b"\x01" + struct.pack("<I", len(salt)) + salt)
+    return h.digest()
+
+
+def chain_hash(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
 
 
 class PrefixCache:
     def __init__(self, pool: PageAllocator):
         self.pool = pool
-        self.entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self.entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self.queries = self.hits = self.evictions = 0  # queries and hits count tokens
 
-    def match(self, hashes: list[int]) -> list[tuple[int, ...]]:
+    def match(self, hashes: list[bytes]) -> list[tuple[int, ...]]:
         """The entries of the longest cached prefix of `hashes`, now most recently used."""
         found = []
         for h in hashes:
@@ -36,7 +57,7 @@ class PrefixCache:
             found.append(pages)
         return found
 
-    def insert(self, h: int, pages: tuple[int, ...]) -> None:
+    def insert(self, h: bytes, pages: tuple[int, ...]) -> None:
         if h in self.entries:
             self.entries.move_to_end(h)
             return

@@ -6,6 +6,15 @@ hint, then `_linear_pointwise`); the plain weight is dropped unless something el
 tied embedding). Measured on this project's CPU (2 cores, AVX-512): a 576 -> 3072 projection
 of 32 rows takes 0.55 ms against 0.93 ms through F.linear, and one row 75 us against 180 us.
 The hint matters: with a hint below 32, every row count ran 10x slower.
+
+Decode steps of a few rows are bound by reading the weights, and there oneDNN's packed GEMM
+reads them slowly: on an AVX2 EPYC (2 cores, 23.8 GB/s) a whole SmolLM2 forward's projections
+took 22.9 ms for one row against 14.4 ms for vkv's rows kernel (ext: `linear_rows`, which
+streams the plain weight once) and 11.1 ms with the weight in bf16. So on the CPU, with fp32
+arithmetic and the native kernels built, a projection may also keep its weight in the plain
+layout (`rows_weight`, fp32 or the checkpoint's bf16) and run steps of up to ROWS_MAX rows
+through it; larger steps stay on oneDNN, which is faster from 8 rows up. The plain copy costs
+memory: the engine keeps it only while it fits (`LlamaForCausalLM.prepare`).
 """
 from __future__ import annotations
 
@@ -14,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 PACK_HINT = 128  # rows the packed layout is tuned for; good from 1 row to hundreds here
+ROWS_MAX = 4  # steps of at most this many rows run on the rows kernel where it is kept
 
 
 class Linear(nn.Module):
@@ -26,21 +36,39 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
+        self.rows_weight: torch.Tensor | None = None  # plain [out, in] for the rows kernel (see above)
         self.tied = False
 
-    def pack(self) -> None:
+    def pack(self) -> str:
+        """Reorder the weight for the device's fastest GEMM if one applies; returns the path
+        taken (a refusal by oneDNN falls back to F.linear, with its reason)."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
-            return
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT)
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+            return "torch F.linear"
+        if not torch.backends.mkldnn.is_available():
+            return "torch F.linear (PyTorch without oneDNN)"
+        try:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT)
+        except RuntimeError as exc:  # e.g. bf16 on a CPU without native bf16: never a crash
+            return f"torch F.linear (oneDNN refused: {str(exc).splitlines()[0]})"
         if not self.tied:
             self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)  # only the packed copy stays
+        return f"oneDNN packed {str(w.dtype).removeprefix('torch.')}"
+
+    def keep_rows(self, dtype: torch.dtype) -> None:
+        """Keep the weight in the plain layout, in dtype, for steps of a few fp32 rows (no copy
+        where the weight already is that)."""
+        self.rows_weight = self.weight.detach().to(dtype).contiguous()
 
     def tie(self, weight: nn.Parameter) -> None:
         """Share `weight` (an embedding's) instead of owning one; packing keeps it."""
         self.weight, self.tied = weight, True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_weight is not None and x.shape[0] <= ROWS_MAX and x.dim() == 2 and x.is_contiguous():
+            out = x.new_empty(x.shape[0], self.rows_weight.shape[0])  # a tensor-parallel shard's rows
+            torch.ops.vkv.linear_rows(x, self.rows_weight, self.bias, out)
+            return out
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

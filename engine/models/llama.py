@@ -27,7 +27,7 @@ from torch import nn
 
 from engine import ops
 from engine.models.config import ModelConfig
-from engine.models.linear import Linear
+from engine.models.linear import ROWS_MAX, Linear
 
 
 class RMSNorm(nn.Module):
@@ -80,14 +80,14 @@ class Attention(nn.Module):
         self.split = (nq // world, nk // world, nk // world)
 
     def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q, k, v = self.qkv_proj.forward(x).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q.contiguous())[0], self.k_norm(k.contiguous())[0]
+            q, k = self.q_norm.forward(q.contiguous())[0], self.k_norm.forward(k.contiguous())[0]
         out = attn(self.layer, q, k, v)
-        return all_reduce(self.o_proj(out.view(-1, self.num_heads * self.head_dim)))
+        return all_reduce(self.o_proj.forward(out.view(-1, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
@@ -102,7 +102,7 @@ class MLP(nn.Module):
         self.down_proj.weight.data = self.down_proj.weight.data.chunk(world, dim=1)[rank]
 
     def forward(self, x: torch.Tensor, native: bool) -> torch.Tensor:
-        return all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), native)))
+        return all_reduce(self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(x), native)))
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -121,10 +121,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, residual, attn, native: bool):
-        x, residual = self.input_layernorm(x, residual, native)
-        x = self.self_attn(x, attn)
-        x, residual = self.post_attention_layernorm(x, residual, native)
-        return self.mlp(x, native), residual
+        x, residual = self.input_layernorm.forward(x, residual, native)
+        x = self.self_attn.forward(x, attn)
+        x, residual = self.post_attention_layernorm.forward(x, residual, native)
+        return self.mlp.forward(x, native), residual
 
 
 class Backbone(nn.Module):
@@ -145,6 +145,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie(self.model.embed_tokens.weight)
         self.inv_freq = rope_inv_freq(cfg)  # fp32 on purpose: not a buffer, so .to(dtype) skips it
         self.native = False  # run the native small ops (set by `prepare`)
+        self.gemm_path = "torch F.linear"  # what the projections run on (set by `prepare`)
         self.rank = 0  # tensor-parallel rank: only rank 0 computes logits
 
     def load_checkpoint(self, state: dict[str, torch.Tensor]) -> None:
@@ -175,15 +176,38 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.shard(rank, world)
         self.rank = rank
 
-    def prepare(self, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    def prepare(self, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> LlamaForCausalLM:
         """Move to the device and dtype, then put every projection's weight in the layout its
-        GEMM runs fastest from, and decide whether the native small ops run."""
-        self.to(device=device, dtype=dtype).eval()
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack()
-        self.native = ops.native(device) is not None and dtype in (torch.float32, torch.bfloat16)
+        GEMM runs fastest from, and decide whether the native small ops run. With a wider
+        compute_dtype (bf16 weights on a CPU that computes bf16 in fp32), the weights are
+        rounded to dtype and then widened, so the model computes with dtype's values."""
+        compute_dtype = compute_dtype or dtype
+        self.to(device=device, dtype=dtype)
+        if compute_dtype != dtype:
+            self.to(dtype=compute_dtype)
+        self.eval()
+        self.native = ops.native(device) is not None and compute_dtype in (torch.float32, torch.bfloat16)
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        rows = self._rows_kernel(linears, dtype) if self.native and compute_dtype == torch.float32 else None
+        for module in linears:  # the plain copies first: packing drops the weight
+            if rows:
+                module.keep_rows(dtype)
+        paths = sorted({module.pack() for module in linears})
+        self.gemm_path = "; ".join(paths) + (f" (steps of <= {ROWS_MAX} rows: vkv rows kernel, "
+                                             f"{str(dtype).removeprefix('torch.')} weights)" if rows else "")
         return self
+
+    @staticmethod
+    def _rows_kernel(linears: list[Linear], dtype: torch.dtype) -> bool:
+        """Whether the plain weight copies for decode's few-row steps fit: at most a quarter of
+        the memory available now (they cost as much as the weights, or half in bf16)."""
+        need = sum(m.weight.numel() for m in linears) * torch.empty((), dtype=dtype).element_size()
+        try:
+            with open("/proc/meminfo") as f:
+                available = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable"))
+        except (OSError, StopIteration):
+            return False
+        return need <= available // 4
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attn, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -191,8 +215,8 @@ class LlamaForCausalLM(nn.Module):
         `attn(layer, q, k, v)` rotates, stores the new K/V and attends over the cached context."""
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, attn, self.native)
+            x, residual = layer.forward(x, residual, attn, self.native)  # no hooks: .forward, not __call__
         if self.rank:
             return None
-        x, _ = self.model.norm(x[logits_indices], residual[logits_indices], self.native)  # rows that sample
-        return self.lm_head(x).float()
+        x, _ = self.model.norm.forward(x[logits_indices], residual[logits_indices], self.native)  # rows that sample
+        return self.lm_head.forward(x).float()

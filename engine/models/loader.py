@@ -88,8 +88,9 @@ def load_config(spec: str | None) -> ModelConfig:
 
 
 def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               seed: int = 0, tp: tuple[int, int] = (0, 1)) -> LlamaForCausalLM:
-    """The model on device in dtype; with tp = (rank, world), rank's tensor-parallel share."""
+               seed: int = 0, tp: tuple[int, int] = (0, 1), compute_dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+    """The model on device in dtype (computing in compute_dtype, default dtype); with tp =
+    (rank, world), rank's tensor-parallel share."""
     path = checkpoint_dir(spec)
     if path is None:
         torch.manual_seed(seed)
@@ -106,7 +107,7 @@ def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: 
             raise ValueError(f"{path}: {exc}") from exc
     if tp[1] > 1:
         model.shard(*tp)
-    return model.prepare(device, dtype)
+    return model.prepare(device, dtype, compute_dtype)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

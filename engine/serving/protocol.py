@@ -65,6 +65,7 @@ class _Request(_SamplingFields):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # OpenAI's end-user id, for the caller's own bookkeeping: it changes nothing
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
+    cache_salt: str | None = None  # vLLM's: cached KV is shared only with requests of the same salt
     use_beam_search: bool = False  # vLLM's: n is the beam width
     length_penalty: float = 1.0
     response_format: ResponseFormat | None = None

@@ -17,6 +17,7 @@ memory.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -30,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import EngineConfig
-from engine.inputs import Prompt
+from engine.inputs import Prompt, check_cache_salt
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.serving.async_engine import SLEEPING, AsyncEngine, EngineDeadError, RequestCancelled
@@ -128,6 +129,14 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
 
+    def salted(prompts: list[Prompt], body) -> list[Prompt]:
+        """The request's cache_salt on each of its prompts."""
+        try:
+            salt = check_cache_salt(body.cache_salt)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc)) from exc
+        return [dataclasses.replace(p, cache_salt=salt) for p in prompts] if salt is not None else prompts
+
     async def tokenize(raw_prompts: list) -> list[Prompt]:
         prompts = []
         for i, raw in enumerate(raw_prompts):
@@ -185,7 +194,7 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
         raw = body.prompts()
         if not raw:
             raise HTTPError(400, "prompt must not be empty")
-        prompts = await tokenize(raw)
+        prompts = salted(await tokenize(raw), body)
         params = await prepare(prompts, body, body.max_tokens, body.logprobs, body.best_of)
         rid = new_id("cmpl")
         echoes = [(p.text if p.text is not None else engine.tokenizer.decode(p.token_ids)) if body.echo else ""
@@ -217,7 +226,7 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
             raise HTTPError(400, "top_logprobs needs logprobs: true")
         try:
             conversation = body.conversation()
-            prompt = await engine.chat_prompt(conversation)
+            prompt, = salted([await engine.chat_prompt(conversation)], body)
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
         for name in ("max_completion_tokens", "max_tokens"):

@@ -13,8 +13,10 @@
 //
 // Compiled once per machine by ext/__init__.py with -O3 -march=native -ffp-contract=off
 // -fopenmp-simd (the elementwise kernels round like torch's ops; the dot products ask for fma
-// or a simd reduction explicitly).
-// Floats are fp32 or bf16 (activations, cache); every accumulation is fp32.
+// or a simd reduction explicitly); VKV_CPU_ISA=avx2|scalar adds -mno-avx512f|-mno-avx, and the
+// vector layer below (`Vec`) follows what the compiler was allowed.
+// Floats are fp32 or bf16 (activations, cache), or fp32 activations over a bf16 cache (bf16 KV
+// where the CPU computes in fp32); every accumulation is fp32.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -30,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -121,10 +124,28 @@ struct Rows {  // where sequence b's positions live in a cache tensor [blocks, r
   }
 };
 
+// n rows of D values from x (row stride lda) into `wide` as fp32, D apart: a bf16 cache's tile
+// for the fp32 GEMM when the activations are fp32.
+template <typename C>
+const float* widen(const C* x, int64_t lda, int64_t n, int64_t D, std::vector<float>& wide) {
+  wide.resize(n * D);
+  for (int64_t j = 0; j < n; ++j) {
+    float* dst = wide.data() + j * D;
+    const C* src = x + j * lda;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dst[d] = load(src[d]);
+  }
+  return wide.data();
+}
+
 // S[r][j] = q_r . k_j for the n keys from k0 (rows of one block), R query rows (unscaled).
-template <typename T>
-void scores(const T* k0, int64_t lda, int64_t n, const T* Q, int64_t R, int64_t D, float* S) {
-  if constexpr (std::is_same_v<T, float>) {
+// T: the queries' type; C: the cache's (T, or bf16 under fp32 queries).
+template <typename T, typename C>
+void scores(const C* k0, int64_t lda, int64_t n, const T* Q, int64_t R, int64_t D, float* S, std::vector<float>& wide) {
+  if constexpr (!std::is_same_v<T, C>) {
+    static_assert(std::is_same_v<T, float>, "a narrower cache is read under fp32 queries");
+    return scores<float, float>(widen(k0, lda, n, D, wide), D, n, Q, R, D, S, wide);
+  } else if constexpr (std::is_same_v<T, float>) {
     if (blas().sgemm) {
       const int m = n, nr = R, kd = D, ld = lda, ldq = D, lds = kKeyBlock;
       const float one = 1.0f, zero = 0.0f;
@@ -140,7 +161,7 @@ void scores(const T* k0, int64_t lda, int64_t n, const T* Q, int64_t R, int64_t 
   }
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < n; ++j) {
-      const T* kr = k0 + j * lda;
+      const C* kr = k0 + j * lda;
       const T* qr = Q + r * D;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -150,9 +171,12 @@ void scores(const T* k0, int64_t lda, int64_t n, const T* Q, int64_t R, int64_t 
 }
 
 // acc[r] += sum_j P[r][j] v_j over the n keys from v0.
-template <typename T>
-void weigh(const T* v0, int64_t lda, int64_t n, const T* P, int64_t R, int64_t D, float* acc) {
-  if constexpr (std::is_same_v<T, float>) {
+template <typename T, typename C>
+void weigh(const C* v0, int64_t lda, int64_t n, const T* P, int64_t R, int64_t D, float* acc, std::vector<float>& wide) {
+  if constexpr (!std::is_same_v<T, C>) {
+    static_assert(std::is_same_v<T, float>, "a narrower cache is read under fp32 queries");
+    return weigh<float, float>(widen(v0, lda, n, D, wide), D, n, P, R, D, acc, wide);
+  } else if constexpr (std::is_same_v<T, float>) {
     if (blas().sgemm) {
       const int md = D, nr = R, kn = n, ld = lda, ldp = kKeyBlock, ldc = D;
       const float one = 1.0f;
@@ -169,7 +193,7 @@ void weigh(const T* v0, int64_t lda, int64_t n, const T* P, int64_t R, int64_t D
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < n; ++j) {
       const float p = load(P[r * kKeyBlock + j]);
-      const T* vr = v0 + j * lda;
+      const C* vr = v0 + j * lda;
       float* a = acc + r * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) a[d] = std::fma(p, load(vr[d]), a[d]);
@@ -181,104 +205,149 @@ void weigh(const T* v0, int64_t lda, int64_t n, const T* P, int64_t R, int64_t D
 // at three rows). Q is fp32 here. Returns false where the vector path does not apply.
 constexpr int64_t kFewRows = 8;
 
+// The vector layer: everything the decode rows need from an ISA, in one place. The rows below
+// are written once over `Vec`; a build for a narrower ISA (ext/__init__.py: VKV_CPU_ISA) swaps
+// this layer alone. kChunk vectors of a row are held at once (D wider than that goes in chunks);
+// kScoreRows / kWeighRows: query rows per pass for chunks of 4 and 8 vectors, by register count.
 #if defined(__AVX512F__)
-template <typename T>
-VKV_INLINE __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
+#define VKV_ISA "avx512"
+struct Vec {
+  using R = __m512;
+  static constexpr int W = 16;
+  static VKV_INLINE R load(const float* p) { return _mm512_loadu_ps(p); }
+  static VKV_INLINE R load(const c10::BFloat16* p) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
-}
+  static VKV_INLINE void store(float* p, R x) { _mm512_storeu_ps(p, x); }
+  static VKV_INLINE R set1(float x) { return _mm512_set1_ps(x); }
+  static VKV_INLINE R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+  static VKV_INLINE R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static VKV_INLINE float sum(R x) { return _mm512_reduce_add_ps(x); }
+};
+constexpr int kScoreRows[2] = {3, 2}, kWeighRows[2] = {6, 3};  // 32 registers
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VKV_ISA "avx2"
+struct Vec {
+  using R = __m256;
+  static constexpr int W = 8;
+  static VKV_INLINE R load(const float* p) { return _mm256_loadu_ps(p); }
+  static VKV_INLINE R load(const c10::BFloat16* p) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+  static VKV_INLINE void store(float* p, R x) { _mm256_storeu_ps(p, x); }
+  static VKV_INLINE R set1(float x) { return _mm256_set1_ps(x); }
+  static VKV_INLINE R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+  static VKV_INLINE R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static VKV_INLINE float sum(R x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+};
+constexpr int kScoreRows[2] = {2, 1}, kWeighRows[2] = {3, 1};  // 16 registers
+#else
+#define VKV_ISA "scalar"
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+constexpr int kChunk = 8;
 
 // Rows far apart (the interleaved layout's stride is a whole token of every layer) defeat the
 // hardware prefetcher, which stops at page boundaries: ask for rows a few keys ahead.
 constexpr int64_t kPrefetch = 6;
-template <typename T>
-VKV_INLINE void prefetch_row(const T* row, int C) {
-  for (int64_t byte = 0; byte < C * 16 * static_cast<int64_t>(sizeof(T)); byte += 64)
+template <typename T, int C>
+VKV_INLINE void prefetch_row(const T* row) {
+  for (int64_t byte = 0; byte < C * Vec::W * static_cast<int64_t>(sizeof(T)); byte += 64)
     _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
 }
 
-// Scores: the query rows stay in registers, RB rows at a time; per key, C fused multiply-adds
-// per row, then one horizontal sum.
+// Scores over C vectors of each row: the query rows stay in registers, RB rows at a time; per
+// key, C fused multiply-adds per row, then one horizontal sum (added to S after the first chunk).
 template <typename T, int C, int RB>
-void scores_rows(const T* k0, int64_t lda, int64_t n, const float* Qf, int64_t D, float* S) {
-  __m512 q[RB][C];
+void scores_rows(const T* k0, int64_t lda, int64_t n, const float* Qf, int64_t D, float* S, bool add) {
+  typename Vec::R q[RB][C];
   for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < C; ++c) q[r][c] = _mm512_loadu_ps(Qf + r * D + 16 * c);
+    for (int c = 0; c < C; ++c) q[r][c] = Vec::load(Qf + r * D + Vec::W * c);
   for (int64_t j = 0; j < n; ++j) {
     const T* kr = k0 + j * lda;
-    if (j + kPrefetch < n) prefetch_row(kr + kPrefetch * lda, C);
-    __m512 k[C];
-    for (int c = 0; c < C; ++c) k[c] = load16(kr + 16 * c);
+    if (j + kPrefetch < n) prefetch_row<T, C>(kr + kPrefetch * lda);
+    typename Vec::R k[C];
+    for (int c = 0; c < C; ++c) k[c] = Vec::load(kr + Vec::W * c);
     for (int r = 0; r < RB; ++r) {
-      __m512 a = _mm512_mul_ps(q[r][0], k[0]);
-      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(q[r][c], k[c], a);
-      S[r * kKeyBlock + j] = _mm512_reduce_add_ps(a);
+      typename Vec::R a = Vec::mul(q[r][0], k[0]);
+      for (int c = 1; c < C; ++c) a = Vec::fmadd(q[r][c], k[c], a);
+      const float dot = Vec::sum(a);
+      S[r * kKeyBlock + j] = add ? S[r * kKeyBlock + j] + dot : dot;
     }
   }
 }
 
-// Weighted values: the accumulators stay in registers, RB rows at a time, across the tile.
-template <typename T, int C, int RB>
-void weigh_rows(const T* v0, int64_t lda, int64_t n, const T* P, int64_t D, float* acc) {
-  __m512 a[RB][C];
+// Weighted values over C vectors of each row: the accumulators stay in registers, RB rows at a
+// time, across the tile.
+template <typename T, typename TP, int C, int RB>
+void weigh_rows(const T* v0, int64_t lda, int64_t n, const TP* P, int64_t D, float* acc) {
+  typename Vec::R a[RB][C];
   for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
+    for (int c = 0; c < C; ++c) a[r][c] = Vec::load(acc + r * D + Vec::W * c);
   for (int64_t j = 0; j < n; ++j) {
     const T* vr = v0 + j * lda;
-    if (j + kPrefetch < n) prefetch_row(vr + kPrefetch * lda, C);
-    __m512 v[C];
-    for (int c = 0; c < C; ++c) v[c] = load16(vr + 16 * c);
+    if (j + kPrefetch < n) prefetch_row<T, C>(vr + kPrefetch * lda);
+    typename Vec::R v[C];
+    for (int c = 0; c < C; ++c) v[c] = Vec::load(vr + Vec::W * c);
     for (int r = 0; r < RB; ++r) {
-      const __m512 p = _mm512_set1_ps(load(P[r * kKeyBlock + j]));
-      for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(p, v[c], a[r][c]);
+      const typename Vec::R p = Vec::set1(load(P[r * kKeyBlock + j]));
+      for (int c = 0; c < C; ++c) a[r][c] = Vec::fmadd(p, v[c], a[r][c]);
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + 16 * c, a[r][c]);
+    for (int c = 0; c < C; ++c) Vec::store(acc + r * D + Vec::W * c, a[r][c]);
 }
 
-// All R rows, RB at a time, for head sizes 64 and 128 (C = D / 16 vectors per row).
-template <int C, int RB, typename Fn1, typename FnRB>
+// All R rows, RB at a time, then the rest one by one.
+template <int RB, typename Fn1, typename FnRB>
 void by_rows(int64_t R, Fn1 one, FnRB many) {
   int64_t r = 0;
   for (; r + RB <= R; r += RB) many(r);
   for (; r < R; ++r) one(r);
 }
 
-template <typename T>
-bool scores_few(const T* k0, int64_t lda, int64_t n, const float* Qf, int64_t R, int64_t D, float* S) {
-  auto run = [&](auto c_tag, auto rb_tag) {
-    constexpr int C = decltype(c_tag)::value, RB = decltype(rb_tag)::value;
-    by_rows<C, RB>(R, [&](int64_t r) { scores_rows<T, C, 1>(k0, lda, n, Qf + r * D, D, S + r * kKeyBlock); },
-                   [&](int64_t r) { scores_rows<T, C, RB>(k0, lda, n, Qf + r * D, D, S + r * kKeyBlock); });
-  };
-  if (D == 64) run(std::integral_constant<int, 4>{}, std::integral_constant<int, 3>{});
-  else if (D == 128) run(std::integral_constant<int, 8>{}, std::integral_constant<int, 2>{});
-  else return false;
+// Head sizes of 4 vectors, or of whole chunks of 8: calls fn(C-tag, column offset) per chunk.
+template <typename Fn>
+bool by_chunks(int64_t D, Fn fn) {
+  if (D == 4 * Vec::W) {
+    fn(std::integral_constant<int, 4>{}, 0);
+    return true;
+  }
+  if (D % (kChunk * Vec::W) != 0) return false;
+  for (int64_t col = 0; col < D; col += kChunk * Vec::W) fn(std::integral_constant<int, kChunk>{}, col);
   return true;
 }
 
 template <typename T>
-bool weigh_few(const T* v0, int64_t lda, int64_t n, const T* P, int64_t R, int64_t D, float* acc) {
-  auto run = [&](auto c_tag, auto rb_tag) {
-    constexpr int C = decltype(c_tag)::value, RB = decltype(rb_tag)::value;
-    by_rows<C, RB>(R, [&](int64_t r) { weigh_rows<T, C, 1>(v0, lda, n, P + r * kKeyBlock, D, acc + r * D); },
-                   [&](int64_t r) { weigh_rows<T, C, RB>(v0, lda, n, P + r * kKeyBlock, D, acc + r * D); });
-  };
-  if (D == 64) run(std::integral_constant<int, 4>{}, std::integral_constant<int, 6>{});
-  else if (D == 128) run(std::integral_constant<int, 8>{}, std::integral_constant<int, 3>{});
-  else return false;
-  return true;
+bool scores_few(const T* k0, int64_t lda, int64_t n, const float* Qf, int64_t R, int64_t D, float* S) {
+  return by_chunks(D, [&](auto c_tag, int64_t col) {
+    constexpr int C = decltype(c_tag)::value, RB = kScoreRows[C == kChunk];
+    const bool add = col > 0;
+    by_rows<RB>(R, [&](int64_t r) { scores_rows<T, C, 1>(k0 + col, lda, n, Qf + r * D + col, D, S + r * kKeyBlock, add); },
+                [&](int64_t r) { scores_rows<T, C, RB>(k0 + col, lda, n, Qf + r * D + col, D, S + r * kKeyBlock, add); });
+  });
+}
+
+template <typename T, typename TP>
+bool weigh_few(const T* v0, int64_t lda, int64_t n, const TP* P, int64_t R, int64_t D, float* acc) {
+  return by_chunks(D, [&](auto c_tag, int64_t col) {
+    constexpr int C = decltype(c_tag)::value, RB = kWeighRows[C == kChunk];
+    by_rows<RB>(R, [&](int64_t r) { weigh_rows<T, TP, C, 1>(v0 + col, lda, n, P + r * kKeyBlock, D, acc + r * D + col); },
+                [&](int64_t r) { weigh_rows<T, TP, C, RB>(v0 + col, lda, n, P + r * kKeyBlock, D, acc + r * D + col); });
+  });
 }
 #else
 template <typename T>
 bool scores_few(const T*, int64_t, int64_t, const float*, int64_t, int64_t, float*) { return false; }
-template <typename T>
-bool weigh_few(const T*, int64_t, int64_t, const T*, int64_t, int64_t, float*) { return false; }
+template <typename T, typename TP>
+bool weigh_few(const T*, int64_t, int64_t, const TP*, int64_t, int64_t, float*) { return false; }
 #endif
 
 // One work item: query positions [q_lo, q_hi) of one sequence, every query head, keys [k_lo,
@@ -286,11 +355,11 @@ bool weigh_few(const T*, int64_t, int64_t, const T*, int64_t, int64_t, float*) {
 // so the heads are taken in turn while the tile is in cache. Per tile and KV head: scores of
 // its G query heads, causal mask, an online softmax that folds the tile into each row's running
 // (max, sum, weighted V). Writes normalized output, or (m, l, acc) for a later merge.
-template <typename T>
-void attend_item(const Item& it, const T* q, int64_t sq_t, int64_t sq_h, const Rows<T>& K, const Rows<T>& V,
+template <typename T, typename C>
+void attend_item(const Item& it, const T* q, int64_t sq_t, int64_t sq_h, const Rows<C>& K, const Rows<C>& V,
                  const int32_t* q_start, const int32_t* q_len, const int32_t* ctx_len, int64_t Hkv, int64_t G,
                  int64_t D, float scale, T* out, int64_t so_t, int64_t so_h, float* partials,
-                 std::vector<float>& buf) {
+                 std::vector<float>& buf, std::vector<float>& wide) {
   const int64_t b = it.seq, nq = it.q_hi - it.q_lo, R = nq * G, rows = Hkv * R;  // row = (head, query, group)
   const int64_t first_pos = ctx_len[b] - q_len[b];  // absolute position of query 0
   const int64_t t_floats = (sizeof(T) * (rows * D + R * kKeyBlock) + sizeof(float) - 1) / sizeof(float);
@@ -318,8 +387,9 @@ void attend_item(const Item& it, const T* q, int64_t sq_t, int64_t sq_h, const R
   for (int64_t k0 = it.k_lo; k0 < k_end;) {
     const int64_t n = std::min({kKeyBlock, k_end - k0, K.block_size - row});
     for (int64_t h = 0; h < Hkv; ++h) {
-      const T* kp = K.row(b, block, row, h);
-      if (!(few && scores_few(kp, K.s_row, n, Qf + h * R * D, R, D, S))) scores(kp, K.s_row, n, Q + h * R * D, R, D, S);
+      const C* kp = K.row(b, block, row, h);
+      if (!(few && scores_few(kp, K.s_row, n, Qf + h * R * D, R, D, S)))
+        scores<T, C>(kp, K.s_row, n, Q + h * R * D, R, D, S, wide);
       for (int64_t r = 0; r < R; ++r) {
         const int64_t visible = std::clamp<int64_t>(first_pos + it.q_lo + r / G + 1 - k0, 0, n);  // causal
         const float* s = S + r * kKeyBlock;
@@ -344,8 +414,9 @@ void attend_item(const Item& it, const T* q, int64_t sq_t, int64_t sq_h, const R
           for (int64_t d = 0; d < D; ++d) a[d] *= correction;
         }
       }
-      const T* vp = V.row(b, block, row, h);
-      if (!(few && weigh_few(vp, V.s_row, n, P, R, D, acc + h * R * D))) weigh(vp, V.s_row, n, P, R, D, acc + h * R * D);
+      const C* vp = V.row(b, block, row, h);
+      if (!(few && weigh_few(vp, V.s_row, n, P, R, D, acc + h * R * D)))
+        weigh<T, C>(vp, V.s_row, n, P, R, D, acc + h * R * D, wide);
     }
     k0 += n;
     row += n;
@@ -372,7 +443,7 @@ void attend_item(const Item& it, const T* q, int64_t sq_t, int64_t sq_h, const R
     }
 }
 
-template <typename T>
+template <typename T, typename C>
 void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_table, int64_t block_size, const at::Tensor& q_start,
                     const at::Tensor& q_len, const at::Tensor& ctx_len, double scale, at::Tensor& out) {
@@ -381,9 +452,9 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int32_t* ql = q_len.data_ptr<int32_t>();
   const int32_t* cl = ctx_len.data_ptr<int32_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
-  const Rows<T> K{k_cache.data_ptr<T>(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table,
+  const Rows<C> K{k_cache.data_ptr<C>(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table,
                   block_table.stride(0), block_size};
-  const Rows<T> V{v_cache.data_ptr<T>(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table,
+  const Rows<C> V{v_cache.data_ptr<C>(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table,
                   block_table.stride(0), block_size};
   // Work: every (sequence, block of query positions). When that is too little to keep the
   // threads busy (a few long decodes), decode items split their keys and merge after.
@@ -402,7 +473,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     int64_t parts = 0;
     for (const auto& it : items) {
       const int64_t keys = cl[it.seq];
-      const int64_t n = std::min<int64_t>(want / static_cast<int64_t>(items.size()) + 1, keys / 256);
+      const int64_t n = std::min<int64_t>(want / static_cast<int64_t>(items.size()) + 1, keys / 128);
       if (ql[it.seq] != 1 || n < 2) {
         split.push_back(it);
         continue;
@@ -425,11 +496,11 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   std::atomic<int64_t> next{0};
   const int64_t total = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min(threads, total), 1, [&](int64_t, int64_t) {
-    std::vector<float> buf;
+    std::vector<float> buf, wide;
     const int previous = blas().local_threads ? blas().local_threads(1) : 0;  // the pool is ours
     for (int64_t i = next++; i < total; i = next++)
-      attend_item<T>(items[i], qp, sq_t, sq_h, K, V, qs, ql, cl, Hkv, G, D, static_cast<float>(scale), op, so_t,
-                     so_h, partials.data(), buf);
+      attend_item<T, C>(items[i], qp, sq_t, sq_h, K, V, qs, ql, cl, Hkv, G, D, static_cast<float>(scale), op,
+                        so_t, so_h, partials.data(), buf, wide);
     if (blas().local_threads) blas().local_threads(previous);
   });
   // Split decodes: out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c, per query head.
@@ -451,9 +522,12 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     }
 }
 
+// A cache holds q's dtype, or bf16 under fp32 activations (bf16 KV where the CPU computes in fp32).
 void check_cache(const at::Tensor& q, const at::Tensor& cache, const char* name) {
   TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1, name, " must be [blocks, rows, heads, D] with D contiguous");
-  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), name, " and q must share a dtype");
+  TORCH_CHECK(cache.scalar_type() == q.scalar_type() ||
+                  (q.scalar_type() == at::kFloat && cache.scalar_type() == at::kBFloat16),
+              name, " must hold q's dtype, or bf16 under fp32 q");
   TORCH_CHECK(cache.size(3) == q.size(2) && q.size(1) % cache.size(2) == 0, name, ": head shapes do not fit q");
 }
 
@@ -466,16 +540,32 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   check_cache(q, v_cache, "v_cache");
   for (const auto* t : {&block_table, &q_start, &q_len, &ctx_len})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "index tensors must be contiguous int32");
-  if (q.scalar_type() == at::kFloat)
-    attention_impl<float>(q, k_cache, v_cache, block_table, block_size, q_start, q_len, ctx_len, scale, out);
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
+  const bool narrow = k_cache.scalar_type() != q.scalar_type();
+  if (q.scalar_type() == at::kFloat && narrow)
+    attention_impl<float, c10::BFloat16>(q, k_cache, v_cache, block_table, block_size, q_start, q_len, ctx_len, scale,
+                                         out);
+  else if (q.scalar_type() == at::kFloat)
+    attention_impl<float, float>(q, k_cache, v_cache, block_table, block_size, q_start, q_len, ctx_len, scale, out);
   else if (q.scalar_type() == at::kBFloat16)
-    attention_impl<c10::BFloat16>(q, k_cache, v_cache, block_table, block_size, q_start, q_len, ctx_len, scale, out);
+    attention_impl<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, block_table, block_size, q_start, q_len,
+                                                 ctx_len, scale, out);
   else
     TORCH_CHECK(false, "vkv attention runs fp32 and bf16, not ", q.scalar_type());
 }
 
 // ---------------------------------------------------------------------------------------------
-template <typename T>
+// D values into a cache row: a copy, or rounded to the cache's narrower type (nearest even).
+template <typename C, typename T>
+VKV_INLINE void put(C* dst, const T* src, int64_t D) {
+  if constexpr (std::is_same_v<C, T>) {
+    std::memcpy(dst, src, D * sizeof(T));
+  } else {
+    for (int64_t d = 0; d < D; ++d) store(dst + d, load(src[d]));
+  }
+}
+
+template <typename T, typename C>
 void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                      const at::Tensor& cos_sin, at::Tensor& k_cache, at::Tensor& v_cache,
                      const at::Tensor& block_table, int64_t block_size, const at::Tensor& token_seq) {
@@ -487,8 +577,8 @@ void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at
   T* qp = q.data_ptr<T>();
   T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  C* kc = k_cache.data_ptr<C>();
+  C* vc = v_cache.data_ptr<C>();
   // strides read once: TensorBase::stride() is a call, not a load
   const int64_t s_cs = cos_sin.stride(0), s_table = block_table.stride(0);
   const int64_t sq_t = q.stride(0), sq_h = q.stride(1), sk_t = k.stride(0), sk_h = k.stride(1);
@@ -514,8 +604,8 @@ void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at
       for (int64_t h = 0; h < Hkv; ++h) {
         T* kr = kp + t * sk_t + h * sk_h;
         rotate(kr);
-        std::memcpy(kc + block * skc_b + row * skc_r + h * skc_h, kr, D * sizeof(T));
-        std::memcpy(vc + block * svc_b + row * svc_r + h * svc_h, vp + t * sv_t + h * sv_h, D * sizeof(T));
+        put(kc + block * skc_b + row * skc_r + h * skc_h, kr, D);
+        put(vc + block * svc_b + row * svc_r + h * svc_h, vp + t * sv_t + h * sv_h, D);
       }
     }
   });
@@ -530,11 +620,15 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
   TORCH_CHECK(cos_sin.scalar_type() == q.scalar_type() && k.scalar_type() == q.scalar_type(), "dtypes must match");
   check_cache(q, k_cache, "k_cache");
   check_cache(q, v_cache, "v_cache");
-  if (q.scalar_type() == at::kFloat)
-    rope_store_impl<float>(q, k, v, positions, cos_sin, k_cache, v_cache, block_table, block_size, token_seq);
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
+  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)
+    rope_store_impl<float, c10::BFloat16>(q, k, v, positions, cos_sin, k_cache, v_cache, block_table, block_size,
+                                          token_seq);
+  else if (q.scalar_type() == at::kFloat)
+    rope_store_impl<float, float>(q, k, v, positions, cos_sin, k_cache, v_cache, block_table, block_size, token_seq);
   else if (q.scalar_type() == at::kBFloat16)
-    rope_store_impl<c10::BFloat16>(q, k, v, positions, cos_sin, k_cache, v_cache, block_table, block_size,
-                                   token_seq);
+    rope_store_impl<c10::BFloat16, c10::BFloat16>(q, k, v, positions, cos_sin, k_cache, v_cache, block_table,
+                                                  block_size, token_seq);
   else
     TORCH_CHECK(false, "rope_store runs fp32 and bf16");
 }
@@ -614,15 +708,165 @@ void silu_and_mul(const at::Tensor& gate_up, at::Tensor out) {
     TORCH_CHECK(false, "silu_and_mul runs fp32 and bf16");
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// out = x W^T (+ bias) for a few rows of x (decode): W [N, K] fp32 or bf16 in its checkpoint
+// layout, x and out fp32. With few rows a projection reads every weight once and does little
+// arithmetic on it, so it is bound by memory bandwidth: each thread streams its share of W's
+// rows once, NB rows at a time, and dots them with up to 4 rows of x held in L1. Blocks of
+// (rows of x) x (rows of W) keep MB x NB accumulators in registers (8-9: enough independent
+// FMA chains to cover their latency). bf16 weights are widened as they are loaded: half the
+// bytes of fp32 for the same arithmetic.
+constexpr int64_t kLinearRows = 4;  // rows of x per block; more rows read W again (from cache)
+
+// bf16 weights are widened without shuffles: a vector of 2W bf16 read as W 32-bit lanes holds
+// element 2i in its low half and 2i+1 in its high half, so a shift gives the even elements as
+// fp32 and a mask the odd ones. x is permuted to match once per call (`xe`: per block of 2W,
+// its even elements then its odd ones), so each weight costs one load, one shift or mask, and
+// one FMA per row.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
+VKV_INLINE void load_pairs(const c10::BFloat16* p, __m512& even, __m512& odd) {
+  const __m512i raw = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+#else
+VKV_INLINE void load_pairs(const c10::BFloat16* p, __m256& even, __m256& odd) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+#endif
+constexpr int64_t kPairBlock = 2 * Vec::W;  // bf16 weights per even/odd pair of vectors
+#else
+constexpr int64_t kPairBlock = 0;  // no vector layer: no permutation
+#endif
+
+// out[m][j] = x_m . w_j (+ bias_j) for MB rows of x and NB rows of W. xe: x permuted for bf16
+// weights (see above), else x itself.
+template <typename TW, int MB, int NB>
+VKV_INLINE void linear_block(const float* x, const float* xe, int64_t K, const TW* w, const float* bias, float* out,
+                             int64_t N) {
+  int64_t k = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  typename Vec::R acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = Vec::set1(0.0f);
+  if constexpr (std::is_same_v<TW, float>) {
+    for (; k + Vec::W <= K; k += Vec::W) {
+      typename Vec::R xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = Vec::load(x + m * K + k);
+      for (int j = 0; j < NB; ++j) {
+        const typename Vec::R wv = Vec::load(w + j * K + k);
+        for (int m = 0; m < MB; ++m) acc[m][j] = Vec::fmadd(xv[m], wv, acc[m][j]);
+      }
+    }
+  } else {
+    for (; k + kPairBlock <= K; k += kPairBlock) {
+      typename Vec::R xa[MB], xb[MB];
+      for (int m = 0; m < MB; ++m) {
+        xa[m] = Vec::load(xe + m * K + k);
+        xb[m] = Vec::load(xe + m * K + k + Vec::W);
+      }
+      for (int j = 0; j < NB; ++j) {
+        typename Vec::R even, odd;
+        load_pairs(w + j * K + k, even, odd);
+        for (int m = 0; m < MB; ++m) acc[m][j] = Vec::fmadd(xb[m], odd, Vec::fmadd(xa[m], even, acc[m][j]));
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) {
+      float dot = Vec::sum(acc[m][j]);
+      for (int64_t kk = k; kk < K; ++kk) dot += x[m * K + kk] * load(w[j * K + kk]);
+      out[m * N + j] = bias ? dot + bias[j] : dot;
+    }
+#else
+  (void)xe;
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) {
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t kk = 0; kk < K; ++kk) dot += x[m * K + kk] * load(w[j * K + kk]);
+      out[m * N + j] = bias ? dot + bias[j] : dot;
+    }
+#endif
+}
+
+// Rows [n_lo, n_hi) of W against MB rows of x: NB rows of W at a time, then one by one.
+template <typename TW, int MB, int NB>
+void linear_strip(const float* x, const float* xe, int64_t K, const TW* w, const float* bias, float* out, int64_t N,
+                  int64_t n_lo, int64_t n_hi) {
+  int64_t n = n_lo;
+  for (; n + NB <= n_hi; n += NB)
+    linear_block<TW, MB, NB>(x, xe, K, w + n * K, bias ? bias + n : nullptr, out + n, N);
+  for (; n < n_hi; ++n) linear_block<TW, MB, 1>(x, xe, K, w + n * K, bias ? bias + n : nullptr, out + n, N);
+}
+
+template <typename TW>
+void linear_rows_impl(const at::Tensor& x, const at::Tensor& weight, const float* bias, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const float* xp = x.data_ptr<float>();
+  const TW* wp = weight.data_ptr<TW>();
+  float* op = out.data_ptr<float>();
+  std::vector<float> permuted;
+  const float* xe = xp;
+  if (std::is_same_v<TW, c10::BFloat16> && kPairBlock) {  // even elements then odd ones, per block
+    permuted.assign(xp, xp + M * K);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k + kPairBlock <= K; k += kPairBlock)
+        for (int64_t i = 0; i < kPairBlock / 2; ++i) {
+          permuted[m * K + k + i] = xp[m * K + k + 2 * i];
+          permuted[m * K + k + kPairBlock / 2 + i] = xp[m * K + k + 2 * i + 1];
+        }
+    xe = permuted.data();
+  }
+  at::parallel_for(0, N, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t m = 0; m < M; m += kLinearRows) {
+      const float* xm = xp + m * K;
+      const float* xem = xe + m * K;
+      float* om = op + m * N;
+      switch (std::min<int64_t>(kLinearRows, M - m)) {
+        case 1: linear_strip<TW, 1, 8>(xm, xem, K, wp, bias, om, N, lo, hi); break;
+        case 2: linear_strip<TW, 2, 4>(xm, xem, K, wp, bias, om, N, lo, hi); break;
+        case 3: linear_strip<TW, 3, 3>(xm, xem, K, wp, bias, om, N, lo, hi); break;
+        default: linear_strip<TW, 4, 2>(xm, xem, K, wp, bias, om, N, lo, hi); break;
+      }
+    }
+  });
+}
+
+void linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be [rows, K] fp32 contiguous");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
+              "weight must be [N, K] contiguous");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == x.size(0) &&
+              out.size(1) == weight.size(0), "out must be [rows, N] fp32 contiguous");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == weight.size(0)),
+              "bias must be [N] fp32");
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  if (weight.scalar_type() == at::kFloat)
+    linear_rows_impl<float>(x, weight, b, out);
+  else if (weight.scalar_type() == at::kBFloat16)
+    linear_rows_impl<c10::BFloat16>(x, weight, b, out);
+  else
+    TORCH_CHECK(false, "linear_rows reads fp32 or bf16 weights");
+}
+
 }  // namespace
 
+std::string isa() { return VKV_ISA; }
+
 TORCH_LIBRARY(vkv, m) {
+  m.def("isa() -> str", &isa);  // which vector layer this build has
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int block_size, "
         "Tensor q_start, Tensor q_len, Tensor ctx_len, float scale, Tensor(a!) out) -> ()");
   m.def("rope_store(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos_sin, Tensor(c!) k_cache, "
         "Tensor(d!) v_cache, Tensor block_table, int block_size, Tensor token_seq) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vkv, CPU, m) {
@@ -630,4 +874,5 @@ TORCH_LIBRARY_IMPL(vkv, CPU, m) {
   m.impl("rope_store", &rope_store);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("linear_rows", &linear_rows);
 }

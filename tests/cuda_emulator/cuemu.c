@@ -377,6 +377,7 @@ EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGener
     CUresult r = enter("cuMemMap");
     struct alloc *a = r ? NULL : lookup(handle);
     if (!r && (flags || offset || !size || ptr % GRANULARITY || size % GRANULARITY || !a || size > a->size ||
+               a->handle_refs <= 0 || /* released: its memory may live on in old mappings, the handle does not */
                !reservation_holding(ptr, size) || overlaps_mappings(ptr, size)))
         r = CUDA_ERROR_INVALID_VALUE;
     if (!r && mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, g_memfd, (off_t)a->off) == MAP_FAILED)

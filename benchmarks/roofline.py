@@ -1,0 +1,100 @@
+"""The machine's limits, measured where the benchmark runs, and a model's cost per token.
+
+    memory bandwidth   a STREAM triad (a = b + s*c) over arrays far larger than the caches, all
+                       threads; bytes = 3 arrays (the write-allocate is not counted, as STREAM)
+    FMA peak           cores x clock x FMA units x fp32 lanes x 2 (the clock from /proc/cpuinfo;
+                       FMA units: 2 on Zen 2+ and on Xeons with two AVX-512 ports, else given)
+    best GEMM          oneDNN with packed weights (what the engine's projections run) at a large
+                       shape, fp32 and bf16 (bf16 where this CPU runs it natively; else the plain
+                       emulated matmul, for the record)
+
+Bounds for a decoder model: single-stream decode reads every weight byte and the KV rows of its
+context once per token, so tokens/s <= bandwidth / bytes per token; a large batch is bound by
+FLOPs per token (2 per weight of every projection and the LM head, plus 4 x context x heads x
+head_dim per layer for attention) against the FMA peak.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+import ext
+
+
+def stream_triad_gbps(mib: int = 256, repeats: int = 5) -> float:
+    n = (mib << 20) // 4
+    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        best = min(best, time.perf_counter() - start)
+    return 3 * n * 4 / best / 1e9
+
+
+def clock_ghz() -> float:
+    try:
+        with open("/proc/cpuinfo") as f:
+            mhz = [float(line.split(":")[1]) for line in f if line.startswith("cpu MHz")]
+        return max(mhz) / 1e3 if mhz else 0.0
+    except OSError:
+        return 0.0
+
+
+def fma_peak_gflops(fma_units: int = 2) -> dict:
+    lanes = {"avx512": 16, "avx2": 8, "scalar": 4}[ext.native_isa()]
+    cores, ghz = torch.get_num_threads(), clock_ghz()
+    return {"gflops": cores * ghz * fma_units * lanes * 2, "cores": cores, "clock_ghz": ghz, "fma_units": fma_units,
+            "fp32_lanes": lanes}
+
+
+def gemm_gflops(dtype: torch.dtype, m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5) -> dict:
+    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 128)
+        run, path = (lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")), "oneDNN packed"
+    except RuntimeError:
+        run, path = (lambda: x @ w.T), "torch matmul (no native bf16: emulated)"
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return {"gflops": 2 * m * k * n / best / 1e9, "path": path, "shape": [m, k, n]}
+
+
+def machine_limits(fma_units: int | None = None) -> dict:
+    units = fma_units or int(os.environ.get("VKV_FMA_UNITS", 2))
+    return {"stream_triad_gbps": stream_triad_gbps(), "fma_peak": fma_peak_gflops(units),
+            "gemm_fp32": gemm_gflops(torch.float32), "gemm_bf16": gemm_gflops(torch.bfloat16)}
+
+
+def model_costs(cfg, weight_itemsize: int, kv_itemsize: int, context: int) -> dict:
+    """Bytes read and FLOPs per generated token at `context` tokens of context, with weights read
+    at weight_itemsize bytes each (what the GEMMs read) and K/V at kv_itemsize."""
+    weights = sum(projection_weights(cfg))
+    return {"bytes_per_token": weights * weight_itemsize + context * cfg.kv_bytes_per_token(kv_itemsize),
+            "flops_per_token": 2 * weights + 4 * context * cfg.num_heads * cfg.head_dim * cfg.num_layers,
+            "context": context}
+
+
+def projection_weights(cfg) -> list[int]:
+    """Weights of every GEMM of one token: per layer QKV, O, gate/up, down; then the LM head."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * i
+    return [per_layer] * cfg.num_layers + [cfg.vocab_size * h]
+
+
+def fractions(limits: dict, costs: dict, single_tok_per_s: float, batch_tok_per_s: float) -> dict:
+    """Single stream against the bandwidth bound; batch (all tokens, prompt and output, per
+    second) against the FMA peak and the best GEMM."""
+    bandwidth = limits["stream_triad_gbps"] * 1e9
+    batch_gflops = costs["flops_per_token"] * batch_tok_per_s / 1e9
+    return {"single_bandwidth_bound_tok_per_s": bandwidth / costs["bytes_per_token"],
+            "single_fraction_of_bandwidth_bound": single_tok_per_s * costs["bytes_per_token"] / bandwidth,
+            "batch_gflops": batch_gflops,
+            "batch_fraction_of_fma_peak": batch_gflops / limits["fma_peak"]["gflops"],
+            "batch_fraction_of_best_gemm": batch_gflops / limits["gemm_fp32"]["gflops"]}

@@ -1,0 +1,86 @@
+"""Every CPU runs every dtype: bf16 on a CPU without native bf16 keeps bf16 weights' values and a
+bf16 KV cache but computes in fp32; a GEMM path oneDNN refuses falls back instead of crashing;
+the engine says which paths run and why. Each test forces the narrower path, so any machine
+checks it."""
+import pytest
+import torch
+
+import ext
+from engine import LLM, SamplingParams
+from engine.models.linear import Linear
+from helpers import assert_pool_whole
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "A list of prime numbers: 2, 3, 5,"]
+
+
+def tokens(llm, prompts=PROMPTS, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture
+def no_native_bf16(monkeypatch):
+    monkeypatch.setattr(ext, "bf16_gemm", lambda: (False, "forced by the test"))
+
+
+def test_bf16_without_native_bf16_runs_in_fp32_over_a_bf16_cache(no_native_bf16):
+    llm = LLM(dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=4)
+    platform = llm.stats().platform
+    assert platform["compute_dtype"] == "float32" and platform["kv_dtype"] == "bfloat16"
+    assert "forced by the test" in platform["compute_reason"] and "float32" in platform["gemm"]
+    assert {c.dtype for c in llm.engine.kv.k_caches} == {torch.bfloat16}
+    weights = [p for p in llm.engine.model.parameters() if p.numel() > 1]
+    assert all(p.dtype == torch.float32 and torch.equal(p, p.bfloat16().float()) for p in weights)  # bf16 values
+    got = tokens(llm)
+    fp32 = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
+    assert llm.engine.kv.token_bytes * 2 == fp32.engine.kv.token_bytes
+    want = tokens(fp32)
+    assert sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) >= 0.8 * sum(map(len, want))
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    assert "Paris" in out.text
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "paged"])
+def test_the_native_kernels_equal_the_reference_over_a_bf16_cache(no_native_bf16, layout):
+    """fp32 activations over a bf16 cache: the native kernels and the sdpa reference read the
+    same rounded K and V, so greedy tokens agree."""
+    options = dict(model="random:tiny", dtype="bfloat16", kv_layout=layout,
+                   kv_cache_memory=4 << 20, page_size=4096, max_num_seqs=4)
+    prompts = [[1, 2, 3, 4, 5] * 7, [7, 8, 9], list(range(10, 60))]
+    native, reference = LLM(**options), LLM(**options, attention_backend="sdpa")
+    assert native.stats().attention_backend == "native" or ext.cpu_kernels() is None
+    assert tokens(native, prompts) == tokens(reference, prompts)
+
+
+def test_the_platform_says_bf16_runs_natively_only_where_the_cpu_has_it():
+    llm = LLM(model="random:tiny", dtype="bfloat16", kv_cache_memory=1 << 20, page_size=4096)
+    native, why = ext.bf16_gemm()
+    assert llm.stats().platform["compute_dtype"] == ("bfloat16" if native else "float32"), why
+    assert tokens(llm, [[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True)) != [[]]
+
+
+def test_a_gemm_onednn_refuses_falls_back_instead_of_crashing(monkeypatch):
+    def refuse(*args):
+        raise RuntimeError("mkldnn_reorder_linear_weight: this path needs a CPU feature")
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    layer = Linear(16, 8)
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(3, 16)
+    want = x @ layer.weight.T
+    assert layer.pack().startswith("torch F.linear (oneDNN refused")
+    torch.testing.assert_close(layer(x), want)
+    llm = LLM(model="random:tiny", kv_cache_memory=1 << 20, page_size=4096, seed=7)  # weights no other test shares
+    assert "oneDNN refused" in llm.stats().platform["gemm"]
+    assert len(tokens(llm, [[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0]) == 3
+
+
+def test_an_isa_the_cpu_lacks_is_refused_with_the_reason(monkeypatch):
+    monkeypatch.setattr(ext, "native_isa", lambda: "avx2")
+    for asked, want in (("avx512", "avx2"), ("avx2", "avx2"), ("scalar", "scalar"), ("sse9", "avx2")):
+        monkeypatch.setenv("VKV_CPU_ISA", asked)
+        ext.kernel_isa.cache_clear()
+        isa, why = ext.kernel_isa()
+        assert isa == want and (asked in why or asked == want), (asked, isa, why)
+    ext.kernel_isa.cache_clear()

@@ -1,0 +1,39 @@
+"""Every `vkv` command the README shows exists and answers --help; `vkv profile-mapping` runs."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = sorted(set(re.findall(r"(?:^[ \t]+|`)(?:\.venv/bin/)?vkv ([a-z][a-z-]+)", (ROOT / "README.md").read_text(),
+                                 re.MULTILINE)))
+
+
+def vkv(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "from engine.cli import main; main()", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_the_readme_shows_the_commands():
+    assert {"generate", "serve", "profile-mapping"} <= set(COMMANDS), COMMANDS
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_readme_command_answers_help(command):
+    done = vkv(command, "--help")
+    assert done.returncode == 0 and "usage: vkv " + command in done.stdout, done.stderr[-1000:]
+
+
+def test_profile_mapping_sweeps_page_sizes_and_writes_json_and_plot(tmp_path):
+    done = vkv("profile-mapping", "--backend", "host", "--pages", "8", "--repeats", "2", "--page-sizes", "4096,65536",
+               "--json", str(tmp_path / "m.json"), "--plot", str(tmp_path / "m.png"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "m.json").read_text())
+    assert [r["page_size"] for r in result["sweep"]] == [4096, 65536]
+    assert all(r["per_page"]["map"]["n"] == 8 for r in result["sweep"]) and result["machine"]["cpu_model"]
+    assert (tmp_path / "m.png").stat().st_size > 10_000
+    bad = vkv("profile-mapping", "--page-sizes", "4k")
+    assert bad.returncode == 2 and "--page-sizes" in bad.stderr
