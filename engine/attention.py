@@ -162,6 +162,15 @@ class StepAttention:
             out[start:start + q_len] = sdpa_sequence(q[start:start + q_len], keys, values, self.window, first)
         return out
 
+    def native_args(self, layer: int) -> tuple | None:
+        """What the native `decode_layer` needs of this step for `layer` (after the layer's
+        weights), or None where this step's attention is not the native kernel's."""
+        if self.kernel != "native" or self.window:
+            return None
+        b, k_cache = self.batch, self.k_caches[layer]
+        return (b.positions, self.cos_sin, k_cache, self.v_caches[layer], b.block_table, b.block_size, b.token_seq,
+                b.q_start, b.q_len, b.ctx_len, k_cache.shape[-1] ** -0.5)
+
     def _padded_groups(self) -> list[tuple]:
         """flash_attn_with_kvcache takes q as [batch, q_len, H, D]: decodes go in one call, the
         other sequences in a second with their queries left-padded to the longest (padding

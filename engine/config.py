@@ -25,7 +25,7 @@ class EngineConfig:
     model: str | None = None
     device: str | None = None  # cpu | cuda[:N]; default: cuda when present
     dtype: str | torch.dtype | None = None  # default: bf16 on cuda, fp32 on cpu
-    kv_layout: str = "interleaved"
+    kv_layout: str | None = None  # default: per_layer on the CPU, interleaved on a GPU (see below)
     kv_cache_memory: int | None = None  # bytes of physical KV pages; default below
     gpu_memory_utilization: float = 0.9  # share of free GPU memory for KV when no byte budget
     page_size: int | None = None  # bytes; default: 2 MiB on cuda, 64 KiB on the host
@@ -56,6 +56,12 @@ class EngineConfig:
             if self.dtype not in DTYPES:
                 raise ValueError(f"unknown dtype {self.dtype!r}: choose one of {sorted(DTYPES)}")
             self.dtype = DTYPES[self.dtype]
+        if self.kv_layout is None:
+            # Measured on the CPU (AVX2 EPYC, 32 ShareGPT requests): per_layer 124.5 output tok/s,
+            # interleaved 109.4. The host maps 4 KiB page-table entries, and an interleaved token
+            # row (every layer's K and V) puts each key of a layer on its own page: a TLB miss per
+            # key. On a GPU, 2 MiB pages make interleaved's one-map-per-page the better trade.
+            self.kv_layout = "interleaved" if self.device.type == "cuda" else "per_layer"
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"unknown kv_layout {self.kv_layout!r}: choose one of {KV_LAYOUTS}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -138,7 +144,8 @@ class EngineConfig:
                        "(default: the bundled SmolLM2-135M-Instruct)")
         g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
         g.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
-        g.add_argument("--kv-layout", default=EngineConfig.kv_layout, choices=KV_LAYOUTS)
+        g.add_argument("--kv-layout", default=None, choices=KV_LAYOUTS,
+                       help="default: per_layer on the CPU, interleaved on a GPU")
         g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pages (default: 1 GiB "
                        "on the CPU, gpu-memory-utilization of free memory on a GPU)")
         g.add_argument("--page-size", type=int, default=None, help="bytes per physical page")

@@ -84,3 +84,27 @@ def test_an_isa_the_cpu_lacks_is_refused_with_the_reason(monkeypatch):
         isa, why = ext.kernel_isa()
         assert isa == want and (asked in why or asked == want), (asked, isa, why)
     ext.kernel_isa.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_layer_in_one_native_call_equals_the_layer_by_layer_path(dtype):
+    """Steps of a few rows run each decoder layer as one native call (`decode_layer`): the same
+    kernels in the same order as the layer-by-layer path, so the same logprobs to the bit."""
+    if ext.cpu_kernels() is None:
+        pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
+    llm = LLM(dtype=dtype, kv_cache_memory=16 << 20, max_num_seqs=4)
+    model = llm.engine.model
+    assert model.decode, "the one-call path should be on for the bundled model on the CPU"
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    prompts = PROMPTS[:3]  # three at once: steps of 3 rows, then fewer
+
+    def run():
+        return [[(lp.token_id, lp.logprob, lp.top) for lp in o.outputs[0].logprobs]
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    fused = run()
+    weights, model.decode = model.decode, []
+    try:
+        assert run() == fused
+    finally:
+        model.decode = weights

@@ -101,7 +101,7 @@ def test_unknown_model_and_bad_options_fail_clearly():
 
 
 def test_request_larger_than_the_whole_kv_budget_is_refused():
-    small = LLM(kv_cache_memory=20 * 65536)
+    small = LLM(kv_layout="interleaved", kv_cache_memory=20 * 65536)  # 28 tokens
     with pytest.raises(ValueError, match="KV budget"):
         small.generate("Hello " * 10, SamplingParams(max_tokens=100), use_tqdm=False)
     assert small.generate("Hello", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids

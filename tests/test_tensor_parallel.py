@@ -78,7 +78,8 @@ def test_three_ranks_on_smollm2_equal_one_rank(kv_layout, reference):
 def test_two_ranks_swap_and_sleep_in_lockstep():
     # random:tiny: 4 query heads, 2 KV heads, MLP 128 wide; random weights, same on every rank.
     # Per rank 5 pages of 16 tokens: two of these 38-token sequences at a time, then swapping.
-    config = dict(model="random:tiny", kv_cache_memory=2 * 5 * 4096, page_size=4096, max_num_seqs=4)
+    config = dict(model="random:tiny", kv_layout="interleaved", kv_cache_memory=2 * 5 * 4096, page_size=4096,
+                  max_num_seqs=4)
     prompts = [[5 + i, 17, 300 + i, 41, 9, 1000 + 3 * i] * 3 for i in range(4)]
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     one = LLM(**config | {"kv_cache_memory": 1 << 20})

@@ -120,6 +120,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def decode_weights(self) -> tuple:
+        """The layer's weights as the native `decode_layer` takes them (rows-kernel copies)."""
+        a, m = self.self_attn, self.mlp
+        return (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
+                a.qkv_proj.rows_weight, a.qkv_proj.bias, a.o_proj.rows_weight, m.gate_up_proj.rows_weight,
+                m.down_proj.rows_weight, a.num_heads, a.num_kv_heads)
+
     def forward(self, x, residual, attn, native: bool):
         x, residual = self.input_layernorm.forward(x, residual, native)
         x = self.self_attn.forward(x, attn)
@@ -145,6 +152,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie(self.model.embed_tokens.weight)
         self.inv_freq = rope_inv_freq(cfg)  # fp32 on purpose: not a buffer, so .to(dtype) skips it
         self.native = False  # run the native small ops (set by `prepare`)
+        self.decode: list[tuple] = []  # per layer, the weights of the one-call decode path (set by `prepare`)
         self.gemm_path = "torch F.linear"  # what the projections run on (set by `prepare`)
         self.rank = 0  # tensor-parallel rank: only rank 0 computes logits
 
@@ -170,7 +178,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie(self.model.embed_tokens.weight)
 
     def shard(self, rank: int, world: int) -> None:
-        """Keep rank's share of every layer (see the note above); before `prepare`."""
+        """Keep rank's share of every layer (see the note above); before `prepare`. A shard's
+        layers all-reduce inside, so they never run as one native call."""
+        self.sharded = world > 1
         for layer in self.model.layers:
             layer.self_attn.shard(rank, world)
             layer.mlp.shard(rank, world)
@@ -193,6 +203,8 @@ class LlamaForCausalLM(nn.Module):
             if rows:
                 module.keep_rows(dtype)
         paths = sorted({module.pack() for module in linears})
+        if rows and not self.config.qk_norm and not getattr(self, "sharded", False):
+            self.decode = [layer.decode_weights() for layer in self.model.layers]
         self.gemm_path = "; ".join(paths) + (f" (steps of <= {ROWS_MAX} rows: vkv rows kernel, "
                                              f"{str(dtype).removeprefix('torch.')} weights)" if rows else "")
         return self
@@ -214,8 +226,14 @@ class LlamaForCausalLM(nn.Module):
         """Logits of the tokens at `logits_indices` (each sequence's last scheduled token).
         `attn(layer, q, k, v)` rotates, stores the new K/V and attends over the cached context."""
         x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
-            x, residual = layer.forward(x, residual, attn, self.native)  # no hooks: .forward, not __call__
+        step = getattr(attn, "native_args", None) if self.decode and input_ids.shape[0] <= ROWS_MAX else None
+        if step is not None and step(0) is not None:  # a few rows: each layer in one native call
+            residual = torch.empty_like(x)
+            for i, weights in enumerate(self.decode):
+                x = torch.ops.vkv.decode_layer(x, residual, i == 0, *weights, *step(i))
+        else:
+            for layer in self.model.layers:
+                x, residual = layer.forward(x, residual, attn, self.native)  # no hooks: .forward, not __call__
         if self.rank:
             return None
         x, _ = self.model.norm.forward(x[logits_indices], residual[logits_indices], self.native)  # rows that sample

@@ -10,6 +10,8 @@
 //   add_rms_norm         residual += x; x = rmsnorm(residual) * weight (the first layer's
 //                        norm has no residual)
 //   silu_and_mul         silu(gate) * up over a fused [gate | up] projection
+//   linear_rows          x W^T for a few rows, streaming W (fp32 or bf16) at memory bandwidth
+//   decode_layer         a whole decoder layer of a few-row step, the kernels above in one call
 //
 // Compiled once per machine by ext/__init__.py with -O3 -march=native -ffp-contract=off
 // -fopenmp-simd (the elementwise kernels round like torch's ops; the dot products ask for fma
@@ -854,6 +856,54 @@ void linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optio
     TORCH_CHECK(false, "linear_rows reads fp32 or bf16 weights");
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// One decoder layer of a decode step of a few rows, in one call: at one row the Python between
+// a layer's nine kernels (and a dispatch for each) costs as much as some of the kernels. The
+// same kernels as the layer-by-layer path, in the same order, so the arithmetic is identical:
+//
+//   x, residual = add_rms_norm(x, residual)   (first: residual = x, no add)
+//   q, k, v = x W_qkv^T (+ b)   rope_store    attention    x = attn W_o^T
+//   x, residual = add_rms_norm(x, residual)   x = silu_and_mul(x W_gu^T) W_down^T
+//
+// x and residual are [rows, hidden] fp32, updated in place; returns the layer's output.
+at::Tensor decode_layer(at::Tensor x, at::Tensor residual, bool first, const at::Tensor& input_norm,
+                        const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight,
+                        const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
+                        const at::Tensor& gate_up_weight, const at::Tensor& down_weight, int64_t num_heads,
+                        int64_t num_kv_heads, const at::Tensor& positions, const at::Tensor& cos_sin,
+                        at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& block_table, int64_t block_size,
+                        const at::Tensor& token_seq, const at::Tensor& q_start, const at::Tensor& q_len,
+                        const at::Tensor& ctx_len, double scale) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && residual.sizes() == x.sizes(), "x and residual: [rows, hidden] fp32");
+  const int64_t M = x.size(0), D = k_cache.size(3);
+  if (first) {
+    residual.copy_(x);
+    add_rms_norm(x, std::nullopt, input_norm, eps);
+  } else {
+    add_rms_norm(x, residual, input_norm, eps);
+  }
+  at::Tensor qkv = x.new_empty({M, qkv_weight.size(0)});
+  linear_rows(x, qkv_weight, qkv_bias, qkv);
+  const int64_t nq = num_heads * D, nk = num_kv_heads * D;
+  at::Tensor q = qkv.narrow(1, 0, nq).view({M, num_heads, D});
+  at::Tensor k = qkv.narrow(1, nq, nk).view({M, num_kv_heads, D});
+  at::Tensor v = qkv.narrow(1, nq + nk, nk).view({M, num_kv_heads, D});
+  rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, block_table, block_size, token_seq);
+  at::Tensor attended = x.new_empty({M, num_heads, D});
+  attention(q, k_cache, v_cache, block_table, block_size, q_start, q_len, ctx_len, scale, attended);
+  at::Tensor h = x.new_empty({M, o_weight.size(0)});
+  linear_rows(attended.view({M, nq}), o_weight, std::nullopt, h);
+  add_rms_norm(h, residual, post_norm, eps);
+  at::Tensor gate_up = x.new_empty({M, gate_up_weight.size(0)});
+  linear_rows(h, gate_up_weight, std::nullopt, gate_up);
+  at::Tensor act = x.new_empty({M, gate_up_weight.size(0) / 2});
+  silu_and_mul(gate_up, act);
+  at::Tensor out = x.new_empty({M, down_weight.size(0)});
+  linear_rows(act, down_weight, std::nullopt, out);
+  return out;
+}
+
 }  // namespace
 
 std::string isa() { return VKV_ISA; }
@@ -867,6 +917,11 @@ TORCH_LIBRARY(vkv, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("decode_layer(Tensor(a!) x, Tensor(b!) residual, bool first, Tensor input_norm, Tensor post_norm, float eps, "
+        "Tensor qkv_weight, Tensor? qkv_bias, Tensor o_weight, Tensor gate_up_weight, Tensor down_weight, "
+        "int num_heads, int num_kv_heads, Tensor positions, Tensor cos_sin, Tensor(c!) k_cache, Tensor(d!) v_cache, "
+        "Tensor block_table, int block_size, Tensor token_seq, Tensor q_start, Tensor q_len, Tensor ctx_len, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vkv, CPU, m) {
@@ -875,4 +930,5 @@ TORCH_LIBRARY_IMPL(vkv, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("linear_rows", &linear_rows);
+  m.impl("decode_layer", &decode_layer);
 }
