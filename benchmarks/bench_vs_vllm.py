@@ -164,7 +164,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["summary"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     for ax, key, title in ((axes[0], "batch_output_tok_per_s", f"{result['num_requests']} ShareGPT requests at once"),
                            (axes[1], "single_tok_per_s", "single stream, 128 tokens")):
         labels = [f"{r['system']}\n{r['dtype']}" for r in rows]
@@ -179,7 +179,7 @@ def plot(result: dict, path: str) -> None:
              f"({m['cpu_count']} CPUs, {'/'.join(m.get('isa', []))}), torch {m['torch']}, medians of {result['repeats']}")
     if limits:
         title += (f"\nmachine: triad {limits['stream_triad_gbps']:.1f} GB/s, FMA peak {limits['fma_peak']['gflops']:.0f} "
-                  f"GFLOP/s, oneDNN GEMM {limits['gemm_fp32']['gflops']:.0f} GFLOP/s; vkv "
+                  f"GFLOP/s, oneDNN GEMM {limits['gemm_fp32']['gflops']:.0f} GFLOP/s\nvkv "
                   + "; ".join(f"{d}: single {r['single_fraction_of_bandwidth_bound']:.0%} of bandwidth bound, batch "
                               f"{r['batch_fraction_of_fma_peak']:.0%} of FMA peak" for d, r in result["roofline_vkv"].items()))
     fig.suptitle(title, fontsize=8)
