@@ -185,6 +185,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (--scheduling-policy priority); "
+                             f"under {self.config.scheduling_policy!r} it would be ignored")
         prompt = self.tokenize(prompt)
         self.validate(prompt, params)
         beam = None

@@ -13,6 +13,7 @@ from engine.structured import StructuredOutputsParams
 
 GREEDY_BELOW = 1e-5
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+MAX_TEMPERATURE = 1e4  # logits / temperature in fp32: far beyond this every token is equally likely anyway
 MAX_LOGPROBS = 20
 
 
@@ -63,8 +64,8 @@ class SamplingParams:
             (integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (self.best_of is None or (integer(self.best_of) and self.best_of >= self.n),
              f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}"),
-            (real(self.temperature) and self.temperature >= 0,
-             f"temperature must be a finite number >= 0, got {self.temperature!r}"),
+            (real(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+             f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"),
             (real(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
             (integer(self.top_k) and self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k!r}"),
             (real(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),

@@ -25,6 +25,7 @@ class KVStats:
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # prompt tokens found
     evictions: int  # prefix-cache entries dropped for memory
+    asleep: bool = False  # sleep mode: every physical page released (none in use, none free)
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,7 +73,8 @@ def test_multibyte_text_streams_whole_characters(llm):
 @pytest.mark.parametrize("bad", [
     dict(prompt=""), dict(prompt=[[]]), dict(prompt=[10 ** 9]),
     dict(prompt="hi " * 3000), dict(params=dict(max_tokens=0)), dict(params=dict(max_tokens=5000)),
-    dict(params=dict(temperature=-1)), dict(params=dict(top_p=0)), dict(params=dict(top_p=1.5)),
+    dict(params=dict(temperature=-1)), dict(params=dict(temperature=1e39)), dict(params=dict(temperature=1e300)),
+    dict(params=dict(top_p=0)), dict(params=dict(top_p=1.5)),
     dict(params=dict(n=0)), dict(params=dict(min_tokens=9, max_tokens=3)),
 ])
 def test_bad_input_is_refused_and_the_engine_keeps_serving(llm, bad):

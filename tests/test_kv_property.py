@@ -43,8 +43,10 @@ def make_cache(layout: str, pages: int, cuda: bool = False, swap_pages: int = 0)
                           enable_prefix_caching=True, swap=swap)
 
 
-def prefix_value(tokens: list[int]) -> float:
-    return float(hash(tuple(tokens)) % (1 << 20))
+def prefix_value(tokens: list[int], salt: str | None = None) -> float:
+    """What a row holds: a function of the tokens up to it and of the request's cache_salt, so
+    a page shared across salts would show wrong bytes."""
+    return float(hash((salt, tuple(tokens))) % (1 << 20))
 
 
 class TrafficMachine(RuleBasedStateMachine):
@@ -75,12 +77,12 @@ class TrafficMachine(RuleBasedStateMachine):
 
     @rule(prefix=st.sampled_from([[], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [7] * 20]),
           tail=st.lists(st.integers(0, 63), min_size=1, max_size=12), out=st.integers(1, 16),
-          n=st.integers(1, 3))
-    def arrive(self, prefix, tail, out, n):
+          n=st.integers(1, 3), salt=st.sampled_from([None, None, "a", "b"]))
+    def arrive(self, prefix, tail, out, n, salt):
         if self.kv.pages_for(len(prefix) + len(tail) + out) > self.kv.pool.num_pages:
             return  # the engine refuses such a request at submission
         params = SamplingParams(max_tokens=out, ignore_eos=True)
-        seq = Sequence(str(self.next_id), 0, prefix + tail, params, 0.0)
+        seq = Sequence(str(self.next_id), 0, prefix + tail, params, 0.0, cache_salt=salt)
         self.forks_left[seq.seq_id] = n - 1
         self.next_id += 1
         self.sched.add(seq)
@@ -111,7 +113,8 @@ class TrafficMachine(RuleBasedStateMachine):
         for seq, n in scheduled:
             first = seq.num_computed_tokens
             for layer in range(CFG.num_layers):
-                values = torch.tensor([prefix_value(seq.token_ids[:p + 1]) for p in range(first, first + n)])
+                values = torch.tensor([prefix_value(seq.token_ids[:p + 1], seq.cache_salt)
+                                       for p in range(first, first + n)])
                 self.write(seq, layer, first, values)
         if self.ahead:
             self.ahead.wait()
@@ -133,7 +136,7 @@ class TrafficMachine(RuleBasedStateMachine):
     def sample(self, seq):
         if self.forks_left.get(seq.seq_id) and seq.num_output_tokens == 0:
             self.forks_left[seq.seq_id] -= 1
-            child = Sequence(seq.request_id + "f", 1, list(seq.token_ids), seq.params, 0.0)
+            child = Sequence(seq.request_id + "f", 1, list(seq.token_ids), seq.params, 0.0, cache_salt=seq.cache_salt)
             self.live.append(child)
             if self.sched.fork(seq, child):  # else it queues and computes its prompt itself
                 child.token_ids.append(len(seq) % 64)  # diverges from its parent at once
@@ -157,7 +160,7 @@ class TrafficMachine(RuleBasedStateMachine):
             if not count:
                 continue
             first = max(0, count - self.kv.window + 1) if self.kv.window else 0  # rows before it may be gone
-            want = torch.tensor([prefix_value(seq.token_ids[:p + 1]) for p in range(first, count)])
+            want = torch.tensor([prefix_value(seq.token_ids[:p + 1], seq.cache_salt) for p in range(first, count)])
             for layer in range(CFG.num_layers):
                 assert torch.equal(self.rows(seq, layer, first, count), want), (seq.request_id, layer)
 

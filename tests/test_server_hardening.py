@@ -108,6 +108,19 @@ CASES = {  # name: (path, body, status, words the error must contain)
                                      400, ("schema",)),
     "too many sequences": ("/v1/completions", {"prompt": ["a"] * 4, "n": 5}, 400, ("sequences",)),
     "unknown route": ("/v1/nothing", {"prompt": "Hi"}, 404, ()),
+    "priority under fcfs": ("/v1/completions", {"prompt": "Hi", "priority": 3}, 400, ("priority", "scheduling")),
+    "temperature under beam search": ("/v1/completions", {"prompt": "Hi", "n": 2, "use_beam_search": True,
+                                                          "temperature": 0.7}, 400, ("temperature", "beam")),
+    "greedy beam search": ("/v1/completions", {"prompt": "Hi", "n": 2, "use_beam_search": True, "temperature": 0,
+                                               "max_tokens": 2}, 200, ()),
+    "seed under beam search": (CHAT, {"messages": HI, "n": 2, "use_beam_search": True, "seed": 1}, 400, ("seed", "beam")),
+    "length_penalty without beams": ("/v1/completions", {"prompt": "Hi", "length_penalty": 2.0}, 400,
+                                     ("length_penalty", "beam")),
+    "temperature past fp32": ("/v1/completions", {"prompt": "Hi", "temperature": 1e39}, 400, ("temperature",)),
+    "cache_salt": ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "cache_salt": "tenant-a"}, 200, ()),
+    "cache_salt on chat": (CHAT, {"messages": HI, "max_tokens": 2, "cache_salt": "tenant-a"}, 200, ()),
+    "empty cache_salt": ("/v1/completions", {"prompt": "Hi", "cache_salt": ""}, 400, ("cache_salt",)),
+    "cache_salt not a string": (CHAT, {"messages": HI, "cache_salt": 7}, 400, ("cache_salt",)),
 }
 
 

@@ -24,12 +24,15 @@ class PoolStats:
     in_use: int
     shared: int
     peak_in_use: int
+    asleep: bool = False  # every physical page given back: none in use, none free
 
 
 class PageAllocator:
     """Page ids 0..N-1 with reference counts and an O(1) FIFO free queue; no memory of its own.
     `PagePool` puts physical pages behind the ids; the block-table KV cache uses it as is.
     Thread-safe: every method runs under `self.lock`."""
+
+    asleep = False  # a PagePool's release_memory() has given every physical page back
 
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 1:
@@ -85,10 +88,10 @@ class PageAllocator:
 
     def stats(self) -> PoolStats:
         with self.lock:
-            in_use = self.num_pages - len(self.free_ids)
+            in_use = 0 if self.asleep else self.num_pages - len(self.free_ids)
             shared = sum(1 for count in self.ref_counts if count > 1)
             return PoolStats(self.page_size, self.num_pages, len(self.free_ids), in_use, shared,
-                             self.peak_in_use)
+                             self.peak_in_use, self.asleep)
 
     def check(self, expected: Mapping[int, int]) -> None:
         """Every page is free xor referenced, and its count equals `expected[page]` (the
@@ -120,8 +123,6 @@ class PagePool(PageAllocator):
         self._finalizer = weakref.finalize(self, _release_all, backend, self.handles)
         for _ in range(num_pages):
             self.handles.append(backend.create_page())
-
-    asleep = False  # release_memory() has given every page back
 
     def release_memory(self) -> None:
         """Sleep: give every physical page back to the system while every reservation (and

@@ -329,4 +329,4 @@ class KVCacheBase(ABC):
             pages_shared=pool.shared, peak_pages_mapped=pool.peak_in_use, map_seconds=self.map_seconds,
             cow_copies=self.cow_copies, swap_outs=self.swap_outs, swap_ins=self.swap_ins,
             swap_bytes_out=self.swap_bytes[0], swap_bytes_in=self.swap_bytes[1], prefix_cache_queries=c.queries if c else 0,
-            prefix_cache_hits=c.hits if c else 0, evictions=c.evictions if c else 0)
+            prefix_cache_hits=c.hits if c else 0, evictions=c.evictions if c else 0, asleep=pool.asleep)

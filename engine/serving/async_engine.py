@@ -61,6 +61,7 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the handlers' own
         self.max_model_len = engine.max_model_len
+        self.scheduling_policy = engine.config.scheduling_policy
         self.metrics = Metrics()
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
@@ -130,9 +131,10 @@ class AsyncEngine:
         """Asleep, or going to sleep once the requests in flight are done."""
         return bool(self.sleep_waiters) or self.engine.is_sleeping
 
-    async def sleep(self, level: int = 1) -> None:
-        """Returns once asleep; ValueError for a level the engine does not have."""
-        await self._ask("sleep", level)
+    async def sleep(self, level: int = 1) -> bool:
+        """Returns True once asleep, or False if a wake-up came while the requests in flight were
+        draining (the last command wins); ValueError for a level the engine does not have."""
+        return await self._ask("sleep", level)
 
     async def wake_up(self) -> None:
         await self._ask("wake")
@@ -180,7 +182,7 @@ class AsyncEngine:
             if self.sleep_waiters and not self.engine.has_unfinished():
                 waiters, self.sleep_waiters = self.sleep_waiters, []
                 for future in waiters:
-                    _settle(future, self.engine.sleep, 1)
+                    _settle(future, self._sleep_now)
             if not self.engine.has_unfinished():
                 self.wake.wait(0.05)
                 self.wake.clear()
@@ -211,7 +213,10 @@ class AsyncEngine:
                     _settle(future, self.engine.sleep, level)
                 else:
                     self.sleep_waiters.append(future)
-            elif kind == "wake":
+            elif kind == "wake":  # a sleep still draining is called off: the last command wins
+                waiters, self.sleep_waiters = self.sleep_waiters, []
+                for future in waiters:
+                    future.get_loop().call_soon_threadsafe(_resolve, future, False)
                 _settle(args[0], self.engine.wake_up)
             elif kind == "stats":
                 self.stats = self.engine.stats()
@@ -223,6 +228,10 @@ class AsyncEngine:
                     self.engine.abort(request_id)
                     self._put(stream, RequestCancelled(args[0]))
                 self.streams.clear()
+
+    def _sleep_now(self) -> bool:
+        self.engine.sleep(1)
+        return True
 
     def _add(self, request_id: str, prompt: Prompt, params, group: str | None, priority: int) -> None:
         if self.is_sleeping:  # it raced a sleep command

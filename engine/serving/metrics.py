@@ -26,6 +26,7 @@ GAUGES = {  # metric: (how to read it from EngineStats, help)
     "vkv:pages_cached": (lambda s: s.kv.pages_cached, "Pages held only by the prefix cache."),
     "vkv:pages_shared": (lambda s: s.kv.pages_shared, "Pages referenced more than once."),
     "vkv:peak_pages_mapped": (lambda s: s.kv.peak_pages_mapped, "Most pages referenced at once."),
+    "vkv:asleep": (lambda s: int(s.kv.asleep), "1 while the engine sleeps: every physical KV page released."),
 }
 COUNTERS = {
     "vkv:prefix_cache_queries": (lambda s: s.kv.prefix_cache_queries, "Prompt tokens looked up in the prefix cache."),

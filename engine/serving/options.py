@@ -21,13 +21,17 @@ class ServerOptions:
     max_n: int = 16  # n, best_of and beam width
     max_prompts_per_request: int = 64  # sequences (prompts x max(n, best_of)) one request may ask for
     shutdown_timeout: float = 30.0  # seconds requests in flight get to finish on SIGTERM
+    metrics_public: bool = False  # with an API key, /metrics needs it too unless this says otherwise
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
         d = ServerOptions()
         p.add_argument("--host", default=d.host, help="address to bind (default: loopback only)")
         p.add_argument("--port", type=int, default=d.port)
-        p.add_argument("--api-key", default=d.api_key, help="require 'Authorization: Bearer KEY' on /v1")
+        p.add_argument("--api-key", default=d.api_key, help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
+        p.add_argument("--metrics-public", action="store_true",
+                       help="serve /metrics without the API key (its prefix-cache counters tell one client about "
+                            "another's prompts)")
         p.add_argument("--served-model-name", default=d.served_model_name)
         p.add_argument("--log-level", default=d.log_level)
         g = p.add_argument_group("limits")

@@ -36,6 +36,10 @@ def _sampling_fields() -> dict:
     return fields
 
 
+def _sampling_defaults() -> dict:
+    return {name: field.get_default(call_default_factory=True) for name, field in _SamplingFields.model_fields.items()}
+
+
 _SamplingFields = create_model("_SamplingFields", __config__=ConfigDict(extra="forbid"), **_sampling_fields())
 
 
@@ -106,9 +110,15 @@ class _Request(_SamplingFields):
             refused = [name for name, value in (("logprobs", logprobs), ("stop", self.stop or None),
                                                 ("best_of", best_of), ("structured output", self.structured()),
                                                 ("logit_bias", self.logit_bias or None)) if value is not None]
+            defaults = _sampling_defaults()  # beams are greedy: a sampling field set away from its default would be ignored
+            refused += [name for name in SHARED_WITH_SAMPLING_PARAMS
+                        if name not in ("n", "ignore_eos", "stop", "skip_special_tokens")
+                        and getattr(self, name) != defaults[name] and not (name == "temperature" and self.temperature == 0)]
             if refused:
-                raise ValueError(f"{refused[0]} is not supported with beam search")
+                raise ValueError(f"{refused[0]} is not supported with beam search (its beams are greedy)")
             return BeamSearchParams(self.n, max_tokens, self.ignore_eos, self.length_penalty)
+        if self.length_penalty != 1.0:
+            raise ValueError("length_penalty applies to beam search only: set use_beam_search")
         try:
             bias = {int(token): value for token, value in (self.logit_bias or {}).items()}
         except ValueError as exc:

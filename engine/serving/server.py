@@ -21,6 +21,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -103,6 +104,9 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
     def check(body, best_of: int | None = None) -> None:
         if engine.is_sleeping:
             raise HTTPError(503, SLEEPING, "service_unavailable")
+        if body.priority and engine.scheduling_policy != "priority":
+            raise HTTPError(400, f"priority needs --scheduling-policy priority; under {engine.scheduling_policy!r} "
+                                 f"it would be ignored")
         if body.model not in (None, model_name):
             raise HTTPError(404, f"model {body.model!r} does not exist; this server has {model_name!r}",
                             "model_not_found")
@@ -153,7 +157,9 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
             return error(503, str(engine.dead), "engine_dead")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    # Behind the key when there is one: the prefix-cache counters and prefill timings would let
+    # one client probe what another's prompts hold. --metrics-public opens it again.
+    @app.get("/metrics", dependencies=[] if options.metrics_public else [Depends(authorize)])
     async def metrics():
         return Response(engine.metrics.render(await engine.fresh_stats()), media_type="text/plain; version=0.0.4")
 
@@ -163,10 +169,10 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
     @app.post("/sleep", dependencies=[Depends(authorize)], include_in_schema=False)
     async def sleep(level: int = 1):
         try:
-            await engine.sleep(level)
+            asleep = await engine.sleep(level)
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
-        return {"is_sleeping": True}
+        return {"is_sleeping": asleep}  # False: a wake-up came while the requests in flight drained
 
     @app.post("/wake_up", dependencies=[Depends(authorize)], include_in_schema=False)
     async def wake_up():
@@ -353,7 +359,15 @@ def serve(args) -> None:
                             timeout_keep_alive=options.timeout_keep_alive,
                             limit_concurrency=options.limit_concurrency,
                             timeout_graceful_shutdown=options.shutdown_timeout)
+    # uvicorn re-raises SIGTERM/SIGINT once it has shut down, with the handler it found: make
+    # that a clean exit (status 0) rather than death by signal (143), as supervisors expect.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_cleanly)
     try:
         _graceful_server(config, async_engine, options.shutdown_timeout).run()
     finally:  # when uvicorn did not get as far as the app's shutdown
         async_engine.shutdown()
+
+
+def _exit_cleanly(signum, frame) -> None:
+    raise SystemExit(0)
