@@ -157,6 +157,10 @@ class LLMEngine:
             if any(t >= vocab for t in params.token_ids_used()):
                 raise ValueError(f"stop_token_ids and logit_bias must name token ids below the vocabulary "
                                  f"size {vocab}")
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+            if params.min_tokens and len(banned) >= vocab:
+                raise ValueError(f"min_tokens {params.min_tokens} bans every token of the vocabulary until then: "
+                                 f"stop_token_ids (and EOS) name all {vocab}")
             if params.structured_outputs:
                 self.grammars.compile(params.structured_outputs)
         num_prompt_tokens = len(prompt.token_ids)

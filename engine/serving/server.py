@@ -276,6 +276,9 @@ async def _collect(engine: AsyncEngine, rid: str, prompts: list[Prompt], params,
             raise HTTPError(499, "client disconnected")
     outs = task.result()
     failed = next((o.error for o in outs if o.error), None)
+    if failed and failed.startswith("SamplingError") and "allows no token" in failed:  # the request's own doing
+        raise HTTPError(400, "the request's constraints (min_tokens, stop_token_ids, logit_bias or a structured "
+                             "output) allow no next token")
     if failed:
         raise HTTPError(500, f"the request failed inside the engine: {failed}", "internal_error")
     return outs
