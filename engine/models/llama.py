@@ -155,6 +155,7 @@ class LlamaForCausalLM(nn.Module):
         self.decode: list[tuple] = []  # per layer, the weights of the one-call decode path (set by `prepare`)
         self.gemm_path = "torch F.linear"  # what the projections run on (set by `prepare`)
         self.rank = 0  # tensor-parallel rank: only rank 0 computes logits
+        self.sharded = False  # a tensor-parallel shard (`shard`)
 
     def load_checkpoint(self, state: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face state dict: q/k/v and gate/up projections are fused here."""
@@ -198,12 +199,12 @@ class LlamaForCausalLM(nn.Module):
         self.eval()
         self.native = ops.native(device) is not None and compute_dtype in (torch.float32, torch.bfloat16)
         linears = [module for module in self.modules() if isinstance(module, Linear)]
-        rows = self._rows_kernel(linears, dtype) if self.native and compute_dtype == torch.float32 else None
-        for module in linears:  # the plain copies first: packing drops the weight
-            if rows:
+        rows = self.native and compute_dtype == torch.float32 and self._rows_kernel(linears, dtype)
+        if rows:  # the plain copies first: packing drops the weight
+            for module in linears:
                 module.keep_rows(dtype)
         paths = sorted({module.pack() for module in linears})
-        if rows and not self.config.qk_norm and not getattr(self, "sharded", False):
+        if rows and not self.config.qk_norm and not self.sharded:
             self.decode = [layer.decode_weights() for layer in self.model.layers]
         self.gemm_path = "; ".join(paths) + (f" (steps of <= {ROWS_MAX} rows: vkv rows kernel, "
                                              f"{str(dtype).removeprefix('torch.')} weights)" if rows else "")
