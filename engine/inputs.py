@@ -53,7 +53,10 @@ def check_cache_salt(salt) -> str | None:
         return None
     if not isinstance(salt, str) or not salt:
         raise ValueError("cache_salt must be a non-empty string")
-    _check_text(salt)
+    try:
+        _check_text(salt)
+    except ValueError as exc:
+        raise ValueError(f"cache_salt: {exc}") from None
     return salt
 
 
