@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 
-from engine.machine import cpu_isa, machine_info  # noqa: F401  (re-exported for the benchmarks)
+from engine.machine import machine_info  # noqa: F401  (re-exported for the benchmarks)
 
 
 def save(result: dict, json_path: str | None, plot_path: str | None, plot) -> None:

@@ -11,6 +11,8 @@ median per call against the page size, and the batched cost per page.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 from tqdm import tqdm
@@ -111,8 +113,6 @@ def run(args: argparse.Namespace, command: str) -> dict:
     result["command"] = command
     print_table(result)
     if args.json_path:
-        import json
-        import os
         os.makedirs(os.path.dirname(args.json_path) or ".", exist_ok=True)
         with open(args.json_path, "w") as f:
             json.dump(result, f, indent=1)
