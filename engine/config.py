@@ -15,7 +15,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 KV_LAYOUTS = ("interleaved", "per_layer", "paged")
 ATTENTION_BACKENDS = ("flash-attn-4", "flash-attn", "flash", "native", "sdpa")  # by preference
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_HOST_PAGE = 64 << 10  # small pages: the host backend's advantage over 2 MiB GPU pages
 
@@ -35,10 +35,17 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # one of ATTENTION_BACKENDS; default: best present
-    scheduling_policy: str = "fcfs"  # or "priority": a request's priority value, lower first
+    scheduling_policy: str = "fcfs"  # "priority": a request's priority value, lower first; "lpm": longest cached prefix first
     preemption_mode: str = "recompute"  # or "swap": private pages to the swap tier (virtual layouts)
     swap_space: float = 4  # GiB of swap tier (preemption_mode="swap"): a sparse file, pinned memory on CUDA
     swap_path: str | None = None  # the host tier's file; default: an anonymous temporary file
+    # KV tiers for evicted prefix-cache entries (engine/kv/tiers.py), vLLM's names. Off by default:
+    # on the CPU the host tier takes the same RAM the pool could have had, so it pays only
+    # where the pool is bounded for another reason (on a GPU: pinned host memory, many times
+    # the pool); a disk tier needs a directory the user chooses.
+    kv_offloading_size: float = 0  # GiB of host tier (0: none)
+    kv_offloading_path: str | None = None  # directory of the persistent disk tier (None: none)
+    kv_offloading_path_size: float = 16  # GiB the disk tier may hold
     tensor_parallel_size: int = 1  # ranks sharing every layer's heads (CPU, torch.distributed gloo)
     distributed_init: str | None = None  # rank 0's rendezvous, e.g. tcp://10.0.0.1:29500; default: a free local port
     tensor_parallel_workers: str = "spawn"  # or "external": ranks 1..N-1 are started with `vkv tp-worker`
@@ -72,6 +79,15 @@ class EngineConfig:
         if self.preemption_mode == "swap" and self.kv_layout == "paged":
             raise ValueError("preemption_mode='swap' needs a virtual kv_layout (interleaved or per_layer): "
                              "it brings pages back at the same virtual addresses")
+        if self.kv_offloading_size < 0 or self.kv_offloading_path_size <= 0:
+            raise ValueError("kv_offloading_size must be >= 0 GiB and kv_offloading_path_size > 0 GiB, got "
+                             f"{self.kv_offloading_size} and {self.kv_offloading_path_size}")
+        if self.offloading and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size / kv_offloading_path keep evicted prefix-cache entries: "
+                             "they need prefix caching on")
+        if self.offloading and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offloading_size / kv_offloading_path with tensor_parallel_size > 1 is not "
+                             "wired: each rank would need its own tier")
         if self.swap_space <= 0:
             raise ValueError(f"swap_space must be > 0 GiB, got {self.swap_space}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
@@ -94,6 +110,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+    @property
+    def offloading(self) -> bool:
+        """Is there a KV tier below the pool?"""
+        return bool(self.kv_offloading_size or self.kv_offloading_path)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -156,11 +177,18 @@ class EngineConfig:
         g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, choices=SCHEDULING_POLICIES,
-                       help="priority: requests' priority values decide admission and preemption")
+                       help="priority: requests' priority values decide admission and preemption; "
+                       "lpm: the longest cached prefix (in any tier) is admitted first")
         g.add_argument("--preemption-mode", default=EngineConfig.preemption_mode, choices=PREEMPTION_MODES,
                        help="swap: a preempted sequence's KV waits in the swap tier instead of being recomputed")
         g.add_argument("--swap-space", type=float, default=EngineConfig.swap_space, help="GiB of swap tier")
         g.add_argument("--swap-path", default=None, help="file for the host swap tier (default: a temporary file)")
+        g.add_argument("--kv-offloading-size", type=float, default=EngineConfig.kv_offloading_size,
+                       help="GiB of host memory where evicted prefix-cache pages wait to be restored (0: off)")
+        g.add_argument("--kv-offloading-path", default=None, metavar="DIR",
+                       help="directory of a persistent KV tier: cached prefixes survive a restart")
+        g.add_argument("--kv-offloading-path-size", type=float, default=EngineConfig.kv_offloading_path_size,
+                       help="GiB the directory may hold (oldest entries go first)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=EngineConfig.tensor_parallel_size,
                        help="processes sharing every layer's heads, each with its own KV page pool")
         g.add_argument("--distributed-init", default=None, help="rendezvous of rank 0, e.g. tcp://HOST:PORT")
@@ -177,5 +205,6 @@ class EngineConfig:
         names = ("model", "device", "dtype", "kv_layout", "kv_cache_memory", "page_size", "block_size",
                  "max_num_seqs", "max_model_len", "max_num_batched_tokens", "attention_backend",
                  "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
+                 "kv_offloading_size", "kv_offloading_path", "kv_offloading_path_size",
                  "tensor_parallel_size", "distributed_init", "tensor_parallel_workers", "map_ahead_tokens", "speculative_config")
         return cls(**{name: getattr(args, name) for name in names}, seed=args.model_seed)

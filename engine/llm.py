@@ -99,6 +99,17 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
 
+    def close(self) -> None:
+        """Give the KV memory back and stop the engine's threads and workers; a disk KV tier
+        finishes its writes first, so the next LLM over the same directory finds them."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def as_prompt_list(prompts) -> list:
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):

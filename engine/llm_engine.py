@@ -23,11 +23,12 @@ from engine.config import DEFAULT_HOST_PAGE, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.inputs import Prompt, tokenize
 from engine.kv.paged import PagedKVCache
+from engine.kv.tiers import make_tiers, namespace_of
 from engine.kv.virtual import VirtualKVCache
 from engine.map_ahead import MapAhead
 from engine.model_runner import ModelRunner, activation_peak
 from engine.parallel import RecordedKV, Workers, check_divisible, shard_config
-from engine.models import load_config, load_model, load_tokenizer
+from engine.models import load_config, load_model, load_tokenizer, weights_fingerprint
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampler import Sampled, sample
 from engine.sampling_params import SamplingParams
@@ -91,6 +92,8 @@ class LLMEngine:
             peak = activation_peak(self.model, c.max_num_batched_tokens, c.max_num_seqs, c.device)
         self.kv = self._make_kv_cache(shard_config(self.model_config, tp), c.kv_budget_bytes(peak) // tp)
         self.kv.window = self.model_config.sliding_window
+        if c.offloading:
+            self._attach_tiers()
         if self.workers:
             self.kv = RecordedKV(self.kv)
         self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, policy=c.scheduling_policy,
@@ -99,6 +102,7 @@ class LLMEngine:
                                   self.workers)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.requests: dict[str, Request] = {}
+        self.closed = False
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.num_finished = self.num_failed = 0
         spec = c.speculative_config
@@ -143,6 +147,17 @@ class LLMEngine:
         return VirtualKVCache(cfg, c.kv_layout, c.max_num_seqs * (2 if swap else 1),
                               self.max_model_len, c.dtype, backend, num_pages, c.enable_prefix_caching,
                               tile_rows(self.attention, cfg.head_dim, c.device), swap)
+
+    def _attach_tiers(self) -> None:
+        """The KV tiers below the pool. Pages are named in a namespace of the weights and the KV
+        geometry, so a disk tier never hands this engine another model's or layout's bytes."""
+        c, geometry = self.config, self.kv.geometry()
+        describe = {"model": c.model or "bundled", "compute_dtype": str(c.compute_dtype), **geometry}
+        weights = weights_fingerprint(c.model, c.seed) if c.kv_offloading_path else b""
+        namespace = namespace_of(weights, {k: v for k, v in describe.items() if k != "model"})
+        tiers = make_tiers(c.device, self.kv.entry_bytes, int(c.kv_offloading_size * (1 << 30)),
+                           c.kv_offloading_path, int(c.kv_offloading_path_size * (1 << 30)), namespace, describe)
+        self.kv.attach_tiers(tiers, namespace)
 
     # -- requests -------------------------------------------------------------------------
     def tokenize(self, prompt) -> Prompt:
@@ -478,6 +493,10 @@ class LLMEngine:
                            map_ahead_wait_seconds=self.map_ahead.wait_seconds if self.map_ahead else 0.0)
 
     def close(self) -> None:
+        """Give everything back (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
         if self.map_ahead:
             self.map_ahead.close()
         if self.workers:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.kv.tiers import TierStats
+
 
 @dataclass(frozen=True, slots=True)
 class KVStats:
@@ -26,6 +28,9 @@ class KVStats:
     prefix_cache_hits: int  # prompt tokens found
     evictions: int  # prefix-cache entries dropped for memory
     asleep: bool = False  # sleep mode: every physical page released (none in use, none free)
+    tiers: tuple[TierStats, ...] = ()  # the KV tiers below the pool, fastest first (engine/kv/tiers.py)
+    tier_restore_seconds: float = 0.0  # admitting: looking up and copying entries back from the tiers
+    tier_offload_seconds: float = 0.0  # evicting: copying entries into the tiers (disk: into its queue)
 
 
 @dataclass(frozen=True, slots=True)

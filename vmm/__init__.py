@@ -51,7 +51,7 @@ from vmm.errors import (AlreadyMapped, BackendUnavailable, DoubleFree, Invariant
 from vmm.host import HostBackend
 from vmm.pool import PageAllocator, PagePool, PoolStats
 from vmm.reservation import Reservation
-from vmm.swap import SwapSpace
+from vmm.swap import SlotStore, SwapSpace
 
 
 def make_backend(name: str, page_size: int | None = None, device: int = 0) -> Backend:
@@ -64,6 +64,6 @@ def make_backend(name: str, page_size: int | None = None, device: int = 0) -> Ba
 
 
 __all__ = ["Backend", "HostBackend", "CudaBackend", "cuda_unavailable_reason", "make_backend",
-           "PageAllocator", "PagePool", "PoolStats", "Reservation", "SwapSpace", "VmmError", "BackendUnavailable",
+           "PageAllocator", "PagePool", "PoolStats", "Reservation", "SlotStore", "SwapSpace", "VmmError", "BackendUnavailable",
            "PoolExhausted", "DoubleFree", "NotMapped", "AlreadyMapped", "OutOfRange",
            "UnmappedAccess", "ReservationReleased", "InvariantViolation", "PartialUnmap"]

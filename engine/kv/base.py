@@ -5,8 +5,9 @@ a page someone else references.
 A cache lays a sequence's KV out as pages 0, 1, 2, ... (virtual layouts: the pages mapped in
 its slot; paged: its block table). The scheduler alone drives the life cycle:
 
-  admit          give the sequence a place, map the longest cached prefix; returns how many
-                 tokens that prefix holds (the scheduler counts them computed)
+  admit          give the sequence a place, map the longest cached prefix, then restore the
+                 pages after it that the KV tiers hold (engine/kv/tiers.py); returns how
+                 many tokens those pages hold (the scheduler counts them computed)
   ensure_mapped  before a step writes rows [computed, end): map missing pages, and copy any
                  page there that is shared (copy-on-write: a cached prefix's last page, the
                  prompt's last page after a fork)
@@ -23,16 +24,24 @@ its slot; paged: its block table). The scheduler alone drives the life cycle:
              committed pages: whole, named by chain hash, shareable
 
 Subclasses say where pages live (`allocate`, `free`, `pages_at`, `install`, `map_fresh`,
-`copy_on_write`), the geometry of rows over pages, and where kernels find a sequence's rows
-(`k_caches`, `v_caches`, `block_table`).
+`copy_on_write`), the geometry of rows over pages, where kernels find a sequence's rows
+(`k_caches`, `v_caches`, `block_table`), and where an entry's bytes are (`entry_views`,
+`page_views`: what the KV tiers copy out and in).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.kv.prefix_cache import PrefixCache, chain_hash, root_name
+from engine.kv.tiers import KVTiers
 from engine.sequence import Sequence
 from engine.stats import KVStats
 from vmm import PageAllocator
@@ -60,6 +69,10 @@ class KVCacheBase(ABC):
         self.cow_copies = 0
         self.swap_outs = self.swap_ins = 0  # sequences swapped out and back in
         self._hashes: dict[int, _Hashes] = {}
+        self.tiers: KVTiers | None = None
+        self.restored_tokens: Counter[str] = Counter()  # per tier
+        self.restore_seconds = self.offload_seconds = 0.0
+        self._flushing = False  # closing: disk writes wait instead of being dropped
 
     # -- the subclass's part: geometry --------------------------------------------------------
     @property
@@ -109,6 +122,24 @@ class KVCacheBase(ABC):
     @abstractmethod
     def drop_page(self, seq: Sequence, k: int) -> None:
         """seq lets go of its page k (it left the sliding window)."""
+
+    @abstractmethod
+    def entry_views(self, pages: tuple[int, ...]) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+        """The bytes of pool pages (one per region), mapped or not, as 1-D uint8 tensors
+        valid inside the `with`: what an offloaded entry holds."""
+
+    @abstractmethod
+    def page_views(self, seq: Sequence, k: int) -> list[torch.Tensor]:
+        """The bytes behind seq's (mapped) page k, as entry_views orders them."""
+
+    @abstractmethod
+    def geometry(self) -> dict:
+        """What the bytes of a page depend on besides its tokens (dtype, layout, sizes)."""
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes of one prefix-cache entry: a page of each region."""
+        return self.page_size * self.num_regions
 
     def after_install(self, seq: Sequence, num_installed: int) -> None:
         """Called once the shared pages are installed (a reused slot tidies up here)."""
@@ -184,14 +215,69 @@ class KVCacheBase(ABC):
 
     # -- the sequence life cycle (the scheduler's calls) -----------------------------------
     def admit(self, seq: Sequence) -> int:
-        """Give seq a place and map its longest cached prefix; returns the tokens it holds."""
+        """Give seq a place and map its longest cached prefix, from the pool and then from the
+        tiers; returns the tokens it holds."""
         self.allocate(seq)
         self._hashes[seq.seq_id] = _Hashes()
         hits = self._match_prefix(seq)
         for k, pages in enumerate(hits):
             self.install(seq, k, pages)
         self.after_install(seq, len(hits))
-        return self.tokens_in_pages(len(hits))
+        return self.tokens_in_pages(len(hits) + self._restore(seq, len(hits)))
+
+    # -- the tiers (engine/kv/tiers.py) ------------------------------------------------------
+    def attach_tiers(self, tiers: KVTiers, namespace: bytes) -> None:
+        """Evicted entries go to `tiers` and come back from them; pages are named in
+        `namespace` from now on. Only before the first sequence."""
+        if self.prefix_cache is None:
+            raise ValueError("KV offloading keeps prefix-cache entries: it needs prefix caching on")
+        if self._hashes:
+            raise RuntimeError("tiers are attached before any sequence is admitted")
+        self.tiers, self.namespace = tiers, namespace
+        self.prefix_cache.on_evict = self._offload
+
+    def _offload(self, name: bytes, pages: tuple[int, ...]) -> None:
+        start = time.perf_counter()
+        with self.entry_views(pages) as parts:
+            self.tiers.offload(name, parts, wait=self._flushing)
+        self.offload_seconds += time.perf_counter() - start
+
+    def _restore(self, seq: Sequence, start: int) -> int:
+        """Restore seq's pages start, start+1, ... that the tiers hold, each into a fresh page
+        at its own place; returns how many. Stops at the first page no tier has whole, or when
+        the pool has no page for it."""
+        if not self.tiers:
+            return 0
+        names, k, began = self._hashes[seq.seq_id].pages, start, time.perf_counter()
+        while k < len(names) and self.tokens_in_pages(k + 1) <= len(seq) - 1:
+            if self.tiers.where(names[k]) is None:
+                break
+            if self.pages_at(seq, k) is None:  # a reused slot may have a private page here
+                if not self.make_room(self.num_regions):
+                    break
+                self.map_fresh(seq, [k])
+            tier = self.tiers.restore(names[k], self.page_views(seq, k))
+            if tier is None:  # damaged on disk: recomputed
+                break
+            self.restored_tokens[tier] += self.tokens_in_pages(k + 1) - self.tokens_in_pages(k)
+            k += 1
+        self.restore_seconds += time.perf_counter() - began
+        return k - start
+
+    def page_names(self, seq: Sequence) -> list[bytes]:
+        """Names of the complete pages of a sequence not admitted yet."""
+        return self._extend_names(seq, [], len(seq))
+
+    def cached_prefix_pages(self, names: list[bytes]) -> int:
+        """How many of these page names, from the first, the pool or the tiers hold: what
+        admit would find (prefix-aware scheduling asks). Changes nothing."""
+        if not self.prefix_cache:
+            return 0
+        k = 0
+        while k < len(names) and (names[k] in self.prefix_cache.entries
+                                  or (self.tiers and self.tiers.where(names[k]))):
+            k += 1
+        return k
 
     def _match_prefix(self, seq: Sequence) -> list[tuple[int, ...]]:
         if not self.prefix_cache:
@@ -205,13 +291,15 @@ class KVCacheBase(ABC):
 
     def _page_hashes(self, seq: Sequence, known: int) -> list[bytes]:
         """Names of seq's pages whose tokens are all among its first `known` tokens."""
-        hashes = self._hashes[seq.seq_id].pages
-        k = len(hashes)
+        return self._extend_names(seq, self._hashes[seq.seq_id].pages, known)
+
+    def _extend_names(self, seq: Sequence, names: list[bytes], known: int) -> list[bytes]:
+        k = len(names)
         while self.page_end(k) <= known:
-            parent = hashes[-1] if hashes else root_name(self.namespace, seq.cache_salt)
-            hashes.append(chain_hash(parent, seq.token_ids[self.page_end(k - 1) if k else 0:self.page_end(k)]))
+            parent = names[-1] if names else root_name(self.namespace, seq.cache_salt)
+            names.append(chain_hash(parent, seq.token_ids[self.page_end(k - 1) if k else 0:self.page_end(k)]))
             k += 1
-        return hashes
+        return names
 
     def ensure_mapped(self, seq: Sequence, num_tokens: int) -> bool:
         """Make every page that rows [computed, num_tokens) touch mapped and private to seq
@@ -295,8 +383,17 @@ class KVCacheBase(ABC):
         if self.active_sequences():
             raise RuntimeError(f"{self.active_sequences()} sequences still hold KV")
         if self.prefix_cache:
-            self.prefix_cache.clear()
+            self.prefix_cache.clear()  # to the tiers, if any: they come back after wake_up
         self.release_memory()
+
+    def _let_cache_go(self) -> None:
+        """Closing: the cached entries go to the tiers, which finish their writes (so a
+        restarted engine finds them on disk), then the cache is empty."""
+        self._flushing = True
+        if self.prefix_cache:
+            self.prefix_cache.clear()
+        if self.tiers:
+            self.tiers.close()
 
     @abstractmethod
     def active_sequences(self) -> int:
@@ -329,4 +426,7 @@ class KVCacheBase(ABC):
             pages_shared=pool.shared, peak_pages_mapped=pool.peak_in_use, map_seconds=self.map_seconds,
             cow_copies=self.cow_copies, swap_outs=self.swap_outs, swap_ins=self.swap_ins,
             swap_bytes_out=self.swap_bytes[0], swap_bytes_in=self.swap_bytes[1], prefix_cache_queries=c.queries if c else 0,
-            prefix_cache_hits=c.hits if c else 0, evictions=c.evictions if c else 0, asleep=pool.asleep)
+            prefix_cache_hits=c.hits if c else 0, evictions=c.evictions if c else 0, asleep=pool.asleep,
+            tiers=tuple(dataclasses.replace(t, tokens_restored=self.restored_tokens[t.tier])
+                        for t in (self.tiers.stats() if self.tiers else ())),
+            tier_restore_seconds=self.restore_seconds, tier_offload_seconds=self.offload_seconds)

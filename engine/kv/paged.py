@@ -10,8 +10,10 @@ reference gathers them first.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
+from collections.abc import Iterator
 
 import torch
 
@@ -80,6 +82,21 @@ class PagedKVCache(KVCacheBase):
         table = self.tables[seq.seq_id]
         return (table[k],) if k < len(table) and table[k] != GONE else None
 
+    @contextlib.contextmanager
+    def entry_views(self, pages: tuple[int, ...]) -> Iterator[list[torch.Tensor]]:
+        yield self._block_views(pages[0])
+
+    def page_views(self, seq: Sequence, k: int) -> list[torch.Tensor]:
+        return self._block_views(self.tables[seq.seq_id][k])
+
+    def _block_views(self, block: int) -> list[torch.Tensor]:
+        """Block `block` of every layer's K, then V, as bytes."""
+        return [cache[block].view(-1).view(torch.uint8) for cache in (*self.k_caches, *self.v_caches)]
+
+    def geometry(self) -> dict:
+        return {"layout": self.layout, "dtype": str(self.k_caches[0].dtype), "block_size": self.block_size,
+                "k_cache": list(self.k_caches[0].shape[1:]), "layers": len(self.k_caches)}
+
     # -- blocks ---------------------------------------------------------------------------
     def can_allocate(self) -> bool:
         return True
@@ -125,7 +142,6 @@ class PagedKVCache(KVCacheBase):
                 for s, ctx in zip(seqs, ctx_lens)], self.block_size
 
     def close(self) -> None:
-        if self.prefix_cache:
-            self.prefix_cache.clear()
+        self._let_cache_go()
         self.k_caches.clear()
         self.v_caches.clear()

@@ -43,6 +43,7 @@ def chain_hash(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
 class PrefixCache:
     def __init__(self, pool: PageAllocator):
         self.pool = pool
+        self.on_evict = None  # called with (name, pages) before an entry's pages are let go (the KV tiers)
         self.entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self.queries = self.hits = self.evictions = 0  # queries and hits count tokens
 
@@ -77,6 +78,8 @@ class PrefixCache:
                 return
             pages = self.entries[h]
             if all(self.pool.ref_counts[p] == 1 for p in pages):
+                if self.on_evict:
+                    self.on_evict(h, pages)
                 del self.entries[h]
                 for page in pages:
                     self.pool.drop(page)
@@ -86,7 +89,10 @@ class PrefixCache:
         return Counter(p for pages in self.entries.values() for p in pages)
 
     def clear(self) -> None:
-        for pages in self.entries.values():
+        """Let every entry go (sleep, close): each goes to the tiers first, as an eviction would."""
+        for h, pages in self.entries.items():
+            if self.on_evict:
+                self.on_evict(h, pages)
             for page in pages:
                 self.pool.drop(page)
         self.entries.clear()

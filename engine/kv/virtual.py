@@ -23,9 +23,11 @@ copies the bytes back: no block table to rewrite, no token recomputed.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Iterator
 
 import torch
 
@@ -60,6 +62,7 @@ class VirtualKVCache(KVCacheBase):
         self.regions = [vmm.Reservation(self.pool, num_slots * self.slot_pages * self.page_size)
                         for _ in range(self.num_regions)]
         self.k_caches, self.v_caches = self._views(L, H, D)
+        self.staging = vmm.Reservation(self.pool, self.num_regions * self.page_size)  # entry_views maps here
         self.mapped = [0] * num_slots  # pages mapped in each region of each slot
         self.slots: dict[int, int] = {}  # seq_id -> its slot
         self.free_slots: deque[int] = deque(range(num_slots))
@@ -142,6 +145,25 @@ class VirtualKVCache(KVCacheBase):
                     region.view(torch.uint8, (count * self.page_size,), offset=region.offset_of(
                         self._index(seq, first))).zero_()
             self.mapped[self.slot(seq)] += count
+
+    @contextlib.contextmanager
+    def entry_views(self, pages: tuple[int, ...]) -> Iterator[list[torch.Tensor]]:
+        """A cached entry's pages are mapped nowhere: map them side by side in the staging
+        range for the copy, then unmap (each mapping is one reference while it lasts)."""
+        self.staging.map_run(0, list(pages))
+        try:
+            yield [self.staging.view(torch.uint8, (len(pages) * self.page_size,))]
+        finally:
+            self.staging.unmap(0, len(pages))
+
+    def page_views(self, seq: Sequence, k: int) -> list[torch.Tensor]:
+        return [r.view(torch.uint8, (self.page_size,), offset=r.offset_of(self._index(seq, k)))
+                for r in self.regions]
+
+    def geometry(self) -> dict:
+        return {"layout": self.layout, "dtype": str(self.dtype), "page_size": self.page_size,
+                "row_bytes": self.row_bytes, "regions": self.num_regions,
+                "k_cache": list(self.k_caches[0].shape[1:])}
 
     def tile_end(self, num_tokens: int) -> int:
         return min(-(-num_tokens // self.tile_rows) * self.tile_rows, self.rows)
@@ -278,9 +300,8 @@ class VirtualKVCache(KVCacheBase):
         return [[self.slots[s.seq_id]] for s in seqs], self.rows
 
     def close(self) -> None:
-        if self.prefix_cache:
-            self.prefix_cache.clear()
-        for region in self.regions:
+        self._let_cache_go()
+        for region in (*self.regions, self.staging):
             if not region.released:
                 region.release()
         self.pool.close()
