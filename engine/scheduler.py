@@ -19,7 +19,11 @@ Admission order: first come, first served, except that a group (the sequences of
 request) that has had fewer sequences admitted goes before one that has had more, so a request
 of many prompts cannot hold the head of the queue for everyone: groups take turns. With `policy="priority"` the lowest priority
 value goes first (ties: fairness, then arrival) and the least urgent running sequence is the
-one preempted; otherwise the newest is.
+one preempted; otherwise the newest is. With `policy="lpm"` (SGLang's longest prefix match)
+the sequence with the most prompt pages already cached, in the pool or a KV tier, goes first
+(ties: fairness, then arrival), so a prefix is used while it is still cached; a queue longer
+than LPM_MAX_QUEUE is served FCFS (matching every prompt would cost more than it saves), and
+a sequence passed over LPM_MAX_SKIPS times by later arrivals goes next: nobody starves.
 
 A running sequence may have nothing to compute: a beam waiting for its siblings' logprobs.
 If such idle sequences hold the seats or pages a waiting one needs, so that nothing at all
@@ -35,6 +39,8 @@ from engine.kv.base import KVCacheBase
 from engine.sequence import Sequence, SequenceStatus
 
 SWAP_MIN_TOKENS = 16  # below this, recompute (see the note on preemption above)
+LPM_MAX_QUEUE = 128  # SGLang's threshold: longer queues are served FCFS
+LPM_MAX_SKIPS = 8  # times a waiting sequence may be passed over by later ones under lpm
 Scheduled = list[tuple[Sequence, int]]  # (sequence, number of its tokens computed this step)
 
 
@@ -54,6 +60,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.admitted: Counter[str] = Counter()  # per group with sequences here: admissions so far
+        self.skips: Counter[int] = Counter()  # lpm: per waiting seq_id, times later ones went first
+        self._names: dict[int, tuple[int, list[bytes]]] = {}  # lpm: seq_id -> (its length, page names)
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -145,6 +153,11 @@ class Scheduler:
                 self.kv.release(seq, keep_pages=False)
                 seq.num_computed_tokens = 0
                 break
+            if self.policy == "lpm":  # each sequence queued before seq is passed over once more
+                for older in list(self.waiting)[:self.waiting.index(seq)]:
+                    self.skips[older.seq_id] += 1
+                self.skips.pop(seq.seq_id, None)
+                self._names.pop(seq.seq_id, None)
             self.waiting.remove(seq)
             self.admitted[seq.group] += 1
             self._run(seq)
@@ -157,8 +170,22 @@ class Scheduler:
         the front)."""
         if len(self.waiting) == 1:
             return self.waiting[0]
-        key = lambda i: (self._urgency(self.waiting[i]), self.admitted[self.waiting[i].group], i)
-        return self.waiting[min(range(len(self.waiting)), key=key)]
+        waiting = self.waiting
+        fair = lambda i: (self._urgency(waiting[i]), self.admitted[waiting[i].group], i)
+        if self.policy != "lpm" or len(waiting) > LPM_MAX_QUEUE:
+            return waiting[min(range(len(waiting)), key=fair)]
+        starved = [i for i in range(len(waiting)) if self.skips[waiting[i].seq_id] >= LPM_MAX_SKIPS]
+        if starved:
+            return waiting[starved[0]]
+        cached = [self.kv.cached_prefix_pages(self._page_names(seq)) for seq in waiting]
+        return waiting[min(range(len(waiting)), key=lambda i: (-cached[i], fair(i)))]
+
+    def _page_names(self, seq: Sequence) -> list[bytes]:
+        length, names = self._names.get(seq.seq_id, (-1, []))
+        if length != len(seq):
+            names = self.kv.page_names(seq)
+            self._names[seq.seq_id] = (len(seq), names)
+        return names
 
     def _urgency(self, seq: Sequence) -> int:
         """Lower goes first: the request's priority under the priority policy, else all equal."""
@@ -224,6 +251,8 @@ class Scheduler:
             self.kv.release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.skips.pop(seq.seq_id, None)
+            self._names.pop(seq.seq_id, None)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def finish_request(self, request_id: str, reason: str) -> None:

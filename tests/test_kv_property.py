@@ -7,6 +7,9 @@ pool accounting holds (free xor referenced; counts = mappings + prefix-cache hol
 running sequence reads back exactly its own prefix values, so sharing and copy-on-write never
 leak one sequence's bytes into another. At the end the pool is whole again.
 """
+import shutil
+import tempfile
+
 import pytest
 import torch
 from conftest import cuda_unavailable, make_cuda_backend
@@ -15,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import vmm
 from engine.kv.paged import PagedKVCache
+from engine.kv.tiers import DiskTier, HostTier, KVTiers
 from engine.kv.virtual import VirtualKVCache
 from engine.map_ahead import MapAhead
 from engine.models.config import ModelConfig
@@ -54,12 +58,22 @@ class TrafficMachine(RuleBasedStateMachine):
 
     @initialize(layout=st.sampled_from(["interleaved", "per_layer", "paged"]), pages=st.integers(24, 48),
                 swap_pages=st.sampled_from([0, 0, 4, 16, 64]), swap_min_tokens=st.integers(1, 24),
-                ahead=st.sampled_from([0, 0, 1, 6]), window=st.sampled_from([None, None, 5, 12]))
-    def setup(self, layout, pages, swap_pages, swap_min_tokens, ahead, window):
+                ahead=st.sampled_from([0, 0, 1, 6]), window=st.sampled_from([None, None, 5, 12]),
+                host_entries=st.sampled_from([0, 0, 1, 3, 64]), disk_entries=st.sampled_from([0, 0, 0, 2, 64]),
+                policy=st.sampled_from(["fcfs", "lpm"]))
+    def setup(self, layout, pages, swap_pages, swap_min_tokens, ahead, window, host_entries, disk_entries, policy):
         swap_pages = 0 if layout == "paged" else swap_pages  # swapping needs a virtual layout
         self.kv = make_cache(layout, pages, self.cuda and layout != "paged", swap_pages)
         self.kv.window = window  # sliding window: pages before it are let go as sequences grow
-        self.sched = Scheduler(self.kv, max_num_seqs=6, max_num_batched_tokens=48,
+        self.tier_dir = None
+        if host_entries or disk_entries:  # evicted entries go down, and come back at admission
+            size, cpu = self.kv.entry_bytes, torch.device("cpu")
+            host = HostTier(cpu, size, host_entries * size) if host_entries else None
+            if disk_entries:
+                self.tier_dir = tempfile.mkdtemp(prefix="vkv-tier-test-")
+            disk = DiskTier(self.tier_dir, b"p" * 32, size, disk_entries * (size + 128)) if disk_entries else None
+            self.kv.attach_tiers(KVTiers(host, disk), b"property")
+        self.sched = Scheduler(self.kv, max_num_seqs=6, max_num_batched_tokens=48, policy=policy,
                                preemption_mode="swap" if swap_pages else "recompute", swap_min_tokens=swap_min_tokens)
         # The map-ahead worker maps pages while the "forward pass" below writes rows.
         self.ahead = MapAhead(self.kv, ahead, self.sched.headroom_pages) if ahead else None
@@ -172,7 +186,8 @@ class TrafficMachine(RuleBasedStateMachine):
             self.ahead.close()
         for name, happened in [("preemption", self.sched.num_preemptions), ("copy-on-write", stats.cow_copies),
                                ("swap-in", stats.swap_ins), ("mapped ahead", self.ahead and self.ahead.seconds),
-                               ("prefix hit", stats.prefix_cache_hits), ("eviction", stats.evictions)]:
+                               ("prefix hit", stats.prefix_cache_hits), ("eviction", stats.evictions),
+                               ("tier restore", sum(t.tokens_restored for t in stats.tiers))]:
             event(f"{name}: {'yes' if happened else 'no'}")
         for seq in list(self.live):
             self.sched.finish(seq, "abort")
@@ -184,6 +199,8 @@ class TrafficMachine(RuleBasedStateMachine):
         self.kv.audit()
         assert self.kv.pool.num_free == self.kv.pool.num_pages
         self.kv.close()
+        if self.tier_dir:
+            shutil.rmtree(self.tier_dir)
 
 
 TestTraffic = TrafficMachine.TestCase

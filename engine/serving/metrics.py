@@ -50,6 +50,22 @@ COUNTERS = {
     "vkv:spec_decode_num_drafts": (lambda s: s.spec_drafts, "Speculative proposals verified."),
     "vkv:spec_decode_num_draft_tokens": (lambda s: s.spec_draft_tokens, "Tokens proposed by speculative decoding."),
     "vkv:spec_decode_num_accepted_tokens": (lambda s: s.spec_accepted_tokens, "Proposed tokens the model kept."),
+    "vkv:kv_tier_restore_seconds": (lambda s: s.kv.tier_restore_seconds,
+                                    "Time spent restoring prefix pages from the KV tiers at admission."),
+    "vkv:kv_tier_offload_seconds": (lambda s: s.kv.tier_offload_seconds,
+                                    "Time spent copying evicted prefix pages into the KV tiers."),
+}
+TIER_GAUGES = {  # per KV tier, labelled tier="host" | "disk"
+    "vkv:kv_tier_capacity_bytes": (lambda t: t.capacity_bytes, "Bytes the KV tier may hold."),
+    "vkv:kv_tier_used_bytes": (lambda t: t.used_bytes, "Bytes of entries in the KV tier."),
+    "vkv:kv_tier_entries": (lambda t: t.entries, "Prefix-cache entries in the KV tier."),
+}
+TIER_COUNTERS = {
+    "vkv:kv_tier_written_bytes": (lambda t: t.bytes_written, "Bytes written to the KV tier."),
+    "vkv:kv_tier_read_bytes": (lambda t: t.bytes_read, "Bytes read back from the KV tier."),
+    "vkv:kv_tier_restored_tokens": (lambda t: t.tokens_restored, "Prompt tokens restored from the KV tier instead of computed."),
+    "vkv:kv_tier_dropped": (lambda t: t.dropped, "Entries the KV tier let go for room, or writes it dropped when behind."),
+    "vkv:kv_tier_errors": (lambda t: t.errors, "Damaged or missing tier files found (dropped and recomputed)."),
 }
 
 
@@ -64,6 +80,12 @@ class _Snapshot:
             yield GaugeMetricFamily(name, doc, value=read(stats))
         for name, (read, doc) in COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=read(stats))
+        for table, family in ((TIER_GAUGES, GaugeMetricFamily), (TIER_COUNTERS, CounterMetricFamily)):
+            for name, (read, doc) in table.items():
+                metric = family(name, doc, labels=["tier"])
+                for tier in stats.kv.tiers:
+                    metric.add_metric([tier.tier], read(tier))
+                yield metric
 
 
 class Metrics:
