@@ -6,9 +6,10 @@
    sending its next turn when its last one is answered, and together they need several times
    the KV pool. Configurations: no tier; a host tier smaller than the conversations; that host
    tier plus a disk tier; the same with `--scheduling-policy lpm`. Reported: TTFT p50/p99 of
-   the turns after the first, wall time, output tokens/s, and prompt tokens computed (prompt
-   tokens less those found in the pool or restored from a tier). Greedy outputs must match
-   across configurations.
+   the turns after the first, wall time, output tokens/s, tokens the model computed (every
+   scheduled token: prefills, recomputation after preemption, decodes), tokens found in the
+   pool and restored from each tier, preemptions. Greedy outputs must match across
+   configurations.
 2. Warm restart. A ~1,000-token system prompt and a question: the first request's TTFT on a
    fresh engine with an empty disk tier (cold), and on a second engine over the same directory
    (warm); engine start times (the disk tier hashes the weights); tokens identical.
@@ -82,6 +83,14 @@ def replay(llm: LLM, chats: list[list[tuple]]) -> dict:
         sent[request_id] = (c, time.perf_counter())
         next_turn[c] += 1
 
+    computed, schedule = [0], engine.scheduler.schedule
+
+    def counting_schedule():  # every token the model computes: prefills, recomputation, decodes
+        scheduled = schedule()
+        computed[0] += sum(n for _, n in scheduled)
+        return scheduled
+
+    engine.scheduler.schedule = counting_schedule
     start = time.perf_counter()
     for c in range(len(chats)):
         send(c)
@@ -103,7 +112,7 @@ def replay(llm: LLM, chats: list[list[tuple]]) -> dict:
             "ttft_p99_ms": float(np.percentile(later, 99)), "turns": len(outputs),
             "prompt_tokens": stats.prompt_tokens, "pool_hit_tokens": stats.kv.prefix_cache_hits,
             "restored_tokens": restored,
-            "prompt_tokens_computed": stats.prompt_tokens - stats.kv.prefix_cache_hits - sum(restored.values()),
+            "tokens_computed": computed[0], "output_tokens": out_tokens,
             "evictions": stats.kv.evictions, "preemptions": stats.preemptions,
             "restore_s": stats.kv.tier_restore_seconds, "offload_s": stats.kv.tier_offload_seconds,
             "tiers": [dataclasses.asdict(t) for t in stats.kv.tiers],
@@ -193,10 +202,10 @@ def plot(result: dict, path: str) -> None:
     ax = axes[0]
     ax.bar(x - 0.2, [r["ttft_p50_ms"] for r in runs], 0.4, label="TTFT p50")
     ax.bar(x + 0.2, [r["ttft_p99_ms"] for r in runs], 0.4, label="TTFT p99")
-    ax.set_xticks(x, [r["config"] for r in runs], fontsize=7)
+    ax.set_xticks(x, [r["config"].replace(" + ", "\n+ ").replace(", ", ",\n") for r in runs], fontsize=7)
     ax.set_ylabel("ms")
     ax2 = ax.twinx()
-    ax2.plot(x, [r["prompt_tokens_computed"] for r in runs], "ko-", label="prompt tokens computed")
+    ax2.plot(x, [r["tokens_computed"] for r in runs], "ko-", label="tokens the model computed")
     ax2.set_ylim(bottom=0)
     ax.legend(loc="upper right", fontsize=8)
     ax2.legend(loc="lower left", fontsize=8)
@@ -260,10 +269,12 @@ def main() -> None:
               "last_turn_context_tokens_total": int(sum(context)), "host_tier_gib": args.host_gib,
               "system_prompt_tokens": len(system), "outputs_identical": identical,
               "machine": machine_info(), "multi_turn": runs, "warm_restart": restart, "restore_cost": cost}
-    print(f"\n{'config':<28}{'TTFT p50':>10}{'p99':>9}{'wall s':>8}{'tok/s':>7}{'computed':>10}  restored")
+    print(f"\n{'config':<28}{'TTFT p50':>10}{'p99':>9}{'wall s':>8}{'tok/s':>7}{'computed':>10}{'pool hit':>9}"
+          f"{'preempt':>8}  restored")
     for r in runs:
         print(f"{r['config']:<28}{r['ttft_p50_ms']:>8.0f}ms{r['ttft_p99_ms']:>7.0f}ms{r['wall_s']:>8.1f}"
-              f"{r['output_tok_s']:>7.1f}{r['prompt_tokens_computed']:>10}  {r['restored_tokens']}")
+              f"{r['output_tok_s']:>7.1f}{r['tokens_computed']:>10}{r['pool_hit_tokens']:>9}{r['preemptions']:>8}"
+              f"  {r['restored_tokens']}")
     print(f"warm restart: TTFT {restart['cold']['ttft_ms']:.0f} ms cold, {restart['warm']['ttft_ms']:.0f} ms warm "
           f"({restart['ttft_ratio']:.1f}x); start {restart['cold']['engine_start_s']:.1f} s / "
           f"{restart['warm']['engine_start_s']:.1f} s; tokens identical: {restart['tokens_identical']}")

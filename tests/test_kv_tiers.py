@@ -10,6 +10,7 @@ from engine.kv.paged import PagedKVCache
 from engine.kv.tiers import HEADER, DiskTier, HostTier, KVTiers
 from engine.models.config import ModelConfig
 from engine.scheduler import LPM_MAX_SKIPS, Scheduler
+from engine.serving.metrics import Metrics
 from engine.sequence import Sequence
 
 # Three prompts of ~260 tokens with nothing in common, and a pool that holds about one of
@@ -35,6 +36,9 @@ def test_restored_prefixes_give_the_tokens_that_computing_them_gives(layout):
         assert llm.stats().kv.evictions > 0 and host.tokens_restored >= len(PROMPTS) * 85, host
         assert restored == computed
         assert_pool_whole(llm)
+        metrics = Metrics().render(llm.stats()).decode()
+        assert f'vkv:kv_tier_restored_tokens_total{{tier="host"}} {float(host.tokens_restored)}' in metrics
+        assert 'vkv:kv_tier_used_bytes{tier="host"}' in metrics and "vkv:kv_tier_restore_seconds_total" in metrics
 
 
 def test_a_restarted_engine_restores_from_disk_and_damage_is_recomputed(tmp_path):
