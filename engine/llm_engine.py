@@ -41,6 +41,13 @@ from engine.structured import Grammars, consume
 log = logging.getLogger("vkv.engine")
 
 
+def make_backend(c: EngineConfig) -> vmm.Backend:
+    """Where a virtual KV cache's physical pages come from: the GPU's VMM or the host's memfd."""
+    if c.device.type == "cuda":
+        return vmm.CudaBackend(c.device.index or 0, c.page_size)
+    return vmm.HostBackend(c.page_size or DEFAULT_HOST_PAGE)
+
+
 class EngineSleeping(RuntimeError):
     """A request came while the engine sleeps."""
 
@@ -65,10 +72,13 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: tuple | None = None, tp_rank: int = 0):
+    def __init__(self, config: EngineConfig, loaded: tuple | None = None, tp_rank: int = 0,
+                 pool: vmm.PoolShare | None = None):
         """loaded: (model, tokenizer) already in memory for config.model, to run another engine
         over the same weights (a fresh KV cache and scheduler) without loading them again.
-        tp_rank > 0: a tensor-parallel worker's engine (engine/parallel.py), never stepped."""
+        tp_rank > 0: a tensor-parallel worker's engine (engine/parallel.py), never stepped.
+        pool: this model's share of a physical pool several models draw from (engine/multi.py);
+        config.kv_cache_memory is then ignored."""
         self.config = c = config
         self.model_config = load_config(c.model)
         self.max_model_len = c.resolve_max_model_len(self.model_config.max_position_embeddings)
@@ -90,7 +100,13 @@ class LLMEngine:
         peak = 0
         if c.device.type == "cuda" and c.kv_cache_memory is None:  # size the pool after a profile run
             peak = activation_peak(self.model, c.max_num_batched_tokens, c.max_num_seqs, c.device)
-        self.kv = self._make_kv_cache(shard_config(self.model_config, tp), c.kv_budget_bytes(peak) // tp)
+        if pool is not None:
+            if tp > 1 or c.kv_layout == "paged":
+                raise ValueError("a shared KV pool needs a virtual kv_layout (interleaved or per_layer) and "
+                                 "tensor_parallel_size 1")
+            self.kv = self._make_kv_cache(self.model_config, 0, pool)
+        else:
+            self.kv = self._make_kv_cache(shard_config(self.model_config, tp), c.kv_budget_bytes(peak) // tp)
         self.kv.window = self.model_config.sliding_window
         if c.offloading:
             self._attach_tiers()
@@ -122,8 +138,9 @@ class LLMEngine:
                 "attention": self.attention,
                 "kernel_isa": f"{isa} ({isa_why})" if self.model.native else f"none ({ext.cpu_kernels_error()})"}
 
-    def _make_kv_cache(self, cfg, budget: int) -> VirtualKVCache | PagedKVCache:
-        """This rank's KV cache: cfg holds its share of the KV heads, budget its bytes."""
+    def _make_kv_cache(self, cfg, budget: int, pool: vmm.PoolShare | None = None) -> VirtualKVCache | PagedKVCache:
+        """This rank's KV cache: cfg holds its share of the KV heads, budget its bytes (or
+        pool, a share of a pool several models draw from)."""
         c = self.config
         if c.kv_layout == "paged":
             itemsize = torch.empty((), dtype=c.dtype).element_size()
@@ -133,20 +150,20 @@ class LLMEngine:
                 raise ValueError(f"kv_cache_memory {budget} is below one block ({block_bytes} bytes)")
             return PagedKVCache(cfg, c.block_size, num_blocks, c.dtype, c.device,
                                 c.enable_prefix_caching)
-        if c.device.type == "cuda":
-            backend = vmm.CudaBackend(c.device.index or 0, c.page_size)
+        if pool is not None:
+            backend, num_pages = pool.backend, pool.num_pages
         else:
-            backend = vmm.HostBackend(c.page_size or DEFAULT_HOST_PAGE)
-        num_pages = budget // backend.page_size
-        if num_pages < 1:
-            backend.close()
-            raise ValueError(f"kv_cache_memory {budget} is below one page ({backend.page_size} bytes)")
+            backend = make_backend(c)
+            num_pages = budget // backend.page_size
+            if num_pages < 1:
+                backend.close()
+                raise ValueError(f"kv_cache_memory {budget} is below one page ({backend.page_size} bytes)")
         swap = None
         if c.preemption_mode == "swap":  # swapped sequences keep their slots: twice the slots
             swap = vmm.SwapSpace(backend, int(c.swap_space * (1 << 30)), c.swap_path)
         return VirtualKVCache(cfg, c.kv_layout, c.max_num_seqs * (2 if swap else 1),
                               self.max_model_len, c.dtype, backend, num_pages, c.enable_prefix_caching,
-                              tile_rows(self.attention, cfg.head_dim, c.device), swap)
+                              tile_rows(self.attention, cfg.head_dim, c.device), swap, pool)
 
     def _attach_tiers(self) -> None:
         """The KV tiers below the pool. Pages are named in a namespace of the weights and the KV

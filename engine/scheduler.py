@@ -137,8 +137,9 @@ class Scheduler:
                 break
             self.swapped.remove(seq)
             self._run(seq)
-            scheduled.append((seq, n))
-            budget -= n
+            if n:  # an idle beam comes back with nothing to compute: it must not sample
+                scheduled.append((seq, n))
+                budget -= n
         return scheduled
 
     def _admit_waiting(self, budget: int) -> Scheduled:

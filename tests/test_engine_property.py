@@ -8,7 +8,7 @@ The model is `random:tiny` (2 layers, 512 bytes of KV per token), with 4 KiB hos
 """
 import functools
 
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
 from engine import LLM, BeamSearchParams, SamplingParams
 from engine.config import EngineConfig
@@ -76,6 +76,12 @@ request = st.fixed_dictionaries({
 @given(layout=st.sampled_from(list(PAGES)), tight=st.booleans(), seats=st.integers(3, 5), caching=st.booleans(),
        swap_pages=st.sampled_from([0, 6, 64]), ahead=st.sampled_from([0, 4]),
        requests=st.lists(request, min_size=3, max_size=8))
+@example(  # found by this test: an idle beam swapped out and back in sampled another sequence's logits
+    layout="per_layer", tight=False, seats=5, caching=False, swap_pages=6, ahead=4, requests=[
+        {"kind": "plain", "prompt": (3, 3, 3, 3), "width": 2, "max_tokens": 4, "arrive": 2, "abort": None},
+        {"kind": "beam", "prompt": (3, 3, 3, 3), "width": 3, "max_tokens": 2, "arrive": 2, "abort": None},
+        {"kind": "beam", "prompt": tuple(SHARED) + (3, 3, 4, 4, 7, 13, 33, 45, 46, 89, 348, 3), "width": 3,
+         "max_tokens": 10, "arrive": 0, "abort": None}])
 def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, seats, caching, swap_pages, ahead,
                                                               requests):
     llm = engine_for(layout, PAGES[layout][tight], seats, caching, 0 if layout == "paged" else swap_pages, ahead)

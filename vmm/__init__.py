@@ -51,6 +51,7 @@ from vmm.errors import (AlreadyMapped, BackendUnavailable, DoubleFree, Invariant
 from vmm.host import HostBackend
 from vmm.pool import PageAllocator, PagePool, PoolStats
 from vmm.reservation import Reservation
+from vmm.share import PoolShare, SharedPool
 from vmm.swap import SlotStore, SwapSpace
 
 
@@ -64,6 +65,6 @@ def make_backend(name: str, page_size: int | None = None, device: int = 0) -> Ba
 
 
 __all__ = ["Backend", "HostBackend", "CudaBackend", "cuda_unavailable_reason", "make_backend",
-           "PageAllocator", "PagePool", "PoolStats", "Reservation", "SlotStore", "SwapSpace", "VmmError", "BackendUnavailable",
+           "PageAllocator", "PagePool", "PoolStats", "Reservation", "SharedPool", "PoolShare", "SlotStore", "SwapSpace", "VmmError", "BackendUnavailable",
            "PoolExhausted", "DoubleFree", "NotMapped", "AlreadyMapped", "OutOfRange",
            "UnmappedAccess", "ReservationReleased", "InvariantViolation", "PartialUnmap"]

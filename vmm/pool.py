@@ -86,6 +86,13 @@ class PageAllocator:
             self.free_ids.append(page)
             return True
 
+    def borrow(self, need: int) -> None:
+        """Ask other tenants for pages (a `vmm.PoolShare`); a pool of one's own has none to ask."""
+
+    def borrowable(self) -> int:
+        """Pages other tenants could give back now (none: see `vmm.PoolShare`)."""
+        return 0
+
     def stats(self) -> PoolStats:
         with self.lock:
             in_use = 0 if self.asleep else self.num_pages - len(self.free_ids)

@@ -182,10 +182,22 @@ class KVCacheBase(ABC):
             self.prefix_cache.evict(want_free)
 
     def make_room(self, need: int) -> bool:
-        """Are `need` pool pages free, after reclaiming what nobody running needs?"""
+        """Are `need` pool pages free, after reclaiming what nobody running needs, here and
+        then (a shared pool) in the other tenants?"""
         if self.pool.num_free < need:
             self.reclaim(need)
+        if self.pool.num_free < need:
+            self.pool.borrow(need)
         return self.pool.num_free >= need
+
+    def spare_pages(self) -> int:
+        """Pages held that no running sequence needs: idle, then cached alone (what give_back frees)."""
+        cached = self.prefix_cache.evictable_pages() if self.prefix_cache else 0
+        return self.reclaimable_pages() + cached
+
+    def give_back(self, pages: int) -> None:
+        """Free up to `pages` of the spare ones, for another tenant of a shared pool."""
+        self.reclaim(self.pool.num_free + pages)
 
     # -- swapping (virtual layouts; the block table preempts by recompute) -----------------
     def swap_out(self, seq: Sequence) -> bool:
@@ -210,8 +222,7 @@ class KVCacheBase(ABC):
     @property
     def num_free_pages(self) -> int:
         """Pages obtainable now without preempting anyone (a lower bound)."""
-        cached = self.prefix_cache.evictable_pages() if self.prefix_cache else 0
-        return self.pool.num_free + self.reclaimable_pages() + cached
+        return self.pool.num_free + self.spare_pages() + self.pool.borrowable()
 
     # -- the sequence life cycle (the scheduler's calls) -----------------------------------
     def admit(self, seq: Sequence) -> int:

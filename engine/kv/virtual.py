@@ -44,7 +44,7 @@ class VirtualKVCache(KVCacheBase):
     def __init__(self, cfg: ModelConfig, layout: str, num_slots: int, max_model_len: int,
                  dtype: torch.dtype, backend: vmm.Backend, num_pages: int,
                  enable_prefix_caching: bool = False, tile_rows: int = 1,
-                 swap: vmm.SwapSpace | None = None):
+                 swap: vmm.SwapSpace | None = None, pool: vmm.PoolShare | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown virtual kv_layout {layout!r}: choose one of {LAYOUTS}")
         self.layout, self.num_slots, self.dtype = layout, num_slots, dtype
@@ -58,7 +58,8 @@ class VirtualKVCache(KVCacheBase):
         self.tile_rows = tile_rows  # > 1: the kernel loads whole tiles, mapped and zeroed
         self.slot_pages = self.rows * self.row_bytes // self.page_size
         self.num_regions = 1 if layout == "interleaved" else 2 * L
-        super().__init__(vmm.PagePool(backend, num_pages), enable_prefix_caching)
+        self.owns_pool = pool is None  # else a share of a pool several models draw from (vmm/share.py)
+        super().__init__(vmm.PagePool(backend, num_pages) if pool is None else pool, enable_prefix_caching)
         self.regions = [vmm.Reservation(self.pool, num_slots * self.slot_pages * self.page_size)
                         for _ in range(self.num_regions)]
         self.k_caches, self.v_caches = self._views(L, H, D)
@@ -306,7 +307,8 @@ class VirtualKVCache(KVCacheBase):
         for region in (*self.regions, *([self.staging] if self.staging else [])):
             if not region.released:
                 region.release()
-        self.pool.close()
-        self.pool.backend.close()
+        if self.owns_pool:
+            self.pool.close()
+            self.pool.backend.close()
         if self.swap:
             self.swap.close()

@@ -1,0 +1,165 @@
+"""Several models over one physical KV pool: `MultiLLM`, the offline API next to `LLM`.
+
+Every model is an `LLMEngine` of its own (weights, scheduler, slots, views, prefix cache),
+and every engine's KV cache draws its physical pages from one `vmm.SharedPool` through a
+`vmm.PoolShare` (vmm/share.py has the note): a model with traffic takes the pages others do
+not use, within its cap and the others' floors, and when short it asks them to give back
+their idle and cached pages. `step()` steps each model with work once, in turn, so one
+model's burst delays another's decode by at most one of its steps, never by its whole queue.
+
+    llms = MultiLLM({"small": None, "big": "random:smollm2-135m"}, kv_cache_memory=1 << 30,
+                    kv_limits={"small": (0.25, 1.0)})
+    llms.generate(["Hello"], SamplingParams(max_tokens=8), model="small")
+"""
+from __future__ import annotations
+
+import time
+from itertools import count
+
+import vmm
+from engine.config import EngineConfig
+from engine.llm import as_prompt_list
+from engine.llm_engine import LLMEngine, make_backend
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+
+def pages_of(limit: float | int, total: int, page_size: int) -> int:
+    """A limit in pages: a float in [0, 1] is a share of the pool, an int is bytes."""
+    if isinstance(limit, float):
+        if not 0 <= limit <= 1:
+            raise ValueError(f"a KV limit given as a share must be in [0, 1], got {limit}")
+        return int(limit * total)
+    if limit < 0:
+        raise ValueError(f"a KV limit in bytes must be >= 0, got {limit}")
+    return limit // page_size
+
+
+class MultiLLM:
+    def __init__(self, models: dict[str, str | None], kv_cache_memory: int | None = None,
+                 kv_limits: dict[str, tuple[float | int, float | int]] | None = None, **engine_options):
+        """models: name -> source (as LLM's `model`). kv_limits: name -> (floor, cap), each a
+        share of the pool (float) or bytes (int). Other options apply to every model."""
+        if not models:
+            raise ValueError("MultiLLM needs at least one model")
+        probe = EngineConfig(model=None, kv_cache_memory=kv_cache_memory, **engine_options)
+        if probe.kv_layout == "paged" or probe.tensor_parallel_size > 1:
+            raise ValueError("several models share one pool on a virtual kv_layout (interleaved or per_layer) "
+                             "with tensor_parallel_size 1")
+        backend = make_backend(probe)
+        num_pages = probe.kv_budget_bytes() // backend.page_size
+        self.shared = vmm.SharedPool(vmm.PagePool(backend, num_pages))
+        self.engines: dict[str, LLMEngine] = {}
+        self.last_active: dict[str, float] = {}
+        self._ids = count()
+        try:
+            for name in (kv_limits or {}):
+                if name not in models:
+                    raise ValueError(f"unknown model {name!r} in kv_limits: the models are {sorted(models)}")
+            for name, source in models.items():
+                share = self.shared.tenant(name)
+                floor, cap = (kv_limits or {}).get(name, (0, 1.0))
+                self.set_limits(name, floor, cap)
+                try:
+                    engine = LLMEngine(EngineConfig(model=source, **{**engine_options, "kv_cache_memory": None}),
+                                       pool=share)
+                except Exception as exc:
+                    raise ValueError(f"model {name!r} ({source or 'bundled'}) failed to load: {exc}") from exc
+                share.spare, share.give_back = engine.kv.spare_pages, engine.kv.give_back
+                self.engines[name] = engine
+                self.last_active[name] = time.monotonic()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- limits ---------------------------------------------------------------------------
+    def set_limits(self, model: str, floor: float | int = 0, cap: float | int = 1.0) -> None:
+        """A model's floor (pages no other model can take from it) and cap (pages it never
+        exceeds), each a share of the pool (float) or bytes (int); checked against the others'."""
+        total, page = self.shared.pool.num_pages, self.shared.pool.page_size
+        self.shared.set_limits(model, pages_of(floor, total, page), pages_of(cap, total, page))
+
+    # -- requests -------------------------------------------------------------------------
+    def engine(self, model: str) -> LLMEngine:
+        if model not in self.engines:
+            raise KeyError(f"unknown model {model!r}: the models are {sorted(self.engines)}")
+        return self.engines[model]
+
+    def add_request(self, model: str, request_id: str, prompt, params) -> None:
+        engine = self.engine(model)
+        if engine.is_sleeping:
+            engine.wake_up()
+        engine.add_request(request_id, prompt, params)
+        self.last_active[model] = time.monotonic()
+
+    def abort(self, model: str, request_id: str) -> None:
+        self.engine(model).abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return any(e.has_unfinished() for e in self.engines.values())
+
+    def step(self) -> list[tuple[str, RequestOutput]]:
+        """One step of each model that has work, in turn: (model, output) pairs."""
+        outputs = []
+        for name, engine in self.engines.items():
+            if engine.has_unfinished():
+                outputs += [(name, out) for out in engine.step()]
+                self.last_active[name] = time.monotonic()
+        return outputs
+
+    def generate(self, prompts, params: SamplingParams | None = None, model: str | None = None) -> list[RequestOutput]:
+        """LLM.generate for one model (default: the first); the others keep stepping."""
+        model = model or next(iter(self.engines))
+        engine, prompts = self.engine(model), as_prompt_list(prompts)
+        params = params or SamplingParams()
+        tokenized = [engine.tokenize(p) for p in prompts]
+        for prompt in tokenized:
+            engine.validate(prompt, params)
+        ids = [f"multi-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt in zip(ids, tokenized):
+            self.add_request(model, request_id, prompt, params)
+        done = {}
+        while any(i not in done for i in ids):
+            done |= {out.request_id: out for name, out in self.step() if name == model and out.finished}
+        return [done[i] for i in ids]
+
+    # -- idle models sleep ------------------------------------------------------------------
+    def sleep_idle(self, idle_seconds: float) -> list[str]:
+        """Sleep (give every KV page back to the pool) each model without requests for
+        idle_seconds; returns their names. A request wakes a model again."""
+        now, slept = time.monotonic(), []
+        for name, engine in self.engines.items():
+            if not engine.is_sleeping and not engine.has_unfinished() and now - self.last_active[name] >= idle_seconds:
+                engine.sleep(1)
+                slept.append(name)
+        return slept
+
+    def sleep(self, model: str) -> None:
+        self.engine(model).sleep(1)
+
+    def wake_up(self, model: str) -> None:
+        self.engine(model).wake_up()
+
+    # -- numbers --------------------------------------------------------------------------
+    def stats(self, model: str) -> EngineStats:
+        return self.engine(model).stats()
+
+    def audit(self) -> None:
+        """Every model's pages against its own mappings, and each page one owner."""
+        for engine in self.engines.values():
+            engine.kv.audit()
+        self.shared.audit()
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+        self.engines.clear()
+        self.shared.close()
+        self.shared.pool.backend.close()
+
+    def __enter__(self) -> MultiLLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,186 @@
+"""Several models over one physical KV pool (vmm/share.py, engine/multi.py): pages flow to the
+model with traffic, limits hold, idle models sleep, each model computes what it does alone."""
+import pytest
+import torch
+from hypothesis import HealthCheck, event, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import vmm
+from engine import LLM, SamplingParams
+from engine.kv.virtual import VirtualKVCache
+from engine.models.config import ModelConfig
+from engine.multi import MultiLLM
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+PROMPTS = [f"Story {i}: " + " ".join(f"w{i}x{j}" for j in range(60)) for i in range(4)]
+MODELS = {"smol": None, "other": "random:smollm2-135m"}
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "interleaved"])
+def test_each_model_served_together_computes_what_it_computes_alone(layout):
+    alone = {}
+    for name, source in MODELS.items():
+        with LLM(model=source, kv_layout=layout, kv_cache_memory=48 << 20) as llm:
+            alone[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with MultiLLM(MODELS, kv_layout=layout, kv_cache_memory=48 << 20) as llms:
+        peak = {}
+        for _ in range(2):  # each model in turn takes most of the pool, then gives it back
+            for name in MODELS:
+                got = [o.outputs[0].token_ids for o in llms.generate(PROMPTS, GREEDY, model=name)]
+                assert got == alone[name], name
+                peak[name] = max(peak.get(name, 0), llms.shared.tenants[name].peak_in_use)
+                llms.audit()
+        total = llms.shared.pool.num_pages
+        assert all(p > total // 2 for p in peak.values()), (peak, total)  # more than a static half each
+        assert llms.sleep_idle(0.0) == list(MODELS)
+        assert all(t.used == 0 for t in llms.shared.tenants.values())
+        got = [o.outputs[0].token_ids for o in llms.generate(PROMPTS, GREEDY, model="smol")]  # wakes it
+        assert got == alone["smol"]
+        llms.audit()
+
+
+def test_limits_are_checked_by_name_and_a_failing_model_stops_start_up():
+    with pytest.raises(ValueError, match="'nope'"):
+        MultiLLM({"a": "random:tiny"}, kv_cache_memory=8 << 20, kv_limits={"nope": (0, 1.0)})
+    with pytest.raises(ValueError, match="floors would sum"):
+        MultiLLM({"a": "random:tiny", "b": "random:tiny"}, kv_cache_memory=8 << 20,
+                 kv_limits={"a": (0.6, 1.0), "b": (0.6, 1.0)})
+    with pytest.raises(ValueError, match="floor .* must be in"):
+        MultiLLM({"a": "random:tiny"}, kv_cache_memory=8 << 20, kv_limits={"a": (0.5, 0.25)})
+    with pytest.raises(ValueError, match="model 'broken'"):
+        MultiLLM({"a": "random:tiny", "broken": "/no/such/checkpoint"}, kv_cache_memory=8 << 20)
+
+
+def test_a_cap_bounds_a_model_and_a_floor_keeps_pages_for_another():
+    with MultiLLM({"a": "random:tiny", "b": "random:tiny"}, kv_cache_memory=4 << 20, page_size=4096,
+                  kv_limits={"a": (0, 0.5), "b": (0.25, 1.0)}) as llms:
+        total = llms.shared.pool.num_pages
+        a, b = llms.shared.tenants["a"], llms.shared.tenants["b"]
+        assert a.cap == total // 2 and b.floor == total // 4
+        llms.generate([[5 + i] * 300 for i in range(8)], SamplingParams(max_tokens=4, ignore_eos=True), model="a")
+        assert 0 < a.peak_in_use <= total // 2
+        llms.generate([[100 + i] * 600 for i in range(8)], SamplingParams(max_tokens=4, ignore_eos=True), model="b")
+        assert b.peak_in_use > total // 2  # a gave its idle and cached pages back
+        llms.set_limits("b", 0, 0.25)
+        with pytest.raises(ValueError, match="'a': KV limit cap 2048 exceeds the pool's 1024 pages"):
+            llms.set_limits("a", 0, 8 << 20)  # bytes
+        with pytest.raises(ValueError, match=r"share must be in \[0, 1\]"):
+            llms.set_limits("a", 0, 2.0)
+        llms.audit()
+
+
+# -- the shared pool under random traffic, without models ---------------------------------
+CFGS = [ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=3, num_kv_heads=3,
+                    head_dim=40),
+        ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=2,
+                    head_dim=64)]
+
+
+class SharedTraffic(RuleBasedStateMachine):
+    """2-3 models' KV caches and schedulers over one shared pool: arrivals, aborts, limit
+    changes and sleeps. After every step each model's pages match its mappings, every page has
+    one owner, no model holds more than its cap (unless the cap was lowered under it), and at
+    the end every page is free."""
+
+    @initialize(models=st.integers(2, 3), pages=st.integers(24, 64), layout=st.sampled_from(["interleaved", "per_layer"]))
+    def setup(self, models, pages, layout):
+        self.shared = vmm.SharedPool(vmm.PagePool(vmm.HostBackend(4096), pages))
+        self.kvs, self.scheds, self.live = [], [], []
+        for m in range(models):
+            share = self.shared.tenant(str(m))
+            kv = VirtualKVCache(CFGS[m % 2], layout, 4, 48, torch.float32, share.backend, share.num_pages,
+                                enable_prefix_caching=True, pool=share)
+            share.spare, share.give_back = kv.spare_pages, kv.give_back
+            self.kvs.append(kv)
+            self.scheds.append(Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=32))
+            self.live.append([])
+        self.next_id, self.cap_over = 0, {}
+
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 63), min_size=1, max_size=20), out=st.integers(1, 12))
+    def arrive(self, data, tail, out):
+        m = data.draw(st.integers(0, len(self.kvs) - 1))
+        seq = Sequence(str(self.next_id), 0, [1, 2, 3, 4] + tail, SamplingParams(max_tokens=out, ignore_eos=True), 0.0)
+        if self.kvs[m].pages_for(len(seq) + out) > self.shared.tenants[str(m)].cap:
+            return  # the engine refuses such a request at submission
+        self.next_id += 1
+        if self.kvs[m].asleep:
+            self.kvs[m].wake_up()
+        self.scheds[m].add(seq)
+        self.live[m].append(seq)
+
+    @precondition(lambda self: any(self.live))
+    @rule(data=st.data())
+    def abort(self, data):
+        m = data.draw(st.sampled_from([i for i, live in enumerate(self.live) if live]))
+        seq = data.draw(st.sampled_from(self.live[m]))
+        self.scheds[m].finish(seq, "abort")
+        self.live[m].remove(seq)
+
+    @rule(data=st.data(), floor=st.floats(0, 0.5), cap=st.floats(0.3, 1.0))
+    def limits(self, data, floor, cap):
+        m = data.draw(st.integers(0, len(self.kvs) - 1))
+        total = self.shared.pool.num_pages
+        floor, cap = int(floor * total), max(int(cap * total), int(floor * total))
+        need = max((self.kvs[m].pages_for(len(s) + s.params.max_tokens) for s in self.live[m]), default=0)
+        try:
+            self.shared.set_limits(str(m), floor, max(cap, need))
+        except ValueError as exc:
+            assert "floors would sum" in str(exc)
+            return
+        share = self.shared.tenants[str(m)]
+        if share.used > share.cap:
+            self.kvs[m].give_back(share.used - share.cap)
+        self.cap_over[m] = max(0, share.used - share.cap)  # what running sequences keep for now
+
+    @rule(data=st.data())
+    def sleep(self, data):
+        m = data.draw(st.integers(0, len(self.kvs) - 1))
+        if not self.scheds[m].has_unfinished() and not self.kvs[m].asleep:
+            self.kvs[m].sleep()
+            assert self.shared.tenants[str(m)].used == 0
+            event("a model slept")
+
+    @rule()
+    def step(self):
+        for m, (kv, sched) in enumerate(zip(self.kvs, self.scheds)):
+            scheduled = sched.schedule()
+            sched.update_after_step(scheduled)
+            for seq, _ in scheduled:
+                if seq.num_computed_tokens == len(seq):
+                    seq.token_ids.append(len(seq) % 64)
+                    if seq.num_output_tokens >= seq.params.max_tokens:
+                        sched.finish(seq, "length")
+                        self.live[m].remove(seq)
+
+    @invariant()
+    def pages_owned_and_bounded(self):
+        if not hasattr(self, "shared"):
+            return
+        for m, kv in enumerate(self.kvs):
+            kv.audit()
+            share = self.shared.tenants[str(m)]
+            assert share.used <= share.cap + self.cap_over.get(m, 0), (m, share.used, share.cap)
+        self.shared.audit()
+
+    def teardown(self):
+        if not hasattr(self, "shared"):
+            return
+        for m, sched in enumerate(self.scheds):
+            for seq in list(self.live[m]):
+                sched.finish(seq, "abort")
+            kv = self.kvs[m]
+            if not kv.asleep:
+                kv.prefix_cache.clear()
+                kv.reclaim(kv.pool.num_pages)
+            kv.audit()
+        assert self.shared.pool.num_free == self.shared.pool.num_pages
+        for kv in self.kvs:
+            kv.close()
+        self.shared.close()
+
+
+TestSharedTraffic = SharedTraffic.TestCase
+TestSharedTraffic.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                      suppress_health_check=[HealthCheck.too_slow])
