@@ -1,4 +1,4 @@
-"""`vkv`: generate, serve, tp-worker, profile-mapping."""
+"""`vkv`: generate, serve, top, tp-worker, profile-mapping."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +54,12 @@ def cmd_tp_worker(args: argparse.Namespace) -> None:
     worker_main(LLMEngine, config, args.rank, config.tensor_parallel_size, config.distributed_init)
 
 
+def cmd_top(args: argparse.Namespace) -> None:
+    from engine import top
+
+    top.main(args.url, args.api_key, args.interval, args.once)
+
+
 def cmd_profile_mapping(args: argparse.Namespace) -> None:
     profile_mapping.run(args, "vkv profile-mapping " + " ".join(sys.argv[2:]))
 
@@ -84,6 +90,13 @@ def main(argv: list[str] | None = None) -> None:
     worker.add_argument("--rank", type=int, required=True)
     EngineConfig.add_cli_args(worker)
     worker.set_defaults(func=cmd_tp_worker)
+
+    live = sub.add_parser("top", help="live view of a server's KV pool: pages per model, running and waiting")
+    live.add_argument("--url", default="http://127.0.0.1:8000")
+    live.add_argument("--api-key", default=None, help="the server's key, if /metrics is behind it")
+    live.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    live.add_argument("--once", action="store_true", help="print one view and exit")
+    live.set_defaults(func=cmd_top)
 
     prof = sub.add_parser("profile-mapping", help="page-mapping latency of a vmm backend over a sweep of page sizes")
     profile_mapping.add_cli_args(prof)

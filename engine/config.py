@@ -161,8 +161,9 @@ class EngineConfig:
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
         g = p.add_argument_group("engine")
-        g.add_argument("--model", default=None, help="checkpoint dir, .gguf file or random:<preset> "
-                       "(default: the bundled SmolLM2-135M-Instruct)")
+        g.add_argument("--model", action="append", default=None, help="checkpoint dir, .gguf file or "
+                       "random:<preset> (default: the bundled SmolLM2-135M-Instruct); `vkv serve` takes "
+                       "several as NAME=SOURCE, which share one KV pool")
         g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
         g.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
         g.add_argument("--kv-layout", default=None, choices=KV_LAYOUTS,
@@ -207,4 +208,8 @@ class EngineConfig:
                  "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
                  "kv_offloading_size", "kv_offloading_path", "kv_offloading_path_size",
                  "tensor_parallel_size", "distributed_init", "tensor_parallel_workers", "map_ahead_tokens", "speculative_config")
-        return cls(**{name: getattr(args, name) for name in names}, seed=args.model_seed)
+        models = args.model if isinstance(args.model, list) else [args.model]
+        if len(models) > 1:
+            raise ValueError("several --model: only `vkv serve` serves several models (as NAME=SOURCE)")
+        return cls(**{name: getattr(args, name) for name in names if name != "model"}, model=models[0] if models else None,
+                   seed=args.model_seed)

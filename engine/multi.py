@@ -13,6 +13,7 @@ model's burst delays another's decode by at most one of its steps, never by its 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from itertools import count
 
@@ -41,29 +42,39 @@ class MultiLLM:
                  kv_limits: dict[str, tuple[float | int, float | int]] | None = None, **engine_options):
         """models: name -> source (as LLM's `model`). kv_limits: name -> (floor, cap), each a
         share of the pool (float) or bytes (int). Other options apply to every model."""
+        self._build(models, EngineConfig(model=None, kv_cache_memory=kv_cache_memory, **engine_options), kv_limits)
+
+    @classmethod
+    def from_config(cls, models: dict[str, str | None], config: EngineConfig,
+                    kv_limits: dict[str, tuple[float | int, float | int]] | None = None) -> MultiLLM:
+        """The models with `config`'s settings (its model is ignored; its KV budget is the pool's)."""
+        group = cls.__new__(cls)
+        group._build(models, config, kv_limits)
+        return group
+
+    def _build(self, models: dict[str, str | None], config: EngineConfig, kv_limits: dict | None) -> None:
         if not models:
             raise ValueError("MultiLLM needs at least one model")
-        probe = EngineConfig(model=None, kv_cache_memory=kv_cache_memory, **engine_options)
-        if probe.kv_layout == "paged" or probe.tensor_parallel_size > 1:
+        if config.kv_layout == "paged" or config.tensor_parallel_size > 1:
             raise ValueError("several models share one pool on a virtual kv_layout (interleaved or per_layer) "
                              "with tensor_parallel_size 1")
-        backend = make_backend(probe)
-        num_pages = probe.kv_budget_bytes() // backend.page_size
-        self.shared = vmm.SharedPool(vmm.PagePool(backend, num_pages))
+        for name in kv_limits or {}:
+            if name not in models:
+                raise ValueError(f"unknown model {name!r} in a KV limit: the models are {sorted(models)}")
+        backend = make_backend(config)
+        self.shared = vmm.SharedPool(vmm.PagePool(backend, config.kv_budget_bytes() // backend.page_size))
         self.engines: dict[str, LLMEngine] = {}
         self.last_active: dict[str, float] = {}
         self._ids = count()
         try:
-            for name in (kv_limits or {}):
-                if name not in models:
-                    raise ValueError(f"unknown model {name!r} in kv_limits: the models are {sorted(models)}")
-            for name, source in models.items():
-                share = self.shared.tenant(name)
-                floor, cap = (kv_limits or {}).get(name, (0, 1.0))
+            for name in models:
+                self.shared.tenant(name)
+            for name, (floor, cap) in (kv_limits or {}).items():
                 self.set_limits(name, floor, cap)
+            for name, source in models.items():
+                share = self.shared.tenants[name]
                 try:
-                    engine = LLMEngine(EngineConfig(model=source, **{**engine_options, "kv_cache_memory": None}),
-                                       pool=share)
+                    engine = LLMEngine(dataclasses.replace(config, model=source, kv_cache_memory=None), pool=share)
                 except Exception as exc:
                     raise ValueError(f"model {name!r} ({source or 'bundled'}) failed to load: {exc}") from exc
                 share.spare, share.give_back = engine.kv.spare_pages, engine.kv.give_back
@@ -81,6 +92,13 @@ class MultiLLM:
         self.shared.set_limits(model, pages_of(floor, total, page), pages_of(cap, total, page))
 
     # -- requests -------------------------------------------------------------------------
+    def limits(self) -> dict[str, dict[str, int]]:
+        """Each model's floor, cap and pages held, in pages and bytes."""
+        page = self.shared.pool.page_size
+        return {name: {"min_pages": t.floor, "max_pages": t.cap, "used_pages": t.used, "min_bytes": t.floor * page,
+                       "max_bytes": t.cap * page, "used_bytes": t.used * page}
+                for name, t in self.shared.tenants.items()}
+
     def engine(self, model: str) -> LLMEngine:
         if model not in self.engines:
             raise KeyError(f"unknown model {model!r}: the models are {sorted(self.engines)}")

@@ -13,6 +13,12 @@ flight finish, then releases the KV memory; wake-up maps it back.
 
 Tokenization and chat templating run on a worker thread with their own tokenizer, so a large
 prompt never blocks the event loop and never shares a tokenizer with the engine thread.
+
+Several models over one pool (engine/multi.py): each model has its AsyncEngine and loop
+thread, and every loop does its engine work only while holding the models' shared `Turns`, a
+lock granted in arrival order: the models' steps alternate, and a model's KV cache is never
+touched by another model's thread while its own runs (giving pages back reaches into the other
+models' caches). A model idle for `idle_sleep` seconds sleeps; its next request wakes it.
 """
 from __future__ import annotations
 
@@ -56,13 +62,37 @@ class _Stream:
     first_token_time: float | None = None
 
 
+class Turns:
+    """A lock granted in the order it was asked for, so the models' loops alternate steps."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._next = self._serving = 0
+
+    def __enter__(self) -> None:
+        with self._cv:
+            ticket, self._next = self._next, self._next + 1
+            self._cv.wait_for(lambda: self._serving == ticket)
+
+    def __exit__(self, *exc) -> None:
+        with self._cv:
+            self._serving += 1
+            self._cv.notify_all()
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine, model: str | None = None, metrics: Metrics | None = None,
+                 turns: Turns | None = None, idle_sleep: float | None = None):
+        """model, metrics, turns: a server of several models names each, and they share the
+        metrics and the turns. idle_sleep: seconds without requests before the model sleeps."""
+        self.engine, self.model = engine, model
+        self.turns = turns or Turns()
+        self.idle_sleep, self.idle_asleep = idle_sleep, False
+        self.last_active = time.monotonic()
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the handlers' own
         self.max_model_len = engine.max_model_len
         self.scheduling_policy = engine.config.scheduling_policy
-        self.metrics = Metrics()
+        self.metrics = metrics or Metrics()
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self.streams: dict[str, _Stream] = {}
@@ -128,8 +158,9 @@ class AsyncEngine:
 
     @property
     def is_sleeping(self) -> bool:
-        """Asleep, or going to sleep once the requests in flight are done."""
-        return bool(self.sleep_waiters) or self.engine.is_sleeping
+        """Asleep, or going to sleep once the requests in flight are done (a model that slept
+        for being idle is not: its next request wakes it)."""
+        return bool(self.sleep_waiters) or (self.engine.is_sleeping and not self.idle_asleep)
 
     async def sleep(self, level: int = 1) -> bool:
         """Returns True once asleep, or False if a wake-up came while the requests in flight were
@@ -178,23 +209,35 @@ class AsyncEngine:
 
     def _run_steps(self) -> None:
         while self.running:
-            self._apply_commands()
-            if self.sleep_waiters and not self.engine.has_unfinished():
-                waiters, self.sleep_waiters = self.sleep_waiters, []
-                for future in waiters:
-                    _settle(future, self._sleep_now)
-            if not self.engine.has_unfinished():
+            if not self.engine.has_unfinished() and self.commands.empty():
                 self.wake.wait(0.05)
                 self.wake.clear()
-                continue
-            mapped_before = self.engine.map_seconds
-            outputs = self.engine.step()
-            now = time.monotonic()
-            self.metrics.observe_step(self.engine.map_seconds - mapped_before)
-            for out in outputs:
-                self._deliver(out, now)
-        for request_id in list(self.streams):
-            self.engine.abort(request_id)
+            with self.turns:
+                self._turn()
+        with self.turns:
+            for request_id in list(self.streams):
+                self.engine.abort(request_id)
+
+    def _turn(self) -> None:
+        """Commands, then one step if there is work (with the models' turn held)."""
+        self._apply_commands()
+        if self.sleep_waiters and not self.engine.has_unfinished():
+            waiters, self.sleep_waiters = self.sleep_waiters, []
+            for future in waiters:
+                _settle(future, self._sleep_now)
+        if not self.engine.has_unfinished():
+            if self.idle_sleep is not None and not self.engine.is_sleeping \
+                    and time.monotonic() - self.last_active >= self.idle_sleep:
+                self.engine.sleep(1)  # its pages go back to the pool the models share
+                self.idle_asleep = True
+            return
+        self.last_active = time.monotonic()
+        mapped_before = self.engine.map_seconds
+        outputs = self.engine.step()
+        now = time.monotonic()
+        self.metrics.observe_step(self.engine.map_seconds - mapped_before, self.model)
+        for out in outputs:
+            self._deliver(out, now)
 
     def _apply_commands(self) -> None:
         while True:
@@ -214,6 +257,7 @@ class AsyncEngine:
                 else:
                     self.sleep_waiters.append(future)
             elif kind == "wake":  # a sleep still draining is called off: the last command wins
+                self.idle_asleep = False
                 waiters, self.sleep_waiters = self.sleep_waiters, []
                 for future in waiters:
                     future.get_loop().call_soon_threadsafe(_resolve, future, False)
@@ -231,12 +275,18 @@ class AsyncEngine:
 
     def _sleep_now(self) -> bool:
         self.engine.sleep(1)
+        self.idle_asleep = False  # asked for: requests are refused until /wake_up
         return True
 
     def _add(self, request_id: str, prompt: Prompt, params, group: str | None, priority: int) -> None:
         if self.is_sleeping:  # it raced a sleep command
             self._put(self.streams.pop(request_id, None), RequestCancelled(SLEEPING))
             return
+        self.last_active = time.monotonic()
+        if self.idle_asleep:  # slept for being idle: this request wakes it
+            self.engine.wake_up()
+            self.idle_asleep = False
+            self.metrics.of(self.metrics.wake, self.model).observe(time.monotonic() - self.last_active)
         try:
             self.engine.add_request(request_id, prompt, params, group=group, priority=priority)
         except Exception as exc:  # refused: the handler raises it as an HTTP error
@@ -252,13 +302,13 @@ class AsyncEngine:
         if tokens > stream.tokens_seen:
             if stream.first_token_time is None:
                 stream.first_token_time = now
-                self.metrics.ttft.observe(now - stream.arrival)
+                self.metrics.of(self.metrics.ttft, self.model).observe(now - stream.arrival)
             else:
-                self.metrics.itl.observe(now - stream.last_token_time)
+                self.metrics.of(self.metrics.itl, self.model).observe(now - stream.last_token_time)
             stream.last_token_time, stream.tokens_seen = now, tokens
         if out.finished:
             self.streams.pop(out.request_id, None)
-            self.metrics.e2e.observe(now - stream.arrival)
+            self.metrics.of(self.metrics.e2e, self.model).observe(now - stream.arrival)
         self._put(stream, out)
 
     @staticmethod

@@ -1,7 +1,9 @@
 """Prometheus metrics, all prefixed `vkv:`.
 
 Latency histograms are observed by the engine thread as tokens come out; everything else is
-read from the statistics snapshot the engine thread takes when Prometheus scrapes.
+read from the statistics snapshot the engine thread takes when Prometheus scrapes. A server of
+several models over one pool labels every per-model series `model="NAME"`; the pool-wide
+gauges (`vkv:pages_total`, `vkv:pages_free`) stay unlabelled and read the shared pool.
 """
 from __future__ import annotations
 
@@ -69,39 +71,62 @@ TIER_COUNTERS = {
 }
 
 
+POOL_WIDE = {"vkv:pages_total": lambda pool: pool.num_pages, "vkv:pages_free": lambda pool: pool.num_free}
+
+
 class _Snapshot:
-    stats: EngineStats | None = None
+    """The statistics of each model ({None: stats} for a server of one model)."""
+    stats: dict[str | None, EngineStats] = {}
+    pool = None  # a vmm.SharedPool when several models share one
 
     def collect(self):
         stats = self.stats
-        if stats is None:
+        if not stats:
             return
-        for name, (read, doc) in GAUGES.items():
-            yield GaugeMetricFamily(name, doc, value=read(stats))
-        for name, (read, doc) in COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=read(stats))
+        labels = ["model"] if None not in stats else []
+        for table, family in ((GAUGES, GaugeMetricFamily), (COUNTERS, CounterMetricFamily)):
+            for name, (read, doc) in table.items():
+                if labels and name in POOL_WIDE:
+                    yield family(name, doc, value=POOL_WIDE[name](self.pool.pool))
+                    continue
+                metric = family(name, doc, labels=labels)
+                for model, s in stats.items():
+                    metric.add_metric([model] if labels else [], read(s))
+                yield metric
         for table, family in ((TIER_GAUGES, GaugeMetricFamily), (TIER_COUNTERS, CounterMetricFamily)):
             for name, (read, doc) in table.items():
-                metric = family(name, doc, labels=["tier"])
-                for tier in stats.kv.tiers:
-                    metric.add_metric([tier.tier], read(tier))
+                metric = family(name, doc, labels=labels + ["tier"])
+                for model, s in stats.items():
+                    for tier in s.kv.tiers:
+                        metric.add_metric(([model] if labels else []) + [tier.tier], read(tier))
                 yield metric
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, models: list[str] | None = None, pool=None):
+        """models: the names of a server's several models (their series get a model label),
+        pool: the vmm.SharedPool they share; None for a server of one model."""
         self.registry = CollectorRegistry()
-        hist = lambda name, doc, buckets: Histogram(name, doc, buckets=buckets, registry=self.registry)
+        self.labelled = bool(models)
+        labels = ["model"] if models else []
+        hist = lambda name, doc, buckets: Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
         self.ttft = hist("vkv:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
         self.itl = hist("vkv:inter_token_latency_seconds", "Time between tokens of a request.", LATENCY_BUCKETS)
         self.e2e = hist("vkv:e2e_request_latency_seconds", "Request latency, arrival to finish.", LATENCY_BUCKETS)
         self.map_time = hist("vkv:page_map_seconds_per_step", "Page mapping time on the critical path of one engine step.", MAP_BUCKETS)
+        self.wake = hist("vkv:wake_seconds", "Time to wake a model that slept while idle, on its next request.",
+                         LATENCY_BUCKETS)
         self.snapshot = _Snapshot()
+        self.snapshot.pool = pool
         self.registry.register(self.snapshot)
 
-    def observe_step(self, map_seconds: float) -> None:
-        self.map_time.observe(map_seconds)
+    def of(self, histogram: Histogram, model: str | None) -> Histogram:
+        """The histogram's series for one model (the histogram itself when unlabelled)."""
+        return histogram.labels(model) if self.labelled else histogram
 
-    def render(self, stats: EngineStats) -> bytes:
-        self.snapshot.stats = stats
+    def observe_step(self, map_seconds: float, model: str | None = None) -> None:
+        self.of(self.map_time, model).observe(map_seconds)
+
+    def render(self, stats: EngineStats | dict[str, EngineStats]) -> bytes:
+        self.snapshot.stats = stats if isinstance(stats, dict) else {None: stats}
         return generate_latest(self.registry)

@@ -22,6 +22,8 @@ class ServerOptions:
     max_prompts_per_request: int = 64  # sequences (prompts x max(n, best_of)) one request may ask for
     shutdown_timeout: float = 30.0  # seconds requests in flight get to finish on SIGTERM
     metrics_public: bool = False  # with an API key, /metrics needs it too unless this says otherwise
+    kv_limit: tuple[str, ...] = ()  # several models: NAME=MIN:MAX of the shared KV pool, bytes or %
+    idle_sleep_seconds: float | None = None  # several models: a model idle this long gives its KV pages back
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -34,6 +36,11 @@ class ServerOptions:
                             "another's prompts)")
         p.add_argument("--served-model-name", default=d.served_model_name)
         p.add_argument("--log-level", default=d.log_level)
+        m = p.add_argument_group("several models (--model NAME=SOURCE, more than once: one KV pool)")
+        m.add_argument("--kv-limit", action="append", default=[], metavar="NAME=MIN:MAX",
+                       help="a model's floor and cap of the pool, bytes or percent, e.g. chat=10%%:60%%")
+        m.add_argument("--idle-sleep-seconds", type=float, default=None,
+                       help="a model without requests this long gives its KV pages back until its next request")
         g = p.add_argument_group("limits")
         g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body accepted")
         g.add_argument("--body-timeout", type=float, default=d.body_timeout, help="seconds for a body to arrive")
@@ -51,4 +58,5 @@ class ServerOptions:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerOptions:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        values = {f.name: getattr(args, f.name) for f in fields(cls)}
+        return cls(**{**values, "kv_limit": tuple(values["kv_limit"])})

@@ -43,6 +43,24 @@ def _sampling_defaults() -> dict:
 _SamplingFields = create_model("_SamplingFields", __config__=ConfigDict(extra="forbid"), **_sampling_fields())
 
 
+class KVLimitRequest(BaseModel):
+    """POST /kv_limits: one model's floor and cap of the shared KV pool, each bytes ("1073741824",
+    1073741824) or a share of the pool ("25%")."""
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    min: str | int = 0
+    max: str | int = "100%"
+
+
+def parse_limit(value: str | int) -> float | int:
+    """A KV limit: "25%" -> 0.25 of the pool, "1073741824" or 1073741824 -> bytes."""
+    text = str(value).strip()
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else int(text)
+    except ValueError:
+        raise ValueError(f"a KV limit is bytes or a percentage such as 25%, got {value!r}") from None
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False

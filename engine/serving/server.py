@@ -16,6 +16,7 @@ memory.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import hmac
@@ -35,11 +36,13 @@ from engine.config import EngineConfig
 from engine.inputs import Prompt, check_cache_salt
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.serving.async_engine import SLEEPING, AsyncEngine, EngineDeadError, RequestCancelled
+from engine.multi import MultiLLM
+from engine.serving.async_engine import SLEEPING, AsyncEngine, EngineDeadError, RequestCancelled, Turns
 from engine.serving.http import BodyGuard, GuardedH11Protocol
+from engine.serving.metrics import Metrics
 from engine.serving.options import ServerOptions
-from engine.serving.protocol import (ChatCompletionRequest, CompletionRequest, TokenText, envelope, error_body,
-                                     new_id, usage)
+from engine.serving.protocol import (ChatCompletionRequest, CompletionRequest, KVLimitRequest, TokenText, envelope,
+                                     error_body, new_id, parse_limit, usage)
 
 log = logging.getLogger("vkv.server")
 
@@ -53,18 +56,39 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
     return JSONResponse(error_body(message, kind, status), status_code=status)
 
 
-def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = ServerOptions()) -> FastAPI:
-    """The app; of `options` it reads the API key and the limits."""
+def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | None = None,
+              options: ServerOptions = ServerOptions(), group: MultiLLM | None = None) -> FastAPI:
+    """The app over one engine (served as model_name) or several ({name: engine}, the models of
+    `group`, which share its KV pool); of `options` it reads the API key and the limits."""
     api_key, limits = options.api_key, options
+    engines = engines if isinstance(engines, dict) else {model_name: engines}
+    default = next(iter(engines))
+    texts = {name: TokenText(e.tokenizer) for name, e in engines.items()}
+
     @asynccontextmanager
     async def lifespan(_):
         yield
-        engine.shutdown()
+        for engine in engines.values():
+            engine.shutdown()
+        if group is not None:
+            group.close()
         print("vkv: engine stopped, KV memory released", flush=True)
 
     app = FastAPI(title="vkv", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(BodyGuard, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout)
-    tokens = TokenText(engine.tokenizer)
+
+    def pick(model: str | None) -> tuple[str, AsyncEngine]:
+        """The model a request names (none: the first), or 404."""
+        if model is None:
+            return default, engines[default]
+        if model not in engines:
+            raise HTTPError(404, f"model {model!r} does not exist; this server has {', '.join(map(repr, engines))}",
+                            "model_not_found")
+        return model, engines[model]
+
+    def named(model: str | None) -> dict[str, AsyncEngine]:
+        """An admin route's models: the one named, or all."""
+        return dict([pick(model)]) if model is not None else engines
 
     @app.exception_handler(HTTPError)
     async def _http_error(_, exc: HTTPError):
@@ -101,23 +125,20 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
         if not hmac.compare_digest(sent.encode(), f"Bearer {api_key}".encode()):
             raise HTTPError(401, "invalid or missing API key", "authentication_error")
 
-    def check(body, best_of: int | None = None) -> None:
+    def check(engine: AsyncEngine, body, best_of: int | None = None) -> None:
         if engine.is_sleeping:
             raise HTTPError(503, SLEEPING, "service_unavailable")
         if body.priority and engine.scheduling_policy != "priority":
             raise HTTPError(400, f"priority needs --scheduling-policy priority; under {engine.scheduling_policy!r} "
                                  f"it would be ignored")
-        if body.model not in (None, model_name):
-            raise HTTPError(404, f"model {body.model!r} does not exist; this server has {model_name!r}",
-                            "model_not_found")
         for name, value in (("n", body.n), ("best_of", best_of)):
             if value is not None and not 1 <= value <= limits.max_n:
                 raise HTTPError(400, f"{name} must be in [1, {limits.max_n}], got {value}")
         if body.stream_options is not None and not body.stream:
             raise HTTPError(400, "stream_options needs stream: true")
 
-    async def prepare(prompts: list[Prompt], body, max_tokens: int | None, logprobs: int | None,
-                      best_of: int | None = None):
+    async def prepare(engine: AsyncEngine, prompts: list[Prompt], body, max_tokens: int | None,
+                      logprobs: int | None, best_of: int | None = None):
         """Check the request whole before any of it runs; 400 with the reason if bad."""
         per_prompt = max(body.n, best_of or 0)
         if len(prompts) * per_prompt > limits.max_prompts_per_request:
@@ -141,7 +162,7 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
             raise HTTPError(400, str(exc)) from exc
         return [dataclasses.replace(p, cache_salt=salt) for p in prompts] if salt is not None else prompts
 
-    async def tokenize(raw_prompts: list) -> list[Prompt]:
+    async def tokenize(engine: AsyncEngine, raw_prompts: list) -> list[Prompt]:
         prompts = []
         for i, raw in enumerate(raw_prompts):
             try:
@@ -153,44 +174,71 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
 
     @app.get("/health")
     async def health():
-        if engine.dead:
-            return error(503, str(engine.dead), "engine_dead")
+        dead = next((e.dead for e in engines.values() if e.dead), None)
+        if dead:
+            return error(503, str(dead), "engine_dead")
         return {"status": "ok"}
 
     # Behind the key when there is one: the prefix-cache counters and prefill timings would let
     # one client probe what another's prompts hold. --metrics-public opens it again.
     @app.get("/metrics", dependencies=[] if options.metrics_public else [Depends(authorize)])
     async def metrics():
-        return Response(engine.metrics.render(await engine.fresh_stats()), media_type="text/plain; version=0.0.4")
+        if group is None:
+            text = engines[default].metrics.render(await engines[default].fresh_stats())
+        else:
+            text = engines[default].metrics.render({name: await e.fresh_stats() for name, e in engines.items()})
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     # vLLM's sleep mode: /sleep drains the requests in flight (new ones get 503), then releases
     # every physical KV page; /wake_up maps memory back. Nothing above the KV cache is rebuilt.
     # Admin routes, as in vLLM: left out of the OpenAPI schema.
+    # With several models, ?model=NAME picks one (default: all of them).
     @app.post("/sleep", dependencies=[Depends(authorize)], include_in_schema=False)
-    async def sleep(level: int = 1):
+    async def sleep(level: int = 1, model: str | None = None):
         try:
-            asleep = await engine.sleep(level)
+            asleep = [await e.sleep(level) for e in named(model).values()]
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
-        return {"is_sleeping": asleep}  # False: a wake-up came while the requests in flight drained
+        return {"is_sleeping": all(asleep)}  # False: a wake-up came while the requests in flight drained
 
     @app.post("/wake_up", dependencies=[Depends(authorize)], include_in_schema=False)
-    async def wake_up():
-        await engine.wake_up()
+    async def wake_up(model: str | None = None):
+        for e in named(model).values():
+            await e.wake_up()
         return {"is_sleeping": False}
 
     @app.get("/is_sleeping", dependencies=[Depends(authorize)], include_in_schema=False)
-    async def is_sleeping():
-        return {"is_sleeping": engine.is_sleeping}
+    async def is_sleeping(model: str | None = None):
+        return {"is_sleeping": all(e.is_sleeping for e in named(model).values())}
+
+    # kvcached's kvctl: each model's floor and cap of the shared KV pool, read and set at run time.
+    @app.get("/kv_limits", dependencies=[Depends(authorize)], include_in_schema=False)
+    async def kv_limits():
+        if group is None:
+            raise HTTPError(404, "this server has one model: it has the whole KV pool", "not_found")
+        return group.limits()
+
+    @app.post("/kv_limits", dependencies=[Depends(authorize)], include_in_schema=False)
+    async def set_kv_limits(body: KVLimitRequest):
+        if group is None:
+            raise HTTPError(404, "this server has one model: it has the whole KV pool", "not_found")
+        pick(body.model)
+        try:
+            group.set_limits(body.model, parse_limit(body.min), parse_limit(body.max))
+        except ValueError as exc:
+            raise HTTPError(400, str(exc)) from exc
+        return group.limits()
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "vkv",
-                                            "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "vkv",
+                                            "max_model_len": e.max_model_len} for name, e in engines.items()]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request):
-        check(body, body.best_of)
+        model_name, engine = pick(body.model)
+        tokens = texts[model_name]
+        check(engine, body, body.best_of)
         if body.suffix:
             raise HTTPError(400, "suffix is not supported: the model has no fill-in-the-middle mode")
         if body.echo and body.logprobs is not None:
@@ -200,8 +248,8 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
         raw = body.prompts()
         if not raw:
             raise HTTPError(400, "prompt must not be empty")
-        prompts = salted(await tokenize(raw), body)
-        params = await prepare(prompts, body, body.max_tokens, body.logprobs, body.best_of)
+        prompts = salted(await tokenize(engine, raw), body)
+        params = await prepare(engine, prompts, body, body.max_tokens, body.logprobs, body.best_of)
         rid = new_id("cmpl")
         echoes = [(p.text if p.text is not None else engine.tokenizer.decode(p.token_ids)) if body.echo else ""
                   for p in prompts]
@@ -221,7 +269,9 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(body: ChatCompletionRequest, request: Request):
-        check(body)
+        model_name, engine = pick(body.model)
+        tokens = texts[model_name]
+        check(engine, body)
         if body.tools:
             raise HTTPError(400, "tools are not supported: vkv has no tool-call parser for this model family")
         for name, value in (("tool_choice", body.tool_choice if body.tool_choice != "none" else None),
@@ -240,7 +290,7 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
                 raise HTTPError(400, f"{name} must be >= 1, got {getattr(body, name)}")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = await prepare([prompt], body, max_tokens, logprobs)
+        params = await prepare(engine, [prompt], body, max_tokens, logprobs)
         rid = new_id("chatcmpl")
 
         def choice(_, c, delta: str, start: int) -> dict:
@@ -332,14 +382,17 @@ async def _stream(engine: AsyncEngine, rid: str, prompts: list[Prompt], params, 
             task.cancel()
 
 
-def _graceful_server(config: uvicorn.Config, engine: AsyncEngine, grace: float) -> uvicorn.Server:
+def _graceful_server(config: uvicorn.Config, engines: list[AsyncEngine], grace: float) -> uvicorn.Server:
     """uvicorn's server, except that streams still running at the end of the grace period end
     with an error event and [DONE] instead of being cut off mid-body."""
 
+    def cancel_all() -> None:
+        for engine in engines:
+            engine.cancel_all("the server is shutting down")
+
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
-            cut = asyncio.get_running_loop().call_later(max(grace - 1.0, 0.0), engine.cancel_all,
-                                                        "the server is shutting down")
+            cut = asyncio.get_running_loop().call_later(max(grace - 1.0, 0.0), cancel_all)
             try:
                 await super().shutdown(sockets)
             finally:
@@ -350,14 +403,30 @@ def _graceful_server(config: uvicorn.Config, engine: AsyncEngine, grace: float) 
 
 def serve(args) -> None:
     options = ServerOptions.from_cli_args(args)
-    engine = LLMEngine(EngineConfig.from_cli_args(args))
-    name = options.served_model_name or (args.model.rstrip("/").split("/")[-1] if args.model
-                                         else "SmolLM2-135M-Instruct")
-    async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, name, options)
+    models = dict(m.split("=", 1) for m in args.model or [] if "=" in m)
+    if models:  # several models, one KV pool
+        if len(models) != len(args.model):
+            raise SystemExit("vkv serve: with several models every --model is NAME=SOURCE")
+        config = EngineConfig.from_cli_args(argparse.Namespace(**{**vars(args), "model": None}))
+        group = MultiLLM.from_config({name: source or None for name, source in models.items()}, config,
+                                     {name: limit for name, limit in map(parse_kv_limit, options.kv_limit)})
+        metrics, turns = Metrics(list(models), group.shared), Turns()
+        async_engines = {name: AsyncEngine(engine, name, metrics, turns, options.idle_sleep_seconds)
+                         for name, engine in group.engines.items()}
+        app = build_app(async_engines, options=options, group=group)
+        what = f"{', '.join(models)} over one {config.kv_layout} KV pool of {group.shared.pool.num_pages} pages"
+    else:
+        if options.kv_limit or options.idle_sleep_seconds is not None:
+            raise SystemExit("vkv serve: --kv-limit and --idle-sleep-seconds are for several models "
+                             "(--model NAME=SOURCE ...)")
+        engine = LLMEngine(EngineConfig.from_cli_args(args))
+        source = (args.model or [None])[-1]
+        name = options.served_model_name or (source.rstrip("/").split("/")[-1] if source else "SmolLM2-135M-Instruct")
+        async_engines = {name: AsyncEngine(engine)}
+        app = build_app(async_engines, options=options)
+        what = f"{name} ({engine.config.kv_layout} KV, {engine.attention} attention)"
     protocol = type("GuardedH11", (GuardedH11Protocol,), {"header_timeout": options.header_timeout})
-    print(f"vkv: serving {name} on http://{options.host}:{options.port} "
-          f"({engine.config.kv_layout} KV, {engine.attention} attention)", flush=True)
+    print(f"vkv: serving {what} on http://{options.host}:{options.port}", flush=True)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level, http=protocol,
                             timeout_keep_alive=options.timeout_keep_alive,
                             limit_concurrency=options.limit_concurrency,
@@ -367,9 +436,22 @@ def serve(args) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_cleanly)
     try:
-        _graceful_server(config, async_engine, options.shutdown_timeout).run()
+        _graceful_server(config, list(async_engines.values()), options.shutdown_timeout).run()
     finally:  # when uvicorn did not get as far as the app's shutdown
-        async_engine.shutdown()
+        for async_engine in async_engines.values():
+            async_engine.shutdown()
+
+
+def parse_kv_limit(text: str) -> tuple[str, tuple[float | int, float | int]]:
+    """--kv-limit NAME=MIN:MAX, each bytes or a percentage of the pool."""
+    name, sep, limits = text.partition("=")
+    low, colon, high = limits.partition(":")
+    if not (sep and colon and name):
+        raise SystemExit(f"vkv serve: --kv-limit {text!r}: expected NAME=MIN:MAX, e.g. chat=10%:60%")
+    try:
+        return name, (parse_limit(low or 0), parse_limit(high or "100%"))
+    except ValueError as exc:
+        raise SystemExit(f"vkv serve: --kv-limit {text!r}: {exc}") from None
 
 
 def _exit_cleanly(signum, frame) -> None:
