@@ -3,7 +3,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.kv.tiers import TierStats
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """One KV tier below the pool (engine/kv/tiers.py)."""
+    tier: str  # host | disk
+    capacity_bytes: int
+    used_bytes: int
+    entries: int
+    bytes_written: int
+    bytes_read: int
+    entries_restored: int
+    tokens_restored: int = 0  # filled in by the KV cache, which knows the tokens of a page
+    dropped: int = 0  # entries let go for room (LRU), or disk writes dropped when it fell behind
+    errors: int = 0  # files found missing, truncated or corrupt: dropped and recomputed
 
 
 @dataclass(frozen=True, slots=True)

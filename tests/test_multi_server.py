@@ -1,12 +1,10 @@
 """`vkv serve` with several models over one KV pool: routing by the `model` field, per-model
 metrics, limits at run time through the admin route, idle sleep, and `vkv top`."""
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
-from test_server import free_port
+from test_server import serving
 
 from engine import LLM, SamplingParams
 from engine.multi import MultiLLM
@@ -27,16 +25,8 @@ def server():
     metrics, turns = Metrics(list(group.engines), group.shared), Turns()
     engines = {name: AsyncEngine(engine, name, metrics, turns, idle_sleep=0.5 if name == "qwen" else None)
                for name, engine in group.engines.items()}
-    app = build_app(engines, options=ServerOptions(api_key=KEY), group=group)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", group
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serving(build_app(engines, options=ServerOptions(api_key=KEY), group=group)) as base:
+        yield base, group
 
 
 def complete(base: str, model: str | None, prompt=(1, 2, 3, 4, 5), **extra) -> httpx.Response:

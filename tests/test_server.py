@@ -1,5 +1,6 @@
 """The OpenAI-compatible server on loopback, with the official `openai` client and raw HTTP."""
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -30,19 +31,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
-    engine = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=32, kv_cache_memory=256 << 20)))
-    app = build_app(engine, MODEL, ServerOptions(api_key=KEY, max_body_bytes=64 << 10))
+@contextlib.contextmanager
+def serving(app):
+    """The app on a free loopback port, in a thread: yields its base URL."""
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     while not srv.started:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=32, kv_cache_memory=256 << 20)))
+    with serving(build_app(engine, MODEL, ServerOptions(api_key=KEY, max_body_bytes=64 << 10))) as base:
+        yield base, engine
     engine.shutdown()
 
 

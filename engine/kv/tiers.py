@@ -47,31 +47,17 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from engine.stats import TierStats
 from vmm import SlotStore
 
 log = logging.getLogger("vkv.tiers")
 MAGIC = b"VKVKV\x00\x01\x00"
 HEADER = struct.Struct("<8s32s32sQ32s")  # magic, namespace, name, payload bytes, SHA-256 of payload
 MAX_PENDING_BYTES = 256 << 20  # disk writes queued (bytes) before new ones are dropped
-
-
-@dataclass(frozen=True, slots=True)
-class TierStats:
-    tier: str  # host | disk
-    capacity_bytes: int
-    used_bytes: int
-    entries: int
-    bytes_written: int
-    bytes_read: int
-    entries_restored: int
-    tokens_restored: int = 0  # filled in by the KV cache, which knows the tokens of a page
-    dropped: int = 0  # entries let go for room (LRU), or disk writes dropped when it fell behind
-    errors: int = 0  # files found missing, truncated or corrupt: dropped and recomputed
 
 
 class HostTier:
