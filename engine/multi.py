@@ -78,6 +78,7 @@ class MultiLLM:
                 except Exception as exc:
                     raise ValueError(f"model {name!r} ({source or 'bundled'}) failed to load: {exc}") from exc
                 share.spare, share.give_back = engine.kv.spare_pages, engine.kv.give_back
+                share.preempt = engine.scheduler.give_up
                 self.engines[name] = engine
                 self.last_active[name] = time.monotonic()
         except BaseException:

@@ -219,6 +219,18 @@ class Scheduler:
             return
         self._requeue(seq, to_front)
 
+    def give_up(self, pages: int) -> None:
+        """Another model of a shared pool, below its fair share, needs `pages` (vmm/share.py):
+        preempt running sequences, the newest (or least urgent) first, until that many more
+        are free. Called between this model's steps."""
+        target = self.kv.pool.num_free + pages
+        while self.running and self.kv.pool.num_free < target:
+            victim = self.running[-1]
+            if self.policy == "priority":
+                victim = max(self.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
+            self.preempt(victim)
+            self.kv.reclaim(target)  # a preempted sequence's pages may stay cached: let them go
+
     def _requeue(self, seq: Sequence, to_front: bool) -> None:
         """seq gives its KV back and waits to compute all its tokens again."""
         self.kv.release(seq, keep_pages=False)

@@ -71,6 +71,29 @@ def test_a_cap_bounds_a_model_and_a_floor_keeps_pages_for_another():
         llms.audit()
 
 
+def test_a_model_under_its_fair_share_preempts_a_burst_above_its_own():
+    with MultiLLM({"a": "random:tiny", "b": "random:tiny"}, kv_cache_memory=1 << 20, page_size=4096,
+                  max_num_seqs=8) as llms:
+        burst = SamplingParams(max_tokens=40, ignore_eos=True)  # 5 x 400 tokens: 250 of the 256 pages
+        for i in range(5):
+            llms.add_request("a", f"a{i}", [5 + i] * 360, burst)
+        for _ in range(4):
+            llms.step()
+        a, b = llms.shared.tenants["a"], llms.shared.tenants["b"]
+        assert a.used > llms.shared.fair_share(a) and llms.stats("a").preemptions == 0
+        assert llms.shared.pool.num_free < 38  # b's prompt needs 38 pages: it fits only if a gives some up
+        llms.add_request("b", "b0", [9] * 300, SamplingParams(max_tokens=8, ignore_eos=True))
+        steps, first_token_step = 0, None
+        while llms.has_unfinished():
+            steps += 1
+            for name, out in llms.step():
+                if out.request_id == "b0" and out.outputs[0].token_ids and first_token_step is None:
+                    first_token_step = steps
+            llms.audit()
+        assert first_token_step <= 2, first_token_step  # without preemption: 22 steps, until a preempts itself
+        assert llms.stats("a").preemptions > 0 and b.peak_in_use <= llms.shared.fair_share(b)
+
+
 # -- the shared pool under random traffic, without models ---------------------------------
 CFGS = [ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=3, num_kv_heads=3,
                     head_dim=40),
@@ -95,6 +118,7 @@ class SharedTraffic(RuleBasedStateMachine):
             share.spare, share.give_back = kv.spare_pages, kv.give_back
             self.kvs.append(kv)
             self.scheds.append(Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=32))
+            share.preempt = self.scheds[-1].give_up
             self.live.append([])
         self.next_id, self.cap_over = 0, {}
 

@@ -23,8 +23,12 @@ them (tenants never share pages: their prefix caches have separate namespaces), 
 usage is the size of its owned set and `audit` checks each tenant's pages against its own
 mappings and holds, and the group that every referenced page has exactly one owner.
 
-Limitations. Tenants give back idle and cached pages only; a tenant's running sequences are
-preempted by its own scheduler, never by another tenant's demand. All tenants use the pool's
+When that is not enough and the short tenant is below its fair share, the tenants above theirs
+preempt running sequences (`preempt`: their own scheduler's rule, swap or recompute) until
+they are down to their fair share: a burst on one model cannot keep another from its share.
+
+Limitations. A tenant above its fair share is never preempted for one that is also above
+its own, so two bursts share what is left as they free it. All tenants use the pool's
 one page size. Sleeping a tenant gives its pages back to the pool for the others; the pool's
 physical memory stays.
 """
@@ -48,6 +52,7 @@ class PoolShare:
         self.peak_in_use = 0
         self.spare: Callable[[], int] = lambda: 0  # pages it could give back now
         self.give_back: Callable[[int], None] = lambda n: None  # give back up to n of them
+        self.preempt: Callable[[int], None] = lambda n: None  # preempt running sequences for up to n pages
 
     # -- the pool's pages, seen through the share ---------------------------------------
     @property
@@ -211,21 +216,36 @@ class SharedPool:
 
     def borrow(self, share: PoolShare, need: int) -> None:
         """Others give back pages they do not need, those most above their fair share first,
-        then any above its floor, until `need` pages are free to `share`."""
+        then any above its floor, until `need` pages are free to `share`. If that is not enough
+        and `share` is below its own fair share, the tenants above theirs preempt running
+        sequences, down to their fair share."""
         others = [t for t in self.tenants.values() if t is not share]
         above_fair = sorted((t for t in others if t.used > self.fair_share(t)),
                             key=lambda t: t.used - self.fair_share(t), reverse=True)
+        short = lambda: min(need, share.cap - share.used) - share.num_free
         for giver in above_fair + [t for t in others if t not in above_fair]:
-            short = min(need, share.cap - share.used) - share.num_free
-            if short <= 0:
+            if short() <= 0:
                 return
-            giveable = giver.used - giver.floor
-            if giveable > 0:
-                giver.give_back(min(short, giveable))
+            if giver.used > giver.floor:
+                giver.give_back(min(short(), giver.used - giver.floor))
+        if share.used >= self.fair_share(share):
+            return
+        for giver in above_fair:
+            if short() <= 0:
+                return
+            if giver.used > self.fair_share(giver):
+                giver.preempt(min(short(), giver.used - self.fair_share(giver)))
 
     def borrowable(self, share: PoolShare) -> int:
-        spare = sum(min(t.spare(), max(0, t.used - t.floor)) for t in self.tenants.values() if t is not share)
-        return max(0, min(spare, share.cap - share.used - share.num_free))
+        """Pages the others would give `share` now: their spare ones above their floors, and,
+        while `share` is below its fair share, what the others hold above theirs."""
+        under_fair = share.used < self.fair_share(share)
+        total = 0
+        for t in self.tenants.values():
+            if t is not share:
+                excess = max(0, t.used - self.fair_share(t)) if under_fair else 0
+                total += min(max(0, t.used - t.floor), max(t.spare(), excess))
+        return max(0, min(total, share.cap - share.used - share.num_free))
 
     def audit(self) -> None:
         """Every referenced page has exactly one owner; free pages have none."""
