@@ -104,8 +104,9 @@ CFGS = [ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layer
 class SharedTraffic(RuleBasedStateMachine):
     """2-3 models' KV caches and schedulers over one shared pool: arrivals, aborts, limit
     changes and sleeps. After every step each model's pages match its mappings, every page has
-    one owner, no model holds more than its cap (unless the cap was lowered under it), and at
-    the end every page is free."""
+    one owner, no model holds more than its cap (unless the cap was lowered under it), every
+    unmet floor is free for its model to take (unless a floor was raised under the others),
+    and at the end every page is free."""
 
     @initialize(models=st.integers(2, 3), pages=st.integers(24, 64), layout=st.sampled_from(["interleaved", "per_layer"]))
     def setup(self, models, pages, layout):
@@ -120,7 +121,7 @@ class SharedTraffic(RuleBasedStateMachine):
             self.scheds.append(Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=32))
             share.preempt = self.scheds[-1].give_up
             self.live.append([])
-        self.next_id, self.cap_over = 0, {}
+        self.next_id, self.cap_over, self.floor_raised = 0, {}, False
 
     @rule(data=st.data(), tail=st.lists(st.integers(0, 63), min_size=1, max_size=20), out=st.integers(1, 12))
     def arrive(self, data, tail, out):
@@ -129,8 +130,9 @@ class SharedTraffic(RuleBasedStateMachine):
         if self.kvs[m].pages_for(len(seq) + out) > self.shared.tenants[str(m)].cap:
             return  # the engine refuses such a request at submission
         self.next_id += 1
-        if self.kvs[m].asleep:
+        if self.kvs[m].asleep:  # asleep, its floor was others' to use: on waking it may be owed
             self.kvs[m].wake_up()
+            self.floor_raised |= self.shared.tenants[str(m)].floor > 0
         self.scheds[m].add(seq)
         self.live[m].append(seq)
 
@@ -154,6 +156,7 @@ class SharedTraffic(RuleBasedStateMachine):
             assert "floors would sum" in str(exc)
             return
         share = self.shared.tenants[str(m)]
+        self.floor_raised |= share.floor > share.used  # pages others already hold may be owed to it
         if share.used > share.cap:
             self.kvs[m].give_back(share.used - share.cap)
         self.cap_over[m] = max(0, share.used - share.cap)  # what running sequences keep for now
@@ -186,6 +189,9 @@ class SharedTraffic(RuleBasedStateMachine):
             kv.audit()
             share = self.shared.tenants[str(m)]
             assert share.used <= share.cap + self.cap_over.get(m, 0), (m, share.used, share.cap)
+        if not self.floor_raised:  # every model's unmet floor is still free for it to take
+            unmet = sum(max(0, t.floor - t.used) for t in self.shared.tenants.values() if not t.asleep)
+            assert self.shared.pool.num_free >= unmet, (self.shared.pool.num_free, unmet)
         self.shared.audit()
 
     def teardown(self):
