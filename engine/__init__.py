@@ -1,8 +1,9 @@
 """vkv's serving engine: Llama-family models over virtual KV memory (see ../vmm)."""
 from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.llm import LLM
+from engine.multi import MultiLLM
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams",
+__all__ = ["LLM", "MultiLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams",
            "BeamSearchOutput", "BeamSearchSequence"]

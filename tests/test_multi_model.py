@@ -108,7 +108,7 @@ class SharedTraffic(RuleBasedStateMachine):
     unmet floor is free for its model to take (unless a floor was raised under the others),
     and at the end every page is free."""
 
-    @initialize(models=st.integers(2, 3), pages=st.integers(24, 64), layout=st.sampled_from(["interleaved", "per_layer"]))
+    @initialize(models=st.integers(2, 3), pages=st.integers(16, 40), layout=st.sampled_from(["interleaved", "per_layer"]))
     def setup(self, models, pages, layout):
         self.shared = vmm.SharedPool(vmm.PagePool(vmm.HostBackend(4096), pages))
         self.kvs, self.scheds, self.live = [], [], []
@@ -123,18 +123,21 @@ class SharedTraffic(RuleBasedStateMachine):
             self.live.append([])
         self.next_id, self.cap_over, self.floor_raised = 0, {}, False
 
-    @rule(data=st.data(), tail=st.lists(st.integers(0, 63), min_size=1, max_size=20), out=st.integers(1, 12))
-    def arrive(self, data, tail, out):
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 63), min_size=1, max_size=20), out=st.integers(1, 12),
+          copies=st.integers(1, 4))
+    def arrive(self, data, tail, out, copies):
         m = data.draw(st.integers(0, len(self.kvs) - 1))
-        seq = Sequence(str(self.next_id), 0, [1, 2, 3, 4] + tail, SamplingParams(max_tokens=out, ignore_eos=True), 0.0)
-        if self.kvs[m].pages_for(len(seq) + out) > self.shared.tenants[str(m)].cap:
+        if self.kvs[m].pages_for(len(tail) + 5 + out) > self.shared.tenants[str(m)].cap:
             return  # the engine refuses such a request at submission
-        self.next_id += 1
         if self.kvs[m].asleep:  # asleep, its floor was others' to use: on waking it may be owed
             self.kvs[m].wake_up()
             self.floor_raised |= self.shared.tenants[str(m)].floor > 0
-        self.scheds[m].add(seq)
-        self.live[m].append(seq)
+        for i in range(copies):  # a burst on one model
+            seq = Sequence(str(self.next_id), 0, [1, 2, 3, 4, i] + tail, SamplingParams(max_tokens=out, ignore_eos=True),
+                           0.0)
+            self.next_id += 1
+            self.scheds[m].add(seq)
+            self.live[m].append(seq)
 
     @precondition(lambda self: any(self.live))
     @rule(data=st.data())
@@ -197,6 +200,9 @@ class SharedTraffic(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "shared"):
             return
+        total, tenants = self.shared.pool.num_pages, self.shared.tenants.values()
+        event(f"a model held more than its fair share: {any(t.peak_in_use > total // len(tenants) for t in tenants)}")
+        event(f"preempted: {any(s.num_preemptions for s in self.scheds)}")
         for m, sched in enumerate(self.scheds):
             for seq in list(self.live[m]):
                 sched.finish(seq, "abort")
