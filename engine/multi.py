@@ -26,6 +26,9 @@ from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
 
+POOL_SETTINGS = {"kv_cache_memory", "gpu_memory_utilization", "page_size", "device", "tensor_parallel_size"}
+
+
 def pages_of(limit: float | int, total: int, page_size: int) -> int:
     """A limit in pages: a float in [0, 1] is a share of the pool, an int is bytes."""
     if isinstance(limit, float):
@@ -38,10 +41,12 @@ def pages_of(limit: float | int, total: int, page_size: int) -> int:
 
 
 class MultiLLM:
-    def __init__(self, models: dict[str, str | None], kv_cache_memory: int | None = None,
+    def __init__(self, models: dict[str, str | None | dict], kv_cache_memory: int | None = None,
                  kv_limits: dict[str, tuple[float | int, float | int]] | None = None, **engine_options):
-        """models: name -> source (as LLM's `model`). kv_limits: name -> (floor, cap), each a
-        share of the pool (float) or bytes (int). Other options apply to every model."""
+        """models: name -> source (as LLM's `model`), or name -> {"model": source, and engine
+        options of that model alone, e.g. "dtype": "bfloat16", "kv_layout": "interleaved"}.
+        kv_limits: name -> (floor, cap), each a share of the pool (float) or bytes (int). Other
+        options apply to every model."""
         self._build(models, EngineConfig(model=None, kv_cache_memory=kv_cache_memory, **engine_options), kv_limits)
 
     @classmethod
@@ -73,10 +78,15 @@ class MultiLLM:
                 self.set_limits(name, floor, cap)
             for name, source in models.items():
                 share = self.shared.tenants[name]
+                own = dict(source) if isinstance(source, dict) else {"model": source}
+                shared_only = sorted(set(own) & POOL_SETTINGS)
+                if shared_only:
+                    raise ValueError(f"model {name!r}: {', '.join(shared_only)} belong to the shared pool, "
+                                     f"not to one model")
                 try:
-                    engine = LLMEngine(dataclasses.replace(config, model=source, kv_cache_memory=None), pool=share)
+                    engine = LLMEngine(dataclasses.replace(config, kv_cache_memory=None, **own), pool=share)
                 except Exception as exc:
-                    raise ValueError(f"model {name!r} ({source or 'bundled'}) failed to load: {exc}") from exc
+                    raise ValueError(f"model {name!r} ({own.get('model') or 'bundled'}) failed to load: {exc}") from exc
                 share.spare, share.give_back = engine.kv.spare_pages, engine.kv.give_back
                 share.preempt = engine.scheduler.give_up
                 self.engines[name] = engine

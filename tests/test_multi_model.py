@@ -41,6 +41,21 @@ def test_each_model_served_together_computes_what_it_computes_alone(layout):
         llms.audit()
 
 
+def test_models_of_other_dtypes_and_layouts_share_the_pool():
+    prompts = [[5 + i] * 40 for i in range(3)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    own = {"a": {"model": "random:tiny", "dtype": "bfloat16"}, "b": {"model": "random:qwen3-small", "kv_layout": "interleaved"}}
+    with MultiLLM(own, kv_cache_memory=4 << 20) as llms:
+        together = {name: [o.outputs[0].token_ids for o in llms.generate(prompts, greedy, model=name)] for name in own}
+        assert llms.engines["a"].kv.dtype == torch.bfloat16 and llms.engines["b"].kv.layout == "interleaved"
+        llms.audit()
+    for name, options in own.items():
+        with LLM(**options, kv_cache_memory=4 << 20) as llm:
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == together[name]
+    with pytest.raises(ValueError, match="page_size belong to the shared pool"):
+        MultiLLM({"a": {"model": "random:tiny", "page_size": 8192}}, kv_cache_memory=4 << 20)
+
+
 def test_limits_are_checked_by_name_and_a_failing_model_stops_start_up():
     with pytest.raises(ValueError, match="'nope'"):
         MultiLLM({"a": "random:tiny"}, kv_cache_memory=8 << 20, kv_limits={"nope": (0, 1.0)})
