@@ -11,6 +11,11 @@ thread stepping each model with work in turn) over the same arrival times:
 Reported per configuration: TTFT p50/p99, output tokens/s over the run, preemptions, and the
 most sequences one model ran at once; greedy outputs must be identical.
 
+Compute shared fairly: one stream decodes on `qwen3-small` while a burst of 12 prompts arrives
+on SmolLM2. The stream's time between tokens before and during the burst, with each step of a
+model capped at MultiLLM's `shared_step_tokens` (256) while another model has work, and
+without the cap (a step may take max_num_batched_tokens, 2,048, of prefill).
+
     python benchmarks/bench_multi_model.py --json benchmarks/results/cpu/multi_model.json \\
         --plot benchmarks/results/cpu/multi_model.png
 """
@@ -87,13 +92,36 @@ def replay(llms: MultiLLM, traffic, max_tokens: int) -> dict:
             "outputs": [outputs[f"r{i}"] for i in range(len(traffic))]}
 
 
+def fairness(prompts: list[list[int]], step_tokens: int | None) -> dict:
+    """The qwen3-small stream's inter-token times (s) before and during a SmolLM2 burst."""
+    with MultiLLM(MODELS, kv_cache_memory=512 << 20) as llms:
+        llms.shared_step_tokens = step_tokens
+        llms.add_request("qwen3-small", "stream", prompts[0][:100], SamplingParams(temperature=0, max_tokens=60,
+                                                                                     ignore_eos=True))
+        stamps, burst_at = [], None
+        while llms.engines["qwen3-small"].has_unfinished():
+            for name, out in llms.step():
+                if out.request_id == "stream":
+                    stamps.append(time.perf_counter())
+            if len(stamps) == 10 and burst_at is None:
+                burst_at = len(stamps)
+                for i, prompt in enumerate(prompts[1:13]):
+                    llms.add_request("smollm2", f"b{i}", prompt, SamplingParams(temperature=0, max_tokens=16,
+                                                                                  ignore_eos=True))
+        gaps = np.diff(stamps)
+        before, during = gaps[1:burst_at - 1], gaps[burst_at - 1:burst_at + 29]
+        return {"step_tokens": step_tokens, "before_ms": float(np.median(before) * 1e3),
+                "during_median_ms": float(np.median(during) * 1e3), "during_max_ms": float(during.max() * 1e3),
+                "gaps_ms": [float(g * 1e3) for g in gaps], "burst_after_token": burst_at}
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = result["runs"]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     names = [r["config"] for r in runs]
     x = np.arange(len(runs))
     axes[0].bar(x - 0.2, [r["ttft_p50_ms"] for r in runs], 0.4, label="p50")
@@ -111,6 +139,13 @@ def plot(result: dict, path: str) -> None:
     axes[2].set_xticks(x, names)
     axes[2].set_ylabel("most KV pages held")
     axes[2].legend(fontsize=8)
+    for f in result["fairness"]:
+        axes[3].plot(f["gaps_ms"], label=f"step cap {f['step_tokens'] or 'none (2048)'}")
+    axes[3].axvline(result["fairness"][0]["burst_after_token"], color="k", lw=0.8, ls="--", label="burst arrives")
+    axes[3].set_yscale("log")
+    axes[3].set_xlabel("token of the qwen3-small stream")
+    axes[3].set_ylabel("time since its previous token, ms")
+    axes[3].legend(fontsize=8)
     fig.suptitle(f"3 models, one {result['kv_memory_bytes'] >> 20} MiB KV budget, bursts in turn "
                  f"({result['machine'].get('cpu_model', 'CPU')})", fontsize=10)
     fig.tight_layout()
@@ -138,6 +173,8 @@ def main() -> None:
     for name, limits in tqdm(configs, desc="configurations"):
         with MultiLLM(MODELS, kv_cache_memory=args.kv_memory_mib << 20, kv_limits=limits, max_num_seqs=args.per_burst) as llms:
             runs.append({"config": name, **replay(llms, traffic, args.max_tokens)})
+    prompts = [p for _, _, p in sorted(traffic, key=lambda t: -len(t[2]))]
+    fair = [fairness(prompts, cap) for cap in tqdm((256, None), desc="decode under a burst")]
     identical = all(r["outputs"] == runs[0]["outputs"] for r in runs)
     for r in runs:
         del r["outputs"]
@@ -145,11 +182,15 @@ def main() -> None:
               "kv_layout": "per_layer (CPU default)", "kv_memory_bytes": args.kv_memory_mib << 20,
               "requests": len(traffic), "per_burst": args.per_burst, "rounds": args.rounds, "rate": args.rate,
               "gap_s": args.gap, "max_tokens": args.max_tokens, "outputs_identical": identical,
-              "machine": machine_info(), "runs": runs}
+              "machine": machine_info(), "runs": runs, "fairness": fair}
     print(f"\n{'config':<9}{'TTFT p50':>10}{'p99':>10}{'tok/s':>8}{'preempt':>9}  most running / peak pages per model")
     for r in runs:
         print(f"{r['config']:<9}{r['ttft_p50_ms']:>8.0f}ms{r['ttft_p99_ms']:>8.0f}ms{r['output_tok_s']:>8.1f}"
               f"{r['preemptions']:>9}  {r['most_running_by_model']} {r['peak_pages_by_model']} of {r['pool_pages']}")
+    for f in fair:
+        print(f"qwen3-small stream, step cap {f['step_tokens'] or 'none'}: {f['before_ms']:.0f} ms between tokens "
+              f"before the SmolLM2 burst, {f['during_median_ms']:.0f} ms median and {f['during_max_ms']:.0f} ms "
+              f"max during it")
     print(f"outputs identical: {identical}")
     save(result, args.json_path, args.plot_path, plot)
     if not identical:

@@ -296,11 +296,13 @@ class LLMEngine:
         return self.kv.asleep
 
     # -- the loop -------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput | BeamSearchOutput]:
-        """One forward pass over the scheduled batch; outputs of the requests it advanced."""
+    def step(self, token_budget: int | None = None) -> list[RequestOutput | BeamSearchOutput]:
+        """One forward pass over the scheduled batch; outputs of the requests it advanced.
+        token_budget: at most this many tokens this step (below max_num_batched_tokens), so
+        other models sharing the machine wait at most one short step (engine/multi.py)."""
         if self.proposer:
             self._propose()
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(token_budget)
         if not scheduled:
             return []
         if self.map_ahead:

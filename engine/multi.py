@@ -26,6 +26,7 @@ from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
 
+SHARED_STEP_TOKENS = 256  # a step's tokens while other models have work (see step())
 POOL_SETTINGS = {"kv_cache_memory", "gpu_memory_utilization", "page_size", "device", "tensor_parallel_size"}
 
 
@@ -70,6 +71,7 @@ class MultiLLM:
         self.shared = vmm.SharedPool(vmm.PagePool(backend, config.kv_budget_bytes() // backend.page_size))
         self.engines: dict[str, LLMEngine] = {}
         self.last_active: dict[str, float] = {}
+        self.shared_step_tokens = SHARED_STEP_TOKENS
         self._ids = count()
         try:
             for name in models:
@@ -129,12 +131,15 @@ class MultiLLM:
         return any(e.has_unfinished() for e in self.engines.values())
 
     def step(self) -> list[tuple[str, RequestOutput]]:
-        """One step of each model that has work, in turn: (model, output) pairs."""
+        """One step of each model that has work, in turn: (model, output) pairs. While other
+        models have work, a step computes at most `shared_step_tokens` tokens, so a burst of
+        prefills on one model delays another's next token by one short step, not a long one."""
         outputs = []
-        for name, engine in self.engines.items():
-            if engine.has_unfinished():
-                outputs += [(name, out) for out in engine.step()]
-                self.last_active[name] = time.monotonic()
+        busy = [name for name, engine in self.engines.items() if engine.has_unfinished()]
+        for name in busy:
+            budget = self.shared_step_tokens if len(busy) > 1 else None
+            outputs += [(name, out) for out in self.engines[name].step(budget)]
+            self.last_active[name] = time.monotonic()
         return outputs
 
     def generate(self, prompts, params: SamplingParams | None = None, model: str | None = None) -> list[RequestOutput]:

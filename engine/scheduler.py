@@ -71,9 +71,10 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     # -- one step -------------------------------------------------------------------------
-    def schedule(self) -> Scheduled:
-        """What this step computes; every page it writes is mapped and private."""
-        budget = self.max_num_batched_tokens
+    def schedule(self, token_budget: int | None = None) -> Scheduled:
+        """What this step computes, at most token_budget tokens (default max_num_batched_tokens);
+        every page it writes is mapped and private."""
+        budget = min(self.max_num_batched_tokens, token_budget or self.max_num_batched_tokens)
         if len(self.admitted) > 2 * (len(self.waiting) + len(self.running)):  # forget groups gone
             live = {s.group for s in (*self.waiting, *self.running)}
             self.admitted = Counter({g: n for g, n in self.admitted.items() if g in live})

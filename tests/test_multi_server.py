@@ -22,7 +22,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def server():
     group = MultiLLM({"tiny": "random:tiny", "qwen": "random:qwen3-small"}, kv_cache_memory=16 << 20,
                      kv_limits={"tiny": (0.1, 0.9)})
-    metrics, turns = Metrics(list(group.engines), group.shared), Turns()
+    metrics, turns = Metrics(list(group.engines), group.shared), Turns(group.shared_step_tokens)
     engines = {name: AsyncEngine(engine, name, metrics, turns, idle_sleep=0.5 if name == "qwen" else None)
                for name, engine in group.engines.items()}
     with serving(build_app(engines, options=ServerOptions(api_key=KEY), group=group)) as base:

@@ -63,11 +63,19 @@ class _Stream:
 
 
 class Turns:
-    """A lock granted in the order it was asked for, so the models' loops alternate steps."""
+    """A lock granted in the order it was asked for, so the models' loops alternate steps; it
+    also knows the models' engines, so a step can be kept short while others have work."""
 
-    def __init__(self):
+    def __init__(self, step_tokens: int | None = None):
         self._cv = threading.Condition()
         self._next = self._serving = 0
+        self.engines: list[LLMEngine] = []  # the models taking turns
+        self.step_tokens = step_tokens  # a step's tokens while another model has work
+
+    def budget(self, engine: LLMEngine) -> int | None:
+        """Tokens `engine` may compute this step (None: its own limit)."""
+        others_busy = any(e.has_unfinished() for e in self.engines if e is not engine)
+        return self.step_tokens if others_busy else None
 
     def __enter__(self) -> None:
         with self._cv:
@@ -87,6 +95,7 @@ class AsyncEngine:
         metrics and the turns. idle_sleep: seconds without requests before the model sleeps."""
         self.engine, self.model = engine, model
         self.turns = turns or Turns()
+        self.turns.engines.append(engine)
         self.idle_sleep, self.idle_asleep = idle_sleep, False
         self.last_active = time.monotonic()
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the handlers' own
@@ -233,7 +242,7 @@ class AsyncEngine:
             return
         self.last_active = time.monotonic()
         mapped_before = self.engine.map_seconds
-        outputs = self.engine.step()
+        outputs = self.engine.step(self.turns.budget(self.engine))
         now = time.monotonic()
         self.metrics.observe_step(self.engine.map_seconds - mapped_before, self.model)
         for out in outputs:

@@ -410,7 +410,7 @@ def serve(args) -> None:
         config = EngineConfig.from_cli_args(argparse.Namespace(**{**vars(args), "model": None}))
         group = MultiLLM.from_config({name: source or None for name, source in models.items()}, config,
                                      {name: limit for name, limit in map(parse_kv_limit, options.kv_limit)})
-        metrics, turns = Metrics(list(models), group.shared), Turns()
+        metrics, turns = Metrics(list(models), group.shared), Turns(group.shared_step_tokens)
         async_engines = {name: AsyncEngine(engine, name, metrics, turns, options.idle_sleep_seconds)
                          for name, engine in group.engines.items()}
         app = build_app(async_engines, options=options, group=group)
