@@ -196,7 +196,7 @@ def test_a_failing_engine_fails_its_requests_and_reports_unhealthy():
     engine = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=4, kv_cache_memory=64 << 20)))
     real_step, calls = engine.engine.step, []
 
-    def faulty_step():
+    def faulty_step(*args):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("simulated device fault")

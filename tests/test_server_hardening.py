@@ -126,6 +126,17 @@ CASES = {  # name: (path, body, status, words the error must contain)
     "cache_salt on chat": (CHAT, {"messages": HI, "max_tokens": 2, "cache_salt": "tenant-a"}, 200, ()),
     "empty cache_salt": ("/v1/completions", {"prompt": "Hi", "cache_salt": ""}, 400, ("cache_salt",)),
     "cache_salt not a string": (CHAT, {"messages": HI, "cache_salt": 7}, 400, ("cache_salt",)),
+    # strict types, as OpenAI's schema: no coercion
+    "temperature true": ("/v1/completions", {"prompt": "Hi", "temperature": True}, 400, ("temperature",)),
+    "n true": ("/v1/completions", {"prompt": "Hi", "n": True}, 400, ("n",)),
+    "max_tokens a string": ("/v1/completions", {"prompt": "Hi", "max_tokens": "4"}, 400, ("max_tokens",)),
+    "token ids as floats": ("/v1/completions", {"prompt": [1.0, 2.0]}, 400, ("prompt",)),
+    "token ids as booleans": ("/v1/completions", {"prompt": [True, 2]}, 400, ("prompt",)),
+    "temperature an integer": ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0}, 200, ()),
+    "logit_bias key with a space": ("/v1/completions", {"prompt": "Hi", "logit_bias": {" 5": 1}}, 400, ("logit_bias",)),
+    "logit_bias key in Arabic digits": ("/v1/completions", {"prompt": "Hi", "logit_bias": {"\u0665": 1}}, 400,
+                                        ("logit_bias",)),
+    "lone surrogate stop": ("/v1/completions", '{"prompt": "Hi", "stop": ["\\ud800"]}', 400, ("stop",)),
 }
 
 

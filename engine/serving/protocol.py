@@ -40,7 +40,9 @@ def _sampling_defaults() -> dict:
     return {name: field.get_default(call_default_factory=True) for name, field in _SamplingFields.model_fields.items()}
 
 
-_SamplingFields = create_model("_SamplingFields", __config__=ConfigDict(extra="forbid"), **_sampling_fields())
+# Strict: OpenAI's schema types, no coercion (true is not 1, "4" is not 4, 1.0 is not a token id).
+STRICT = ConfigDict(extra="forbid", strict=True)
+_SamplingFields = create_model("_SamplingFields", __config__=STRICT, **_sampling_fields())
 
 
 class KVLimitRequest(BaseModel):
@@ -62,7 +64,7 @@ def parse_limit(value: str | int) -> float | int:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
@@ -137,13 +139,24 @@ class _Request(_SamplingFields):
             return BeamSearchParams(self.n, max_tokens, self.ignore_eos, self.length_penalty)
         if self.length_penalty != 1.0:
             raise ValueError("length_penalty applies to beam search only: set use_beam_search")
-        try:
-            bias = {int(token): value for token, value in (self.logit_bias or {}).items()}
-        except ValueError as exc:
-            raise ValueError("logit_bias keys must be token ids") from exc
+        bad = [token for token in self.logit_bias or {} if not (token.isascii() and token.isdigit())]
+        if bad:  # int() would also read " 5", "+5" and "٥" as 5
+            raise ValueError(f"logit_bias keys must be token ids written as plain digits, got {bad[0]!r}")
+        bias = {int(token): value for token, value in (self.logit_bias or {}).items()}
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if any(not _is_unicode(stop) for stop in stops):
+            raise ValueError("stop strings must be valid Unicode (no lone surrogates)")
         shared = {name: getattr(self, name) for name in SHARED_WITH_SAMPLING_PARAMS}
         return SamplingParams(**shared, max_tokens=max_tokens, logprobs=logprobs, best_of=best_of, logit_bias=bias,
                               structured_outputs=self.structured())
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class CompletionRequest(_Request):
