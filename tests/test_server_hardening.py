@@ -6,15 +6,18 @@ import json
 import socket
 import threading
 import time
+from collections import Counter
 
 import httpx
 import pytest
 import uvicorn
+from uvicorn.protocols.http import h11_impl
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.serving.async_engine import AsyncEngine
+from engine.serving import http
 from engine.serving.http import GuardedH11Protocol
 from engine.serving.options import ServerOptions
 from engine.serving.server import build_app
@@ -29,13 +32,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PER_PEER = 16  # connections one address may hold open
+
+
 @pytest.fixture(scope="module")
 def server():
     engine = AsyncEngine(LLMEngine(EngineConfig(model="random:tiny", max_num_seqs=4, kv_cache_memory=16 << 20,
                                                 page_size=4096, max_model_len=256)))
     app = build_app(engine, "tiny", OPTIONS)
     port = free_port()
-    protocol = type("H", (GuardedH11Protocol,), {"header_timeout": 1.0})
+    protocol = type("H", (GuardedH11Protocol,), {"header_timeout": 1.0, "max_per_peer": PER_PEER, "peers": Counter()})
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=protocol))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -150,6 +156,35 @@ def test_bad_and_odd_requests_get_clear_answers_and_hurt_no_one(server, case):
         message = r.json()["error"]["message"]
         assert all(w in message for w in words), message
     assert_still_serving(base, engine)
+
+
+def test_one_address_cannot_hold_every_connection(server):
+    base, engine, port = server
+    held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(PER_PEER)]
+    try:
+        time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as extra:
+            extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = b"".join(iter(lambda: extra.recv(65536), b""))
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert b" 429 " in head.split(b"\r\n")[0], reply[:200]
+        assert json.loads(body)["error"]["type"] == "rate_limit_exceeded"
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.2)
+    assert_still_serving(base, engine)
+
+
+def test_the_concurrency_limit_answers_in_openai_shape():
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(http._service_unavailable({}, None, send))
+    assert sent[0]["status"] == 503 and json.loads(sent[1]["body"])["error"]["type"] == "service_unavailable"
+    assert h11_impl.service_unavailable is http._service_unavailable
 
 
 def test_body_limits_and_deadlines(server):

@@ -8,13 +8,17 @@ error object.
 
 `GuardedH11Protocol` (uvicorn's HTTP/1.1 protocol) closes a connection whose request line and
 headers do not arrive within the header deadline: a socket opened and left silent, or a
-slowloris client sending headers a byte at a time, holds nothing for long.
+slowloris client sending headers a byte at a time, holds nothing for long. It also caps the
+connections one address may hold open, so a client reconnecting slowly over and over cannot
+take the whole connection limit; and past that limit, uvicorn's 503 is OpenAI's error object.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 
+from uvicorn.protocols.http import h11_impl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.serving.options import ServerOptions
@@ -84,16 +88,46 @@ class _TooLarge(Exception):
     pass
 
 
+async def _service_unavailable(scope, receive, send) -> None:
+    """uvicorn's answer past --limit-concurrency, in OpenAI's error shape instead of plain text."""
+    await send_error(send, 503, "the server is at its connection limit: retry shortly", "service_unavailable")
+
+# uvicorn's H11 protocol looks this app up as a module global when the concurrency limit is hit;
+# it has no setting for it, so the server's own replaces it here.
+h11_impl.service_unavailable = _service_unavailable
+
+
+def _too_many(limit: int) -> bytes:
+    body = json.dumps(error_body(f"more than {limit} connections from one address: close some and retry",
+                                 "rate_limit_exceeded", 429)).encode()
+    return (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
 class GuardedH11Protocol(H11Protocol):
-    """H11Protocol with a deadline for each request's line and headers."""
+    """H11Protocol with a deadline for each request's line and headers, and at most
+    `max_per_peer` open connections from one address (more are answered 429 and closed, so
+    one client's idle or slow connections cannot use up the server's connection limit).
+    `peers` counts the open connections per address: give each server its own Counter."""
     header_timeout = ServerOptions.header_timeout
+    max_per_peer = ServerOptions.max_connections_per_peer
+    peers: Counter = Counter()
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._header_timer = None
+        peer = transport.get_extra_info("peername")
+        self._peer = peer[0] if peer else None
+        self.peers[self._peer] += 1
+        self._over = self.peers[self._peer] > self.max_per_peer  # answered 429 once its request arrives
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        if self._over:  # the request is read (so closing resets nothing), answered and the connection closed
+            if not self.transport.is_closing():
+                self.transport.write(_too_many(self.max_per_peer))
+                self.transport.close()
+            return
         super().data_received(data)
         if self.cycle is not None and not self.cycle.response_complete:
             self._disarm()  # a request is in progress: its headers are in
@@ -106,6 +140,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self.peers[self._peer] -= 1
+        if self.peers[self._peer] <= 0:
+            del self.peers[self._peer]
         super().connection_lost(exc)
 
     def _arm(self) -> None:

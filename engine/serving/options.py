@@ -18,6 +18,7 @@ class ServerOptions:
     header_timeout: float = 10.0  # seconds for a request's line and headers to arrive
     timeout_keep_alive: int = 5  # seconds an idle kept-alive connection stays open
     limit_concurrency: int = 512  # connections at once; more get 503
+    max_connections_per_peer: int = 64  # connections one address may hold open; more get 429
     max_n: int = 16  # n, best_of and beam width
     max_prompts_per_request: int = 64  # sequences (prompts x max(n, best_of)) one request may ask for
     shutdown_timeout: float = 30.0  # seconds requests in flight get to finish on SIGTERM
@@ -50,6 +51,8 @@ class ServerOptions:
                        help="seconds an idle connection stays open")
         g.add_argument("--limit-concurrency", type=int, default=d.limit_concurrency,
                        help="connections at once; more get 503")
+        g.add_argument("--max-connections-per-peer", type=int, default=d.max_connections_per_peer,
+                       help="connections one client address may hold open; more get 429")
         g.add_argument("--max-n", type=int, default=d.max_n, help="largest n, best_of or beam width")
         g.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
                        help="most sequences (prompts x n) one request may ask for")

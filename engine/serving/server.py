@@ -23,6 +23,7 @@ import hmac
 import json
 import logging
 import signal
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -425,7 +426,8 @@ def serve(args) -> None:
         async_engines = {name: AsyncEngine(engine)}
         app = build_app(async_engines, options=options)
         what = f"{name} ({engine.config.kv_layout} KV, {engine.attention} attention)"
-    protocol = type("GuardedH11", (GuardedH11Protocol,), {"header_timeout": options.header_timeout})
+    protocol = type("GuardedH11", (GuardedH11Protocol,), {"header_timeout": options.header_timeout, "peers": Counter(),
+                                                          "max_per_peer": options.max_connections_per_peer})
     print(f"vkv: serving {what} on http://{options.host}:{options.port}", flush=True)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level, http=protocol,
                             timeout_keep_alive=options.timeout_keep_alive,
