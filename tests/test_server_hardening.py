@@ -142,6 +142,9 @@ CASES = {  # name: (path, body, status, words the error must contain)
     "logit_bias key with a space": ("/v1/completions", {"prompt": "Hi", "logit_bias": {" 5": 1}}, 400, ("logit_bias",)),
     "logit_bias key in Arabic digits": ("/v1/completions", {"prompt": "Hi", "logit_bias": {"\u0665": 1}}, 400,
                                         ("logit_bias",)),
+    "text too long to tokenize": ("/v1/completions", {"prompt": "a" * 100_000}, 400, ("cannot fit",)),
+    "chat too long to tokenize": (CHAT, {"messages": [{"role": "user", "content": "a" * 100_000}]}, 400,
+                                  ("cannot fit",)),
     "lone surrogate stop": ("/v1/completions", '{"prompt": "Hi", "stop": ["\\ud800"]}', 400, ("stop",)),
 }
 

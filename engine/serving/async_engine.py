@@ -100,6 +100,7 @@ class AsyncEngine:
         self.last_active = time.monotonic()
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the handlers' own
         self.max_model_len = engine.max_model_len
+        self.max_token_bytes = max(len(t.encode("utf-8", "surrogatepass")) for t in self.tokenizer.get_vocab())
         self.scheduling_policy = engine.config.scheduling_policy
         self.metrics = metrics or Metrics()
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -116,10 +117,20 @@ class AsyncEngine:
 
     # -- called from the event loop -------------------------------------------------------
     async def tokenize(self, prompt) -> Prompt:
+        self._check_size(prompt.get("prompt") if isinstance(prompt, dict) else prompt)
         return await self._preprocess(tokenize, self.tokenizer, self.engine.model_config.vocab_size, prompt)
 
     async def chat_prompt(self, messages: list[dict]) -> Prompt:
+        self._check_size("".join(m["content"] for m in messages if isinstance(m.get("content"), str)))
         return await self._preprocess(chat_prompt, self.tokenizer, messages)
+
+    def _check_size(self, text) -> None:
+        """Refuse a text too long to fit max_model_len before it takes the tokenizer's thread:
+        no token covers more characters than the longest token's UTF-8 bytes, so a longer text
+        needs more tokens than the model takes."""
+        if isinstance(text, str) and len(text) > self.max_model_len * self.max_token_bytes:
+            raise ValueError(f"the prompt's {len(text)} characters cannot fit in max_model_len "
+                             f"{self.max_model_len} tokens (none covers more than {self.max_token_bytes})")
 
     async def _preprocess(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.preprocessor, fn, *args)
