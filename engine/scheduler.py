@@ -119,9 +119,7 @@ class Scheduler:
         """Map seq (at `position` in the running list) its pages, preempting the newest (or
         least urgent) sequences not yet scheduled this step; False if seq itself had to go."""
         while not self.kv.ensure_mapped(seq, num_tokens):
-            victim = self.running[-1]
-            if self.policy == "priority":
-                victim = max(self.running[position:], key=lambda s: (s.priority, s.arrival, s.seq_id))
+            victim = self._victim(self.running[position:])
             self.preempt(victim)
             if victim is seq:
                 return False
@@ -226,11 +224,15 @@ class Scheduler:
         are free. Called between this model's steps."""
         target = self.kv.pool.num_free + pages
         while self.running and self.kv.pool.num_free < target:
-            victim = self.running[-1]
-            if self.policy == "priority":
-                victim = max(self.running, key=lambda s: (s.priority, s.arrival, s.seq_id))
-            self.preempt(victim)
+            self.preempt(self._victim(self.running))
             self.kv.reclaim(target)  # a preempted sequence's pages may stay cached: let them go
+
+    def _victim(self, candidates: list[Sequence]) -> Sequence:
+        """Who is preempted among running candidates (the tail of the running list): the least
+        urgent under the priority policy, else the newest."""
+        if self.policy == "priority":
+            return max(candidates, key=lambda s: (s.priority, s.arrival, s.seq_id))
+        return candidates[-1]
 
     def _requeue(self, seq: Sequence, to_front: bool) -> None:
         """seq gives its KV back and waits to compute all its tokens again."""

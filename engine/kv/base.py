@@ -35,7 +35,6 @@ import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch

@@ -78,11 +78,8 @@ class PrefixCache:
                 return
             pages = self.entries[h]
             if all(self.pool.ref_counts[p] == 1 for p in pages):
-                if self.on_evict:
-                    self.on_evict(h, pages)
                 del self.entries[h]
-                for page in pages:
-                    self.pool.drop(page)
+                self._let_go(h, pages)
                 self.evictions += 1
 
     def held(self) -> Counter:
@@ -91,8 +88,12 @@ class PrefixCache:
     def clear(self) -> None:
         """Let every entry go (sleep, close): each goes to the tiers first, as an eviction would."""
         for h, pages in self.entries.items():
-            if self.on_evict:
-                self.on_evict(h, pages)
-            for page in pages:
-                self.pool.drop(page)
+            self._let_go(h, pages)
         self.entries.clear()
+
+    def _let_go(self, h: bytes, pages: tuple[int, ...]) -> None:
+        """An entry leaves the cache: its bytes to the tiers (if any), then its references."""
+        if self.on_evict:
+            self.on_evict(h, pages)
+        for page in pages:
+            self.pool.drop(page)
