@@ -13,10 +13,10 @@ token's logprobs, `BeamGroup.advance` picks the continuations:
   - the search stops when every candidate ends, or when the best live beam, normalized by the
     current length, cannot beat the worst kept hypothesis (transformers' early_stopping=False).
 
-The engine turns the choice into page operations: a parent chosen once appends its token, a
-parent chosen twice forks (the child maps the parent's pages, one more reference each; the
-first write into their shared last page copies it), a parent not chosen is dropped and its
-references go.
+The scheduler turns the choice into page operations (`Scheduler.update_from_output`): a parent
+chosen once appends its token, a parent chosen twice forks (the child maps the parent's pages,
+one more reference each; the first write into their shared last page copies it), a parent not
+chosen is dropped and its references go. The group alone writes its live beams (`take`).
 """
 from __future__ import annotations
 
@@ -89,6 +89,18 @@ class BeamGroup:
         self.logprobs: dict[Sequence, torch.Tensor] = {}
         self.finished: list[BeamSearchSequence] = []
         self.can_improve = True
+
+    def start(self, beam: Sequence) -> None:
+        """The first beam: the prompt."""
+        self.live = {beam: 0.0}
+
+    def take(self, beams: list[Sequence], continuations: list[Continuation]) -> None:
+        """The beams now live, one per continuation of the last `advance`."""
+        self.live = {beam: c.cum_logprob for beam, c in zip(beams, continuations)}
+
+    def fail(self) -> None:
+        """The search ended in an error: no beam lives on."""
+        self.live, self.logprobs = {}, {}
 
     def offer(self, beam: Sequence, logits: torch.Tensor) -> None:
         self.logprobs[beam] = logits.float().log_softmax(-1)

@@ -57,13 +57,11 @@ class LLM:
 
     def _submit(self, kind: str, prompts: list, params: list, use_tqdm: bool, priority: list[int]) -> list:
         """Tokenize and check every prompt before any runs, so a bad one leaves the engine as it was."""
-        prompts = [self.engine.tokenize(p) for p in prompts]
-        for prompt, p in zip(prompts, params):
-            self.engine.validate(prompt, p)
-        ids = [f"{kind}-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt, p, urgency in zip(ids, prompts, params, priority):
-            self.engine.add_request(request_id, prompt, p, priority=urgency)
-        return self._run(ids, use_tqdm)
+        requests = [self.engine.process_inputs(f"{kind}-{next(self._ids)}", prompt, p, priority=urgency)
+                    for prompt, p, urgency in zip(prompts, params, priority)]
+        for request in requests:
+            self.engine.add(request)
+        return self._run([r.request_id for r in requests], use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list:
         done = {}

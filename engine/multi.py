@@ -19,8 +19,9 @@ from itertools import count
 
 import vmm
 from engine.config import EngineConfig
+from engine.kv.build import make_backend
 from engine.llm import as_prompt_list
-from engine.llm_engine import LLMEngine, make_backend
+from engine.llm_engine import EngineRequest, LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -118,10 +119,14 @@ class MultiLLM:
         return self.engines[model]
 
     def add_request(self, model: str, request_id: str, prompt, params) -> None:
+        self.add(model, self.engine(model).process_inputs(request_id, prompt, params))
+
+    def add(self, model: str, request: EngineRequest) -> None:
+        """Queue a request the model's engine made (process_inputs); a sleeping model wakes."""
         engine = self.engine(model)
         if engine.is_sleeping:
             engine.wake_up()
-        engine.add_request(request_id, prompt, params)
+        engine.add(request)
         self.last_active[model] = time.monotonic()
 
     def abort(self, model: str, request_id: str) -> None:
@@ -147,13 +152,10 @@ class MultiLLM:
         model = model or next(iter(self.engines))
         engine, prompts = self.engine(model), as_prompt_list(prompts)
         params = params or SamplingParams()
-        tokenized = [engine.tokenize(p) for p in prompts]
-        for prompt in tokenized:
-            engine.validate(prompt, params)
-        ids = [f"multi-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt in zip(ids, tokenized):
-            self.add_request(model, request_id, prompt, params)
-        done = {}
+        requests = [engine.process_inputs(f"multi-{next(self._ids)}", p, params) for p in prompts]
+        for request in requests:
+            self.add(model, request)
+        ids, done = [r.request_id for r in requests], {}
         while any(i not in done for i in ids):
             done |= {out.request_id: out for name, out in self.step() if name == model and out.finished}
         return [done[i] for i in ids]

@@ -2,6 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestOutputKind(Enum):
+    """What each output of a request holds (vLLM's names): everything so far, only what is new
+    since the last output (what a stream sends), or one output at the end."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(slots=True)
@@ -15,6 +24,7 @@ class TokenLogprob:
 
 @dataclass
 class CompletionOutput:
+    """One completion: its text and tokens so far (RequestOutputKind.DELTA: since the last output)."""
     index: int
     text: str
     token_ids: list[int]

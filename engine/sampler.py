@@ -96,7 +96,7 @@ def _draw(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     (argmax of p / E with E ~ Exp(1) draws from p)."""
     device = x.device
     temperature = torch.tensor([s.params.temperature for s in seqs], device=device)
-    x = _filter(x / temperature[:, None], [s.params for s in seqs])
+    x = filter_logits(x / temperature[:, None], [s.params for s in seqs])
     probs = x.softmax(-1)
     noise = torch.empty_like(probs).exponential_()
     for row, seq in enumerate(seqs):
@@ -106,7 +106,7 @@ def _draw(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return (probs / noise).argmax(-1)
 
 
-def _filter(x: torch.Tensor, params) -> torch.Tensor:
+def filter_logits(x: torch.Tensor, params) -> torch.Tensor:
     """top-k (ties with the k-th kept), then top-p over what is left (the smallest set whose
     mass reaches p), then min-p relative to the most likely token."""
     vocab = x.shape[-1]

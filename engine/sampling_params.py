@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.outputs import RequestOutputKind
 from engine.structured import StructuredOutputsParams
 
 GREEDY_BELOW = 1e-5
@@ -38,6 +39,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None  # a grammar the output follows
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each of its outputs holds
 
     def __post_init__(self):
         if isinstance(self.structured_outputs, dict):
@@ -89,6 +91,9 @@ class SamplingParams:
              "logit_bias values must be in [-100, 100]"),
             (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs must be StructuredOutputsParams or a dict of its fields"),
+            (isinstance(self.output_kind, RequestOutputKind), "output_kind must be a RequestOutputKind"),
+            (not (self.output_kind is RequestOutputKind.DELTA and self.best_of and self.best_of > self.n),
+             "best_of > n cannot be streamed as deltas: the best are known only at the end"),
         ]
         for ok, message in checks:
             if not ok:

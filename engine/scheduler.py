@@ -1,5 +1,18 @@
-"""Continuous batching with a token budget, chunked prefill, headroom and preemption. The
-scheduler alone drives the KV cache's life cycle and alone advances `num_computed_tokens`.
+"""Continuous batching with a token budget, chunked prefill, headroom and preemption.
+
+One step, in one direction (vLLM v1's shape):
+
+    schedule() -> SchedulerOutput -> the model runs it -> the rows are sampled ->
+    update_from_output() -> a SeqOutput per sequence that moved -> the output processor
+
+The scheduler alone drives the KV cache's life cycle and alone writes a sequence's schedule
+state: its tokens, `num_computed_tokens`, `draft`, status and finish reason. `schedule` decides
+everything about the step, forks included (a request's n > 1 siblings fork from its first
+sequence when its prompt is computed, sharing the prompt's pages, and sample from its row);
+`update_from_output` applies what the step produced: computed tokens, forks, sampled tokens,
+the grammar's advance, stops by token and by length, beam groups' choices, and failures (a row
+that raised fails its request alone). Stop strings are found by the output processor, which
+reads text; the engine then finishes those sequences here.
 
 Each step first serves running sequences, oldest first (a decode token, or the next chunk of a
 prefill); if their pages cannot be mapped the newest running sequence is preempted. Then
@@ -33,27 +46,58 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import torch
 
 from engine.config import PREEMPTION_MODES, SCHEDULING_POLICIES
 from engine.kv.base import KVCacheBase
+from engine.sampler import Sampled
 from engine.sequence import Sequence, SequenceStatus
+from engine.structured import consume
 
 SWAP_MIN_TOKENS = 16  # below this, recompute (see the note on preemption above)
 LPM_MAX_QUEUE = 128  # SGLang's threshold: longer queues are served FCFS
 LPM_MAX_SKIPS = 8  # times a waiting sequence may be passed over by later ones under lpm
 Scheduled = list[tuple[Sequence, int]]  # (sequence, number of its tokens computed this step)
+# What a step's rows gave a sequence: its tokens (one, or the kept drafts and one more), a beam's
+# logits row (its group chooses), or the exception its row raised.
+RowResult = list[Sampled] | torch.Tensor | Exception
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: what each sequence computes, and the siblings that fork from a sequence whose
+    prompt this step completes (they sample from its row)."""
+    scheduled: Scheduled = field(default_factory=list)
+    forks: dict[Sequence, list[Sequence]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+@dataclass(slots=True)
+class SeqOutput:
+    """What one sequence did in a step (vLLM's EngineCoreOutput): the tokens it took, and why
+    it finished, if it did (with the error when it failed)."""
+    seq: Sequence
+    new: list[Sampled]
+    finish_reason: str | None = None
+    error: str | None = None
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheBase, max_num_seqs: int, max_num_batched_tokens: int,
                  headroom: float = 0.01, policy: str = "fcfs", preemption_mode: str = "recompute",
-                 swap_min_tokens: int = SWAP_MIN_TOKENS):
+                 swap_min_tokens: int = SWAP_MIN_TOKENS, eos_ids: tuple[int, ...] = (),
+                 max_model_len: int | None = None):
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}: choose one of {SCHEDULING_POLICIES}")
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"unknown preemption mode {preemption_mode!r}: choose one of {PREEMPTION_MODES}")
         self.kv, self.policy, self.preemption_mode = kv, policy, preemption_mode
         self.swap_min_tokens = swap_min_tokens
+        self.eos_ids, self.max_model_len = eos_ids, max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.headroom_pages = max(1, math.ceil(headroom * kv.pool.num_pages))
         self.waiting: deque[Sequence] = deque()
@@ -71,10 +115,14 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     # -- one step -------------------------------------------------------------------------
-    def schedule(self, token_budget: int | None = None) -> Scheduled:
+    def schedule(self, token_budget: int | None = None, drafts: dict[Sequence, list[int]] | None = None
+                 ) -> SchedulerOutput:
         """What this step computes, at most token_budget tokens (default max_num_batched_tokens);
-        every page it writes is mapped and private."""
+        every page it writes is mapped and private. drafts: speculative tokens proposed for
+        running sequences, verified this step as far as the budget leaves room."""
         budget = min(self.max_num_batched_tokens, token_budget or self.max_num_batched_tokens)
+        for seq in self.running:
+            seq.draft = (drafts or {}).get(seq, [])
         if len(self.admitted) > 2 * (len(self.waiting) + len(self.running)):  # forget groups gone
             live = {s.group for s in (*self.waiting, *self.running)}
             self.admitted = Counter({g: n for g, n in self.admitted.items() if g in live})
@@ -90,16 +138,119 @@ class Scheduler:
                 self._requeue(self.swapped.pop(), to_front=True)
             self._unblock(budget)
             scheduled = self._admit_waiting(budget)
-        return scheduled
+        return SchedulerOutput(scheduled, self._plan_forks(scheduled))
 
-    def update_after_step(self, scheduled: Scheduled, rejected: dict[Sequence, int] | None = None) -> None:
-        """The step computed what it was given, less the drafted tokens the model refused
-        (their rows are overwritten later): count it, and offer complete pages to the prefix
-        cache. Sequences that ended during the step are gone already."""
+    def _plan_forks(self, scheduled: Scheduled) -> dict[Sequence, list[Sequence]]:
+        """Siblings of a sequence whose prompt this step completes fork from it after the step,
+        while seats and slots last; the others queue to compute the prompt themselves."""
+        forks, seats, taken = {}, self.max_num_seqs - len(self.running), 0
         for seq, n in scheduled:
+            if not seq.siblings or seq.num_output_tokens or seq.num_computed_tokens + n < len(seq):
+                continue
+            for sibling in seq.siblings:
+                if taken < seats and self.kv.can_allocate(taken + 1):
+                    forks.setdefault(seq, []).append(sibling)
+                    taken += 1
+                else:
+                    self.add(sibling)
+            seq.siblings = []
+        return forks
+
+    def update_from_output(self, out: SchedulerOutput, results: dict[Sequence, RowResult]) -> list[SeqOutput]:
+        """Apply what the step produced; a SeqOutput for each sequence that took tokens,
+        finished or failed."""
+        for seq, n in out.scheduled:  # computed: all it was given, less the drafts refused
             if seq.status is SequenceStatus.RUNNING:
-                seq.num_computed_tokens += n - (rejected or {}).get(seq, 0)
+                result = results.get(seq)
+                refused = len(seq.draft) + 1 - len(result) if seq.draft and isinstance(result, list) else 0
+                seq.num_computed_tokens += n - refused  # (a refused draft's row is overwritten later)
                 self.kv.commit(seq)
+        results = dict(results)
+        for parent, children in out.forks.items():
+            for child in children:
+                if not self.fork(parent, child):  # queued instead: it samples after its own prompt
+                    results.pop(child, None)
+        outputs, groups = [], []
+        for seq, result in results.items():
+            if seq.is_finished:  # its request failed earlier in this step
+                continue
+            if isinstance(result, Exception):
+                outputs += self.fail_request(seq.request_id, f"{type(result).__name__}: {result}")
+            elif isinstance(result, torch.Tensor):
+                seq.beam.offer(seq, result)
+                groups += [seq.beam] if seq.beam not in groups else []
+            else:
+                outputs += self._guarded(seq, self._take, seq, result)
+        for group in groups:
+            if group.live and group.ready:
+                outputs += self._guarded(next(iter(group.live)), self._advance_beams, group)
+        for seq in self.running:
+            seq.draft = []
+        return outputs
+
+    def _guarded(self, seq: Sequence, fn, *args) -> list[SeqOutput]:
+        """fn's outputs; if it raises, seq's request fails alone."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            return self.fail_request(seq.request_id, f"{type(exc).__name__}: {exc}")
+
+    def _take(self, seq: Sequence, sampled: list[Sampled]) -> list[SeqOutput]:
+        """seq takes its tokens, up to the first that stops it."""
+        taken = []
+        for s in sampled:
+            seq.token_ids.append(s.token_id)
+            taken.append(s)
+            reason = self._stop_reason(seq)
+            if reason:
+                self.finish(seq, reason)
+                break
+        return [SeqOutput(seq, taken, seq.finish_reason)]
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        """Why seq stops at the token it just took, if it does (stop strings aside: text is the
+        output processor's)."""
+        p, token = seq.params, seq.token_ids[-1]
+        if seq.grammar is not None and consume(seq.grammar, token):
+            return "stop"
+        if seq.num_output_tokens >= p.min_tokens:
+            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or (self.max_model_len and len(seq) >= self.max_model_len):
+            return "length"
+        return None
+
+    def _advance_beams(self, group) -> list[SeqOutput]:
+        """Carry out a beam group's choice: forks first (a parent still holds only its own
+        tokens), then parents nobody continues are dropped, then every beam takes its token."""
+        continuations = group.advance()
+        beams, continued = [], set()
+        for c in continuations:
+            if c.parent in continued:
+                child = c.parent.branch()
+                self.fork(c.parent, child)  # no room: it queues and recomputes
+                beams.append(child)
+            else:
+                beams.append(c.parent)
+            continued.add(c.parent)
+        outputs = []
+        for seq in group.live:
+            if seq not in continued:
+                self.finish(seq, "dropped")
+                outputs.append(SeqOutput(seq, [], "dropped"))
+        for beam, c in zip(beams, continuations):
+            beam.token_ids.append(c.token_id)
+            outputs.append(SeqOutput(beam, [Sampled(c.token_id)]))
+        group.take(beams, continuations)
+        return outputs
+
+    def fail_request(self, request_id: str, error: str) -> list[SeqOutput]:
+        """A request fails: every sequence of it ends with "error"; the others go on."""
+        seqs = self.finish_request(request_id, "error")
+        for seq in seqs:
+            if seq.beam:
+                seq.beam.fail()
+        return [SeqOutput(seq, [], "error", error) for seq in seqs]
 
     def _schedule_running(self, budget: int) -> Scheduled:
         scheduled, i = [], 0
@@ -271,7 +422,9 @@ class Scheduler:
             self._names.pop(seq.seq_id, None)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
-    def finish_request(self, request_id: str, reason: str) -> None:
-        """Finish every sequence of one request, wherever it is."""
-        for seq in [s for s in (*self.running, *self.swapped, *self.waiting) if s.request_id == request_id]:
+    def finish_request(self, request_id: str, reason: str) -> list[Sequence]:
+        """Finish every sequence of one request, wherever it is; those sequences."""
+        seqs = [s for s in (*self.running, *self.swapped, *self.waiting) if s.request_id == request_id]
+        for seq in seqs:
             self.finish(seq, reason)
+        return seqs

@@ -1,17 +1,22 @@
 """One sequence being generated: its tokens and how far its KV is computed.
 
-Where its KV lives (a slot, a block table) is the KV cache's business, and how far it is
-computed is the scheduler's: `num_computed_tokens` has no other writer.
+Where its KV lives (a slot, a block table) is the KV cache's business. Everything else that
+changes while it runs (its tokens, how far they are computed, its drafts, its status and finish
+reason) is the scheduler's: no other module writes it (engine/scheduler.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from itertools import count
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.beam_search import BeamGroup
 
 
 class SequenceStatus(Enum):
@@ -39,11 +44,11 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     generator: torch.Generator | None = None
     finish_reason: str | None = None
-    output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked
-    cum_logprob: float = 0.0  # of the output tokens, when logprobs or best_of ask for it
     grammar: object | None = None  # structured outputs: the matcher that masks its next token
     draft: list[int] = field(default_factory=list)  # speculative tokens this step verifies
     cache_salt: str | None = None  # shares cached pages only with sequences of the same salt
+    siblings: list[Sequence] = field(default_factory=list)  # n > 1: fork from it once its prompt is computed
+    beam: BeamGroup | None = None  # a beam search's beams: the group that steers them
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)
@@ -51,7 +56,7 @@ class Sequence:
     def branch(self) -> Sequence:
         """A new sequence with the same tokens so far, its prompt the same (a beam's fork)."""
         child = Sequence(self.request_id, self.index, list(self.token_ids), self.params, self.arrival,
-                         group=self.group, priority=self.priority, cache_salt=self.cache_salt)
+                         group=self.group, priority=self.priority, cache_salt=self.cache_salt, beam=self.beam)
         child.num_prompt_tokens = self.num_prompt_tokens
         return child
 

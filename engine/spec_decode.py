@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import Sampled, _filter
+from engine.sampler import Sampled, filter_logits
 from engine.sequence import Sequence
 
 
@@ -101,7 +101,33 @@ class NgramProposer:
         return []
 
     def forget(self, seq: Sequence) -> None:
+        """seq is gone: its index goes too."""
         self.index.pop(seq.seq_id, None)
+
+    def propose_all(self, running: list[Sequence], max_model_len: int) -> dict[Sequence, list[int]]:
+        """Drafts for the decoding sequences that may take them; none in a step as large as
+        disable_by_batch_size."""
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) >= limit:
+            return {}
+        drafts = {}
+        for seq in running:
+            if seq.num_pending_tokens == 1 and speculates(seq) and seq.beam is None:
+                room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - len(seq))
+                drafts[seq] = self.propose(seq, room - 1)
+        return drafts
+
+
+def verify_rows(logits: torch.Tensor, rows: list[tuple[Sequence, int, int]]) -> dict[Sequence, list[Sampled] | Exception]:
+    """Per sequence whose step carried drafts (rows > 1), the tokens it emits, or the exception
+    its verification raised: that row's failure is its own."""
+    results = {}
+    for seq, first, n in rows:
+        try:
+            results[seq] = verify(logits[first:first + n], seq, seq.draft[:n - 1])
+        except Exception as exc:
+            results[seq] = exc
+    return results
 
 
 def verify(logits: torch.Tensor, seq: Sequence, draft: list[int]) -> list[Sampled]:
@@ -112,7 +138,7 @@ def verify(logits: torch.Tensor, seq: Sequence, draft: list[int]) -> list[Sample
         best = logits.argmax(-1).tolist()
         kept = next((i for i, d in enumerate(draft) if d != best[i]), len(draft))
         return [Sampled(t) for t in draft[:kept]] + [Sampled(best[kept])]
-    probs = _filter(logits.float() / p.temperature, [p] * logits.shape[0]).softmax(-1)
+    probs = filter_logits(logits.float() / p.temperature, [p] * logits.shape[0]).softmax(-1)
     emitted = []
     for i, d in enumerate(draft):
         if float(torch.rand((), generator=seq.generator)) < float(probs[i, d]):

@@ -320,8 +320,8 @@ def test_offline_engine_fails_one_request_and_serves_the_rest():
 
     def broken(token_id):
         raise RuntimeError("simulated detokenizer bug")
-    for detokenizer in engine.requests["doomed"].detokenizers:
-        detokenizer.add = broken
+    for completion in engine.output_processor.requests["doomed"].completions:
+        completion.detokenizer.add = broken
     done = {}
     while engine.has_unfinished():
         done |= {o.request_id: o for o in engine.step() if o.finished}

@@ -98,8 +98,8 @@ class KVCacheBase(ABC):
 
     # -- the subclass's part: placement and pages ---------------------------------------------
     @abstractmethod
-    def can_allocate(self) -> bool:
-        """Is there a place for one more sequence?"""
+    def can_allocate(self, n: int = 1) -> bool:
+        """Is there a place for n more sequences?"""
 
     @abstractmethod
     def allocate(self, seq: Sequence) -> None:

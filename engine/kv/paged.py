@@ -98,7 +98,7 @@ class PagedKVCache(KVCacheBase):
                 "k_cache": list(self.k_caches[0].shape[1:]), "layers": len(self.k_caches)}
 
     # -- blocks ---------------------------------------------------------------------------
-    def can_allocate(self) -> bool:
+    def can_allocate(self, n: int = 1) -> bool:
         return True
 
     def allocate(self, seq: Sequence) -> None:

@@ -108,8 +108,8 @@ class VirtualKVCache(KVCacheBase):
         return None if first is None else tuple(r.page_at(self._index(seq, k)) for r in self.regions)
 
     # -- slots and pages ------------------------------------------------------------------
-    def can_allocate(self) -> bool:
-        return bool(self.idle_slots or self.free_slots)
+    def can_allocate(self, n: int = 1) -> bool:
+        return len(self.idle_slots) + len(self.free_slots) >= n
 
     def allocate(self, seq: Sequence) -> None:
         if self.idle_slots:  # reuse mapped pages: deferred reclamation pays off here

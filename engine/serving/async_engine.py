@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.inputs import Prompt, chat_prompt, tokenize
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.llm_engine import EngineRequest, LLMEngine
+from engine.outputs import RequestOutput, RequestOutputKind
 from engine.sampling_params import SamplingParams
 from engine.serving.metrics import Metrics
 from engine.stats import EngineStats
@@ -58,6 +58,7 @@ class _Stream:
     queue: asyncio.Queue
     arrival: float
     last_token_time: float | None = None
+    deltas: bool = False  # outputs hold what is new (RequestOutputKind.DELTA), not everything so far
     tokens_seen: int = 0
     first_token_time: float | None = None
 
@@ -135,23 +136,28 @@ class AsyncEngine:
     async def _preprocess(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.preprocessor, fn, *args)
 
-    async def validate(self, prompt: Prompt, params: SamplingParams | BeamSearchParams) -> None:
-        """ValueError, with the reason, for a request the engine would refuse. It reads only what
-        never changes (and compiles grammars, which may take a while), so it runs on the worker."""
-        await self._preprocess(self.engine.validate, prompt, params)
+    async def process(self, request_id: str, prompt: Prompt, params: SamplingParams | BeamSearchParams,
+                      group: str | None = None, priority: int = 0) -> EngineRequest:
+        """The request checked (ValueError, with the reason, if the engine would refuse it). It
+        reads only what never changes (and compiles grammars, which may take a while), so it
+        runs on the worker; the engine does not check it again."""
+        return await self._preprocess(lambda: self.engine.process_inputs(request_id, prompt, params, group=group,
+                                                                         priority=priority))
 
-    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | BeamSearchParams,
-                       group: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as it advances; a beam search yields once, at its end."""
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as it advances (as its params' output_kind says); a beam
+        search yields once, at its end."""
         if self.dead:
             raise self.dead
         if not self.accepting:
             raise RequestCancelled("the server is shutting down")
         if self.is_sleeping:
             raise RequestCancelled(SLEEPING)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
+        request_id = request.request_id
+        deltas = getattr(request.params, "output_kind", None) is RequestOutputKind.DELTA
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic(), deltas)
         self.streams[request_id] = stream
-        self._command("add", request_id, prompt, params, group, priority)
+        self._command("add", request)
         finished = False
         try:
             while not finished:
@@ -298,9 +304,9 @@ class AsyncEngine:
         self.idle_asleep = False  # asked for: requests are refused until /wake_up
         return True
 
-    def _add(self, request_id: str, prompt: Prompt, params, group: str | None, priority: int) -> None:
+    def _add(self, request: EngineRequest) -> None:
         if self.is_sleeping:  # it raced a sleep command
-            self._put(self.streams.pop(request_id, None), RequestCancelled(SLEEPING))
+            self._put(self.streams.pop(request.request_id, None), RequestCancelled(SLEEPING))
             return
         self.last_active = time.monotonic()
         if self.idle_asleep:  # slept for being idle: this request wakes it
@@ -308,9 +314,9 @@ class AsyncEngine:
             self.idle_asleep = False
             self.metrics.of(self.metrics.wake, self.model).observe(time.monotonic() - self.last_active)
         try:
-            self.engine.add_request(request_id, prompt, params, group=group, priority=priority)
+            self.engine.add(request)
         except Exception as exc:  # refused: the handler raises it as an HTTP error
-            self._put(self.streams.pop(request_id, None), exc)
+            self._put(self.streams.pop(request.request_id, None), exc)
 
     def _deliver(self, out: RequestOutput | BeamSearchOutput, now: float) -> None:
         stream = self.streams.get(out.request_id)
@@ -318,7 +324,7 @@ class AsyncEngine:
             return
         if isinstance(out, BeamSearchOutput):
             out = out.to_request_output()
-        tokens = sum(len(o.token_ids) for o in out.outputs)
+        tokens = sum(len(o.token_ids) for o in out.outputs) + (stream.tokens_seen if stream.deltas else 0)
         if tokens > stream.tokens_seen:
             if stream.first_token_time is None:
                 stream.first_token_time = now

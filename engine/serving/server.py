@@ -35,8 +35,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import EngineConfig
 from engine.inputs import Prompt, check_cache_salt
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.llm_engine import EngineRequest, LLMEngine
+from engine.outputs import RequestOutput, RequestOutputKind
+from engine.sampling_params import SamplingParams
 from engine.multi import MultiLLM
 from engine.serving.async_engine import SLEEPING, AsyncEngine, EngineDeadError, RequestCancelled, Turns
 from engine.serving.http import BodyGuard, GuardedH11Protocol
@@ -138,9 +139,10 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         if body.stream_options is not None and not body.stream:
             raise HTTPError(400, "stream_options needs stream: true")
 
-    async def prepare(engine: AsyncEngine, prompts: list[Prompt], body, max_tokens: int | None,
-                      logprobs: int | None, best_of: int | None = None):
-        """Check the request whole before any of it runs; 400 with the reason if bad."""
+    async def prepare(engine: AsyncEngine, rid: str, prompts: list[Prompt], body, max_tokens: int | None,
+                      logprobs: int | None, best_of: int | None = None) -> list[EngineRequest]:
+        """Check the request whole before any of it runs (one engine request per prompt, all of
+        one client group); 400 with the reason if bad. A stream asks for deltas."""
         per_prompt = max(body.n, best_of or 0)
         if len(prompts) * per_prompt > limits.max_prompts_per_request:
             raise HTTPError(400, f"{len(prompts)} prompts x {per_prompt} sequences exceed the "
@@ -149,9 +151,10 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
             if max_tokens is None:  # as much as fits after the longest prompt
                 max_tokens = max(1, engine.max_model_len - max(len(p.token_ids) for p in prompts))
             params = body.sampling_params(max_tokens, logprobs, best_of)
-            for prompt in prompts:
-                await engine.validate(prompt, params)
-            return params
+            if body.stream and isinstance(params, SamplingParams):
+                params.output_kind = RequestOutputKind.DELTA
+            return [await engine.process(f"{rid}-{i}", prompt, params, rid, body.priority)
+                    for i, prompt in enumerate(prompts)]
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
 
@@ -250,23 +253,21 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         if not raw:
             raise HTTPError(400, "prompt must not be empty")
         prompts = salted(await tokenize(engine, raw), body)
-        params = await prepare(engine, prompts, body, body.max_tokens, body.logprobs, body.best_of)
         rid = new_id("cmpl")
+        requests = await prepare(engine, rid, prompts, body, body.max_tokens, body.logprobs, body.best_of)
         echoes = [(p.text if p.text is not None else engine.tokenizer.decode(p.token_ids)) if body.echo else ""
                   for p in prompts]
 
-        def choice(i: int, c, text: str, start: int = 0, first: bool = True) -> dict:
-            return {"index": i * body.n + c.index, "text": (echoes[i] if first else "") + text,
-                    "logprobs": tokens.completion_logprobs(c, start), "finish_reason": c.finish_reason}
+        def choice(i: int, c, first: bool = True) -> dict:
+            return {"index": i * body.n + c.index, "text": (echoes[i] if first else "") + c.text,
+                    "logprobs": tokens.completion_logprobs(c), "finish_reason": c.finish_reason}
 
         if body.stream:
-            chunks = _stream(engine, rid, prompts, params, body, "text_completion", model_name,
-                             lambda i, c, delta, start: choice(i, c, delta, start, first=start == 0))
+            chunks = _stream(engine, rid, requests, body, "text_completion", model_name, choice)
             return StreamingResponse(chunks, media_type="text/event-stream")
-        outs = await _collect(engine, rid, prompts, params, body.priority, request)
+        outs = await _collect(engine, requests, request)
         return envelope("text_completion", rid, model_name,
-                        [choice(i, c, c.text) for i, o in enumerate(outs) for c in o.outputs],
-                        {"usage": usage(outs)})
+                        [choice(i, c) for i, o in enumerate(outs) for c in o.outputs], {"usage": usage(outs)})
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -291,17 +292,17 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
                 raise HTTPError(400, f"{name} must be >= 1, got {getattr(body, name)}")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = await prepare(engine, [prompt], body, max_tokens, logprobs)
         rid = new_id("chatcmpl")
+        requests = await prepare(engine, rid, [prompt], body, max_tokens, logprobs)
 
-        def choice(_, c, delta: str, start: int) -> dict:
-            return {"index": c.index, "delta": ({"role": "assistant"} if start == 0 else {}) | {"content": delta},
-                    "logprobs": tokens.chat_logprobs(c, start), "finish_reason": c.finish_reason}
+        def choice(_, c, first: bool) -> dict:
+            return {"index": c.index, "delta": ({"role": "assistant"} if first else {}) | {"content": c.text},
+                    "logprobs": tokens.chat_logprobs(c), "finish_reason": c.finish_reason}
 
         if body.stream:
-            chunks = _stream(engine, rid, [prompt], params, body, "chat.completion.chunk", model_name, choice)
+            chunks = _stream(engine, rid, requests, body, "chat.completion.chunk", model_name, choice)
             return StreamingResponse(chunks, media_type="text/event-stream")
-        outs = await _collect(engine, rid, [prompt], params, body.priority, request)
+        outs = await _collect(engine, requests, request)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": tokens.chat_logprobs(c), "finish_reason": c.finish_reason}
                    for c in outs[0].outputs]
@@ -310,16 +311,15 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
     return app
 
 
-async def _collect(engine: AsyncEngine, rid: str, prompts: list[Prompt], params, priority: int,
-                   request: Request) -> list[RequestOutput]:
+async def _collect(engine: AsyncEngine, requests: list[EngineRequest], request: Request) -> list[RequestOutput]:
     """Run every prompt to the end; abort them all if the client goes away first."""
-    async def last(i: int) -> RequestOutput:
+    async def last(one: EngineRequest) -> RequestOutput:
         out = None
-        async for out in engine.generate(f"{rid}-{i}", prompts[i], params, rid, priority):
+        async for out in engine.generate(one):
             pass
         return out
 
-    task = asyncio.ensure_future(asyncio.gather(*(last(i) for i in range(len(prompts)))))
+    task = asyncio.ensure_future(asyncio.gather(*map(last, requests)))
     while not task.done():
         await asyncio.wait([task], timeout=0.5)
         if not task.done() and await request.is_disconnected():
@@ -335,23 +335,23 @@ async def _collect(engine: AsyncEngine, rid: str, prompts: list[Prompt], params,
     return outs
 
 
-async def _stream(engine: AsyncEngine, rid: str, prompts: list[Prompt], params, body, kind: str, model: str,
+async def _stream(engine: AsyncEngine, rid: str, requests: list[EngineRequest], body, kind: str, model: str,
                   choice) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per new text of any completion, then usage, then [DONE].
-    An error ends the stream with an error event and [DONE]."""
+    """Server-sent events: a chunk per output with something new (the engine's deltas, sent as
+    they are), then usage, then [DONE]. An error ends the stream with an error event and [DONE]."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            async for out in engine.generate(f"{rid}-{i}", prompts[i], params, rid, body.priority):
+            async for out in engine.generate(requests[i]):
                 await queue.put((i, out))
         except Exception as exc:  # the engine died, refused it, or the server is shutting down
             await queue.put((i, exc))
         await queue.put((i, None))
 
-    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(prompts))]
-    sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, completion) -> (chars, tokens)
-    finals: dict[int, RequestOutput] = {}
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(requests))]
+    sent: dict[tuple[int, int], int] = {}  # (prompt, completion) -> tokens sent
+    ended: set[tuple[int, int]] = set()  # completions whose finish_reason was sent
     try:
         running = len(tasks)
         while running:
@@ -364,19 +364,24 @@ async def _stream(engine: AsyncEngine, rid: str, prompts: list[Prompt], params, 
                 status = 503 if isinstance(failure, (EngineDeadError, RequestCancelled)) else 500
                 yield f"data: {json.dumps(error_body(str(failure), type(failure).__name__, status))}\n\n"
                 break
-            finals[i] = out
             choices = []
             for c in out.outputs:
-                chars, tokens = sent.get((i, c.index), (0, 0))
-                if (i, c.index) not in sent or len(c.text) > chars or c.finish_reason \
-                        or len(c.token_ids) > tokens and c.logprobs:
-                    choices.append(choice(i, c, c.text[chars:], tokens))
-                    sent[(i, c.index)] = (len(c.text), len(c.token_ids))
+                key = (i, c.index)
+                if key in ended:
+                    continue
+                if key not in sent or c.text or c.finish_reason or c.logprobs:
+                    choices.append(choice(i, c, key not in sent))
+                    sent[key] = sent.get(key, 0) + len(c.token_ids)
+                if c.finish_reason:
+                    ended.add(key)
             if choices:
                 yield f"data: {json.dumps(envelope(kind, rid, model, choices))}\n\n"
         else:
             if body.stream_options and body.stream_options.include_usage:
-                yield f"data: {json.dumps(envelope(kind, rid, model, [], {'usage': usage(list(finals.values()))}))}\n\n"
+                prompt = sum(len(r.prompt.token_ids) for r in requests)
+                counts = {"prompt_tokens": prompt, "completion_tokens": sum(sent.values()),
+                          "total_tokens": prompt + sum(sent.values())}
+                yield f"data: {json.dumps(envelope(kind, rid, model, [], {'usage': counts}))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         for task in tasks:

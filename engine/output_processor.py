@@ -1,0 +1,157 @@
+"""From what sequences did in a step to what requests show: text, stop strings, outputs.
+
+The scheduler hands over a `SeqOutput` per sequence that moved (its new tokens, why it
+finished). Here each completion's tokens are detokenized one at a time, stop strings are looked
+for in the text, and each request's output is built: everything so far, only what is new since
+its last output (RequestOutputKind.DELTA, what a stream sends as it is), or one output at the
+end. While a completion runs, text that may be the start of a stop string is held back, so no
+output ever shows it.
+
+A stop string ends a completion here; `process` returns those sequences for the engine to
+finish in the scheduler, with the requests whose processing raised (they fail alone).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.beam_search import BeamGroup, BeamSearchOutput
+from engine.detokenizer import IncrementalDetokenizer
+from engine.inputs import Prompt
+from engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind, TokenLogprob
+from engine.sampler import Sampled
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SeqOutput
+from engine.sequence import Sequence
+
+
+@dataclass
+class Completion:
+    """One of a request's completions, as its outputs show it."""
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    shown: int = 0  # characters of the detokenizer's text that outputs may show
+    sent: tuple[int, int, int] = (0, 0, 0)  # DELTA: characters, tokens and logprobs already in outputs
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    completions: list[Completion]
+    beam: BeamGroup | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        if self.error:
+            return True
+        return self.beam.done if self.beam else all(c.finish_reason for c in self.completions)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+
+    def add(self, request_id: str, prompt: Prompt, params: SamplingParams, beam: BeamGroup | None = None) -> None:
+        completions = [Completion(IncrementalDetokenizer(self.tokenizer, prompt.token_ids, params.skip_special_tokens))
+                       for _ in range(1 if beam else params.num_samples)]
+        self.requests[request_id] = RequestState(request_id, prompt, params, completions, beam)
+
+    def abort(self, request_id: str) -> bool:
+        return self.requests.pop(request_id, None) is not None
+
+    def process(self, seq_outputs: list[SeqOutput]
+                ) -> tuple[list[RequestOutput | BeamSearchOutput], list[Sequence], list[str]]:
+        """The outputs of the requests that moved; the sequences a stop string ended; the
+        requests whose processing raised."""
+        touched: dict[str, RequestState] = {}
+        stopped, failed = [], []
+        for o in seq_outputs:
+            state = self.requests.get(o.seq.request_id)
+            if state is None:
+                continue
+            touched[state.request_id] = state
+            if o.error:
+                self._fail(state, o.error)
+            elif not state.beam and not state.error and not state.completions[o.seq.index].finish_reason:
+                try:
+                    if self._take(state, state.completions[o.seq.index], o):
+                        stopped.append(o.seq)
+                except Exception as exc:
+                    self._fail(state, f"{type(exc).__name__}: {exc}")
+                    failed.append(state.request_id)
+        outputs = []
+        for state in touched.values():
+            if state.finished:
+                del self.requests[state.request_id]
+            if state.finished or not (state.beam or state.params.output_kind is RequestOutputKind.FINAL_ONLY):
+                outputs.append(self._beam_output(state) if state.beam else self._output(state))
+        return outputs, stopped, failed
+
+    @staticmethod
+    def _fail(state: RequestState, error: str) -> None:
+        """The request ends with its (first) error; completions still running end with "error"."""
+        state.error = state.error or error
+        for c in state.completions:
+            c.finish_reason = c.finish_reason or "error"
+
+    def _take(self, state: RequestState, c: Completion, o: SeqOutput) -> bool:
+        """Detokenize the new tokens one at a time; True when a stop string ended the completion
+        before the scheduler did."""
+        p = state.params
+        for i, s in enumerate(o.new):
+            self._add_token(c, s)
+            text = c.detokenizer.text
+            stops = [at for at in (text.find(stop) for stop in p.stop) if at >= 0]
+            if stops:
+                c.shown, c.finish_reason = min(stops), "stop"
+                return o.finish_reason is None
+            if i == len(o.new) - 1 and o.finish_reason:
+                c.shown, c.finish_reason = len(text), o.finish_reason
+            else:
+                c.shown = max(c.shown, len(text) - (max(map(len, p.stop), default=1) - 1))
+        if not o.new and o.finish_reason:  # finished with no token (an abort, a drop)
+            c.finish_reason = o.finish_reason
+        return False
+
+    @staticmethod
+    def _add_token(c: Completion, s: Sampled) -> None:
+        c.token_ids.append(s.token_id)
+        if s.logprob is not None:
+            c.cum_logprob += s.logprob
+        if s.top is not None:
+            c.logprobs.append(TokenLogprob(s.token_id, s.logprob, s.top, len(c.detokenizer.text)))
+        c.detokenizer.add(s.token_id)
+
+    def _output(self, state: RequestState) -> RequestOutput:
+        p = state.params
+        ranked = list(enumerate(state.completions))
+        if p.best_of and state.finished and not state.error:
+            ranked = sorted(ranked, key=lambda ic: ic[1].cum_logprob, reverse=True)[:p.n]
+        logprobs, delta = p.logprobs is not None, p.output_kind is RequestOutputKind.DELTA
+        outputs = []
+        for rank, (index, c) in enumerate(ranked):
+            text, tokens, records = c.detokenizer.text[:c.shown], c.token_ids, c.logprobs
+            if delta:
+                chars, count, logged = c.sent
+                c.sent = (max(chars, len(text)), len(tokens), len(records))
+                text, tokens, records = text[chars:], tokens[count:], records[logged:]
+            outputs.append(CompletionOutput(rank if p.best_of else index, text, list(tokens), c.finish_reason,
+                                            list(records) if logprobs else None,
+                                            c.cum_logprob if logprobs or p.best_of else None))
+        return RequestOutput(state.request_id, state.prompt.text, state.prompt.token_ids, outputs,
+                             state.finished, state.error)
+
+    def _beam_output(self, state: RequestState) -> BeamSearchOutput:
+        start, prompt_text = len(state.prompt.token_ids), state.prompt.text
+        if state.beam.finished and prompt_text is None:
+            prompt_text = self.tokenizer.decode(state.prompt.token_ids, skip_special_tokens=True)
+        for hypothesis in state.beam.finished:
+            hypothesis.completion_text = self.tokenizer.decode(hypothesis.tokens[start:], skip_special_tokens=True)
+            hypothesis.text = prompt_text + hypothesis.completion_text
+        return BeamSearchOutput(state.request_id, state.prompt.token_ids, state.beam.finished, error=state.error)
