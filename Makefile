@@ -19,8 +19,10 @@ setup: $(VENV)/.ready
 run: setup
 	$(BIN)/vkv generate --chat "$(PROMPT)"
 
+# One pytest worker per core, each on one thread (two workers of two threads each on two
+# cores spin against each other): 8m22s -> 6m27s on 2 cores.
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n auto
 
 clean:
 	rm -rf $(VENV)

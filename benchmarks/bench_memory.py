@@ -39,6 +39,7 @@ from engine.kv.virtual import VirtualKVCache  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
 from engine.models.presets import PRESETS  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sampler import Sampled  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 
@@ -70,14 +71,9 @@ def replay(cfg: ModelConfig, name: str, trace, budget: int, horizon: int, max_se
             _, req = pending.pop(0)
             scheduler.add(Sequence(str(step), 0, list(req.prompt_ids),
                                    SamplingParams(max_tokens=req.output_len, ignore_eos=True), step))
-        scheduled = scheduler.schedule()
-        scheduler.update_after_step(scheduled)
-        for seq, _ in scheduled:
-            if seq.num_computed_tokens == len(seq):
-                seq.token_ids.append(0)
-                if seq.num_output_tokens == seq.params.max_tokens:
-                    scheduler.finish(seq, "length")
-                    finished += 1
+        out = scheduler.schedule()
+        results = {seq: [Sampled(0)] for seq, n in out.scheduled if seq.num_computed_tokens + n >= len(seq)}
+        finished += sum(o.finish_reason is not None for o in scheduler.update_from_output(out, results))
         used = sum(s.num_computed_tokens for s in scheduler.running) * cfg.kv_bytes_per_token(2)
         stats = kv.stats()
         active = stats.pages_in_use * kv.page_size

@@ -85,10 +85,10 @@ def replay(llm: LLM, chats: list[list[tuple]]) -> dict:
 
     computed, schedule = [0], engine.scheduler.schedule
 
-    def counting_schedule():  # every token the model computes: prefills, recomputation, decodes
-        scheduled = schedule()
-        computed[0] += sum(n for _, n in scheduled)
-        return scheduled
+    def counting_schedule(*args):  # every token the model computes: prefills, recomputation, decodes
+        out = schedule(*args)
+        computed[0] += sum(n for _, n in out.scheduled)
+        return out
 
     engine.scheduler.schedule = counting_schedule
     start = time.perf_counter()

@@ -21,11 +21,14 @@ and per sequence a row of a block table. A kernel reads sequence b's position p 
   sdpa          the reference: torch's rotary math, an indexed store, and one
                 scaled_dot_product_attention call per sequence over its slot (a block table's
                 blocks gathered first)
-The GPU libraries are imported only when chosen; `library()` is where they are found.
+Each is an `AttentionBackend` (availability with its reason, the rows it loads past a
+sequence's end, and `prepare`, which readies a step and returns what every layer calls),
+chosen once by `pick_attention`; a GPU library is imported only by its backend, once.
 """
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -60,13 +63,6 @@ def fa4_support(head_dim: int, capability: tuple[int, int]) -> tuple[int, str | 
     return 0, f"compute capability {major}.x is not Hopper or Blackwell"
 
 
-def tile_rows(kernel: str, head_dim: int, device: torch.device) -> int:
-    """Rows a kernel may load past a sequence's length (the KV cache maps and zeroes them)."""
-    if kernel != "flash-attn-4":
-        return 1
-    return fa4_support(head_dim, torch.cuda.get_device_capability(device))[0]
-
-
 def library(kernel: str):
     """The function a GPU library kernel calls, or None where the package is not installed."""
     module, name = LIBRARIES[kernel]
@@ -76,100 +72,243 @@ def library(kernel: str):
         return None
 
 
-def pick_attention(name: str | None, device: torch.device, dtype: torch.dtype, kv_layout: str,
-                   head_dim: int, block_size: int = 16, sliding_window: int | None = None) -> str:
-    """The user's choice, checked; else the best kernel present for this device, dtype, layout
-    (a sliding window runs on sdpa alone: the others are not given the window)."""
-    gpu = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
-    virtual = kv_layout != "paged"
-    fa4_why = fa4_support(head_dim, torch.cuda.get_device_capability(device))[1] if device.type == "cuda" else "no GPU"
-    reasons = {
-        "flash-attn-4": None if gpu and virtual and fa4_why is None and library("flash-attn-4") else
-        "needs flash-attn-4 installed, fp16/bf16, a virtual layout and a GPU it supports"
-        + (f" ({fa4_why})" if fa4_why else ""),
-        "flash-attn": None if gpu and (virtual or block_size % 256 == 0) and library("flash-attn") else
-        "needs the flash-attn package, a CUDA GPU, fp16/bf16, and a virtual layout or blocks of 256 rows",
-        "flash": None if gpu and virtual else
-        "needs a CUDA device, fp16/bf16, a virtual kv_layout and head_dim a multiple of 8 up to 256",
-        "native": None if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim % 2 == 0
-        and ext.cpu_kernels() is not None else
-        f"needs the CPU, fp32 or bf16, an even head_dim and the built kernels ({ext.cpu_kernels_error()})",
-        "sdpa": None,
-    }
-    if sliding_window:
-        reasons = {k: why or ("is not given sliding windows yet: use sdpa" if k != "sdpa" else None)
-                   for k, why in reasons.items()}
-    assert set(reasons) == set(ATTENTION_BACKENDS)
-    if name is None:
-        return next(kernel for kernel, why in reasons.items() if why is None)
-    if reasons[name]:
-        raise ValueError(f"attention {name!r} {reasons[name]}")
-    return name
+@dataclass(frozen=True)
+class Target:
+    """What a backend is asked to run on: the device, the compute dtype, the KV layout and the
+    model's head size (and a sliding window, if the model has one)."""
+    device: torch.device
+    dtype: torch.dtype
+    kv_layout: str
+    head_dim: int
+    block_size: int = 16
+    sliding_window: int | None = None
+
+    @property
+    def gpu_ready(self) -> bool:
+        return self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16) \
+            and self.head_dim % 8 == 0 and self.head_dim <= 256
 
 
-class StepAttention:
-    """One step's attention, called by every layer: rotate q and k, store k and v at their
-    positions, attend over each sequence's cached context."""
+class AttentionBackend:
+    """One attention kernel: whether it can run on a target (and why not), the rows it loads
+    past a sequence's end, and `prepare`, which readies one step and returns what every layer
+    calls: `step(layer, q, k, v)`."""
+    name = ""
+    target: Target | None = None  # what pick_attention chose it for
 
-    def __init__(self, kernel: str, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 batch: StepBatch, cos_sin: torch.Tensor, paged: bool = False, window: int | None = None):
-        self.kernel, self.k_caches, self.v_caches, self.batch = kernel, k_caches, v_caches, batch
-        self.window = window  # sliding window: keys before it are read by no query (and may be unmapped)
-        self.paged = paged  # a block table of many blocks, not one slot per sequence
-        self.cos_sin = cos_sin
-        if kernel == "native" and ext.cpu_kernels() is None:
+    def unavailable(self, t: Target) -> str | None:
+        """None where this backend runs on t, else why not."""
+        raise NotImplementedError
+
+    def tile_rows(self, t: Target) -> int:
+        """Rows the kernel may load past a sequence's length (the KV cache maps and zeroes them)."""
+        return 1
+
+    def prepare(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], batch: StepBatch,
+                cos_sin: torch.Tensor, paged: bool = False, window: int | None = None) -> TorchStep:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Native(AttentionBackend):
+    name = "native"
+
+    def unavailable(self, t: Target) -> str | None:
+        if t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) and t.head_dim % 2 == 0 \
+                and ext.cpu_kernels() is not None:
+            return None
+        return f"needs the CPU, fp32 or bf16, an even head_dim and the built kernels ({ext.cpu_kernels_error()})"
+
+    def prepare(self, k_caches, v_caches, batch, cos_sin, paged=False, window=None) -> NativeStep:
+        if ext.cpu_kernels() is None:
             raise RuntimeError(f"the native attention kernel is unavailable: {ext.cpu_kernels_error()}")
-        if kernel != "native":
-            self.tables = batch.block_table.tolist()
-            self.rows = cos_sin[batch.positions]
-            block = batch.block_table[batch.token_seq.long(), batch.positions // batch.block_size]
-            self.store_at = (block.long(), batch.positions % batch.block_size)
-        if kernel in ("flash", "flash-attn-4"):
-            slots = batch.block_table[:, 0]
-            rows = k_caches[0].shape[1]
-            total = torch.tensor([k_caches[0].shape[0] * rows], dtype=torch.int32, device=slots.device)
-            self.slot_starts = torch.cat([slots * rows, total]).to(torch.int32)
-        if kernel == "flash-attn":
-            self.groups = self._padded_groups()
+        return NativeStep(k_caches, v_caches, batch, cos_sin, window)
+
+
+class Sdpa(AttentionBackend):
+    name = "sdpa"
+
+    def unavailable(self, t: Target) -> str | None:
+        return None
+
+    def prepare(self, k_caches, v_caches, batch, cos_sin, paged=False, window=None) -> TorchStep:
+        return TorchStep(k_caches, v_caches, batch, cos_sin, window)
+
+
+class Flash(AttentionBackend):
+    name = "flash"
+
+    def unavailable(self, t: Target) -> str | None:
+        if t.gpu_ready and t.kv_layout != "paged":
+            return None
+        return "needs a CUDA device, fp16/bf16, a virtual kv_layout and head_dim a multiple of 8 up to 256"
+
+    def prepare(self, k_caches, v_caches, batch, cos_sin, paged=False, window=None) -> FlashStep:
+        return FlashStep(k_caches, v_caches, batch, cos_sin, window, flash_varlen)
+
+
+class FlashAttn4(AttentionBackend):
+    name = "flash-attn-4"
+
+    def __init__(self):
+        self.call = library(self.name)  # looked up once, when the backend is chosen
+
+    def unavailable(self, t: Target) -> str | None:
+        why = fa4_support(t.head_dim, torch.cuda.get_device_capability(t.device))[1] if t.device.type == "cuda" \
+            else "no GPU"
+        if t.gpu_ready and t.kv_layout != "paged" and why is None and self.call:
+            return None
+        return "needs flash-attn-4 installed, fp16/bf16, a virtual layout and a GPU it supports" + \
+            (f" ({why})" if why else "")
+
+    def tile_rows(self, t: Target) -> int:
+        return fa4_support(t.head_dim, torch.cuda.get_device_capability(t.device))[0]
+
+    def prepare(self, k_caches, v_caches, batch, cos_sin, paged=False, window=None) -> FlashStep:
+        call = self.call
+
+        def varlen(q, k, v, cu_q, k_starts, max_q, max_k, seqused_k):
+            out = call(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=k_starts, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                       seqused_k=seqused_k, causal=True, num_splits=1)
+            return out[0] if isinstance(out, tuple) else out
+        return FlashStep(k_caches, v_caches, batch, cos_sin, window, varlen)
+
+
+class FlashAttn(AttentionBackend):
+    name = "flash-attn"
+
+    def __init__(self):
+        self.call = library(self.name)
+
+    def unavailable(self, t: Target) -> str | None:
+        if t.gpu_ready and (t.kv_layout != "paged" or t.block_size % 256 == 0) and self.call:
+            return None
+        return "needs the flash-attn package, a CUDA GPU, fp16/bf16, and a virtual layout or blocks of 256 rows"
+
+    def prepare(self, k_caches, v_caches, batch, cos_sin, paged=False, window=None) -> KVCacheStep:
+        return KVCacheStep(k_caches, v_caches, batch, cos_sin, window, self.call, paged)
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (FlashAttn4, FlashAttn, Flash, Native, Sdpa)}
+
+
+def pick_attention(name: str | None, device: torch.device, dtype: torch.dtype, kv_layout: str,
+                   head_dim: int, block_size: int = 16, sliding_window: int | None = None) -> AttentionBackend:
+    """The user's choice, checked; else the best backend that runs here, in BACKENDS' order (a
+    sliding window runs on sdpa alone: the others are not given the window)."""
+    assert tuple(BACKENDS) == ATTENTION_BACKENDS
+    target = Target(device, dtype, kv_layout, head_dim, block_size, sliding_window)
+    for candidate in ([name] if name else BACKENDS):
+        if candidate not in BACKENDS:
+            raise ValueError(f"unknown attention backend {candidate!r}: choose one of {ATTENTION_BACKENDS}")
+        backend = BACKENDS[candidate]()
+        why = backend.unavailable(target)
+        if sliding_window and candidate != "sdpa":
+            why = why or "is not given sliding windows yet: use sdpa"
+        if why is None:
+            backend.target = target
+            return backend
+        if name:
+            raise ValueError(f"attention {name!r} {why}")
+    raise AssertionError("sdpa runs everywhere")
+
+
+def tile_rows(backend: AttentionBackend | str, head_dim: int, device: torch.device) -> int:
+    """Rows a kernel may load past a sequence's length (the KV cache maps and zeroes them)."""
+    backend = BACKENDS[backend]() if isinstance(backend, str) else backend
+    return backend.tile_rows(Target(device, torch.float16, "per_layer", head_dim))
+
+
+def StepAttention(kernel: str | AttentionBackend, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                  batch: StepBatch, cos_sin: torch.Tensor, paged: bool = False, window: int | None = None):
+    """One step's attention over the given caches with the named backend (for tests and
+    benchmarks that name one; the engine prepares its chosen backend once a step)."""
+    backend = BACKENDS[kernel]() if isinstance(kernel, str) else kernel
+    return backend.prepare(k_caches, v_caches, batch, cos_sin, paged, window)
+
+
+class NativeStep:
+    """vkv's CPU kernels: rotary embedding and the K/V store in one call, then one attention
+    call per layer for the whole batch (and, for a few rows, the whole layer in one call)."""
+
+    def __init__(self, k_caches, v_caches, batch: StepBatch, cos_sin: torch.Tensor, window: int | None):
+        self.k_caches, self.v_caches, self.batch, self.cos_sin, self.window = k_caches, v_caches, batch, cos_sin, window
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache, b = self.k_caches[layer], self.v_caches[layer], self.batch
-        if self.kernel == "native":
-            torch.ops.vkv.rope_store(q, k, v, b.positions, self.cos_sin, k_cache, v_cache, b.block_table,
-                                     b.block_size, b.token_seq)
-            out = torch.empty_like(q)
-            torch.ops.vkv.attention(q, k_cache, v_cache, b.block_table, b.block_size, b.q_start, b.q_len,
-                                    b.ctx_len, q.shape[-1] ** -0.5, out)
-            return out
+        torch.ops.vkv.rope_store(q, k, v, b.positions, self.cos_sin, k_cache, v_cache, b.block_table,
+                                 b.block_size, b.token_seq)
+        out = torch.empty_like(q)
+        torch.ops.vkv.attention(q, k_cache, v_cache, b.block_table, b.block_size, b.q_start, b.q_len,
+                                b.ctx_len, q.shape[-1] ** -0.5, out)
+        return out
+
+    def native_args(self, layer: int) -> tuple | None:
+        """What the native `decode_layer` needs of this step for `layer` (after the layer's
+        weights), or None where it cannot run the layer (a sliding window)."""
+        if self.window:
+            return None
+        b, k_cache = self.batch, self.k_caches[layer]
+        return (b.positions, self.cos_sin, k_cache, self.v_caches[layer], b.block_table, b.block_size, b.token_seq,
+                b.q_start, b.q_len, b.ctx_len, k_cache.shape[-1] ** -0.5)
+
+
+class TorchStep:
+    """The reference (sdpa), and the base of the GPU libraries' steps: torch's rotary math, an
+    indexed store, and one scaled_dot_product_attention call per sequence over its slot (a
+    block table's blocks gathered first)."""
+
+    def __init__(self, k_caches, v_caches, batch: StepBatch, cos_sin: torch.Tensor, window: int | None):
+        self.k_caches, self.v_caches, self.batch, self.window = k_caches, v_caches, batch, window
+        self.tables = batch.block_table.tolist()
+        self.rows = cos_sin[batch.positions]
+        block = batch.block_table[batch.token_seq.long(), batch.positions // batch.block_size]
+        self.store_at = (block.long(), batch.positions % batch.block_size)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         q, k = rope_reference(q, self.rows), rope_reference(k, self.rows)
         k_cache[self.store_at] = k.to(k_cache.dtype)  # a bf16 cache under fp32 activations: rounded here
         v_cache[self.store_at] = v.to(v_cache.dtype)
-        if self.kernel == "flash":
-            return flash_varlen(q, flatten_slots(k_cache), flatten_slots(v_cache), b.cu_seqlens_q,
-                                self.slot_starts, b.max_query_len, b.max_context_len, b.ctx_len)
-        if self.kernel == "flash-attn-4":
-            out = library("flash-attn-4")(q, flatten_slots(k_cache), flatten_slots(v_cache), cu_seqlens_q=b.cu_seqlens_q,
-                                          cu_seqlens_k=self.slot_starts, max_seqlen_q=b.max_query_len,
-                                          max_seqlen_k=b.max_context_len, seqused_k=b.ctx_len, causal=True,
-                                          num_splits=1)
-            return out[0] if isinstance(out, tuple) else out
-        if self.kernel == "flash-attn":
-            return self._with_kvcache(q, k_cache, v_cache)
-        out = torch.empty_like(q)
+        return self.attend(q, k_cache, v_cache)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        b, out = self.batch, torch.empty_like(q)
         for table, start, q_len, ctx in zip(self.tables, b.starts, b.q_lens, b.ctx_lens):
             first = max(0, ctx - q_len - self.window + 1) if self.window else 0  # the first key any query sees
             keys, values = (sequence_rows(c, table, ctx, first).to(q.dtype) for c in (k_cache, v_cache))
             out[start:start + q_len] = sdpa_sequence(q[start:start + q_len], keys, values, self.window, first)
         return out
 
-    def native_args(self, layer: int) -> tuple | None:
-        """What the native `decode_layer` needs of this step for `layer` (after the layer's
-        weights), or None where this step's attention is not the native kernel's."""
-        if self.kernel != "native" or self.window:
-            return None
-        b, k_cache = self.batch, self.k_caches[layer]
-        return (b.positions, self.cos_sin, k_cache, self.v_caches[layer], b.block_table, b.block_size, b.token_seq,
-                b.q_start, b.q_len, b.ctx_len, k_cache.shape[-1] ** -0.5)
+
+class FlashStep(TorchStep):
+    """FlashAttention's varlen contract (PyTorch's built-in FlashAttention-2, flash-attn-4): the
+    slots flattened into one key range, slot offsets in `cu_seqlens_k`, lengths in `seqused_k`."""
+
+    def __init__(self, k_caches, v_caches, batch, cos_sin, window, varlen):
+        super().__init__(k_caches, v_caches, batch, cos_sin, window)
+        self.varlen = varlen
+        slots = batch.block_table[:, 0]
+        rows = k_caches[0].shape[1]
+        total = torch.tensor([k_caches[0].shape[0] * rows], dtype=torch.int32, device=slots.device)
+        self.slot_starts = torch.cat([slots * rows, total]).to(torch.int32)
+
+    def attend(self, q, k_cache, v_cache):
+        b = self.batch
+        return self.varlen(q, flatten_slots(k_cache), flatten_slots(v_cache), b.cu_seqlens_q, self.slot_starts,
+                           b.max_query_len, b.max_context_len, b.ctx_len)
+
+
+class KVCacheStep(TorchStep):
+    """flash-attn 2.x's `flash_attn_with_kvcache`, vAttention's own call: slots by
+    `cache_batch_idx`, or the block table by `block_table`."""
+
+    def __init__(self, k_caches, v_caches, batch, cos_sin, window, call, paged: bool):
+        super().__init__(k_caches, v_caches, batch, cos_sin, window)
+        self.call, self.paged = call, paged
+        self.groups = self._padded_groups()
 
     def _padded_groups(self) -> list[tuple]:
         """flash_attn_with_kvcache takes q as [batch, q_len, H, D]: decodes go in one call, the
@@ -186,13 +325,13 @@ class StepAttention:
             groups.append((len(members), width, index, b.ctx_len[sel], b.block_table[sel]))
         return groups
 
-    def _with_kvcache(self, q, k_cache, v_cache) -> torch.Tensor:
-        call, out = library("flash-attn"), torch.empty_like(q)
+    def attend(self, q, k_cache, v_cache):
+        out = torch.empty_like(q)
         for count, width, (group, row, token), lengths, table in self.groups:
             padded = q.new_zeros(count, width, *q.shape[1:])
             padded[group, row] = q[token]
             where = {"block_table": table} if self.paged else {"cache_batch_idx": table[:, 0].contiguous()}
-            result = call(padded, k_cache, v_cache, cache_seqlens=lengths, causal=True, **where)
+            result = self.call(padded, k_cache, v_cache, cache_seqlens=lengths, causal=True, **where)
             out[token] = result[group, row]
         return out
 

@@ -20,7 +20,7 @@ import torch
 
 import ext
 import vmm
-from engine.attention import pick_attention, tile_rows
+from engine.attention import pick_attention
 from engine.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.inputs import Prompt, tokenize
@@ -87,7 +87,7 @@ class LLMEngine:
         if c.device.type == "cuda" and c.kv_cache_memory is None:  # size the pool after a profile run
             peak = activation_peak(self.model, c.max_num_batched_tokens, c.max_num_seqs, c.device)
         self.kv = make_kv_cache(c, shard_config(mc, tp), c.kv_budget_bytes(peak) // tp, self.max_model_len,
-                                tile_rows(self.attention, mc.head_dim, c.device), pool)
+                                self.attention.tile_rows(self.attention.target), pool)
         self.kv.window = mc.sliding_window
         if c.offloading:
             attach_tiers(self.kv, c)
@@ -116,7 +116,7 @@ class LLMEngine:
         isa, isa_why = ext.kernel_isa()
         return {"compute_dtype": str(compute).removeprefix("torch."), "compute_reason": why,
                 "kv_dtype": str(self.config.dtype).removeprefix("torch."), "gemm": self.model.gemm_path,
-                "attention": self.attention,
+                "attention": self.attention.name,
                 "kernel_isa": f"{isa} ({isa_why})" if self.model.native else f"none ({ext.cpu_kernels_error()})"}
 
     # -- requests -------------------------------------------------------------------------
@@ -304,7 +304,7 @@ class LLMEngine:
         running = self.scheduler.running
         token_bytes = sum(s.num_computed_tokens for s in running) * self.kv.token_bytes
         mapped_bytes = (kv.pages_in_use + kv.pages_idle) * kv.page_size
-        return EngineStats(kv=kv, attention_backend=self.attention, platform=self.platform(), num_running=len(running),
+        return EngineStats(kv=kv, attention_backend=self.attention.name, platform=self.platform(), num_running=len(running),
                            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.swapped), preemptions=self.scheduler.num_preemptions,
                            kv_utilization=token_bytes / mapped_bytes if mapped_bytes else 0.0,
                            prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generation_tokens,

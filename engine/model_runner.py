@@ -5,12 +5,11 @@ import dataclasses
 
 import torch
 
-from engine.attention import StepAttention
+from engine.attention import AttentionBackend
 from engine.kv.base import KVCacheBase
 from engine.kv.batch import StepBatch
 from engine.ops import rope_table
 from engine.scheduler import Scheduled
-from engine.sequence import Sequence
 
 
 @torch.inference_mode()
@@ -30,9 +29,9 @@ def activation_peak(model, max_tokens: int, max_rows: int, device: torch.device)
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCacheBase, kernel: str, max_model_len: int, device: torch.device,
-                 dtype: torch.dtype, workers=None):
-        self.model, self.kv, self.kernel, self.device = model, kv, kernel, device
+    def __init__(self, model, kv: KVCacheBase, attention: AttentionBackend, max_model_len: int,
+                 device: torch.device, dtype: torch.dtype, workers=None):
+        self.model, self.kv, self.attention, self.device = model, kv, attention, device
         self.workers = workers  # engine.parallel.Workers when tensor parallel (kv is then a RecordedKV)
         self.cos_sin = rope_table(model.inv_freq, max_model_len, dtype, device)
 
@@ -71,6 +70,6 @@ class ModelRunner:
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, logits_indices: torch.Tensor) -> torch.Tensor | None:
         """The model over one flat batch; logits on rank 0, None on the other ranks."""
-        attn = StepAttention(self.kernel, self.kv.k_caches, self.kv.v_caches, batch, self.cos_sin,
-                             paged=self.kv.layout == "paged", window=self.kv.window)
+        attn = self.attention.prepare(self.kv.k_caches, self.kv.v_caches, batch, self.cos_sin,
+                                      paged=self.kv.layout == "paged", window=self.kv.window)
         return self.model(input_ids, attn, logits_indices)

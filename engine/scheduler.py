@@ -147,7 +147,7 @@ class Scheduler:
         for seq, n in scheduled:
             if not seq.siblings or seq.num_output_tokens or seq.num_computed_tokens + n < len(seq):
                 continue
-            for sibling in seq.siblings:
+            for sibling in [s for s in seq.siblings if not s.is_finished]:  # (an aborted one stays out)
                 if taken < seats and self.kv.can_allocate(taken + 1):
                     forks.setdefault(seq, []).append(sibling)
                     taken += 1

@@ -23,8 +23,9 @@ from engine.kv.virtual import VirtualKVCache
 from engine.map_ahead import MapAhead
 from engine.models.config import ModelConfig
 from engine.sampling_params import SamplingParams
+from engine.sampler import Sampled
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence
 
 # Rows of 1,920 bytes (interleaved) and 480 bytes (per layer) straddle 4 KiB pages.
 CFG = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=3,
@@ -78,7 +79,6 @@ class TrafficMachine(RuleBasedStateMachine):
         # The map-ahead worker maps pages while the "forward pass" below writes rows.
         self.ahead = MapAhead(self.kv, ahead, self.sched.headroom_pages) if ahead else None
         self.live: list[Sequence] = []
-        self.forks_left: dict[int, int] = {}
         self.next_id = 0
 
     def rows(self, seq: Sequence, layer: int, first: int, count: int) -> torch.Tensor:
@@ -96,18 +96,20 @@ class TrafficMachine(RuleBasedStateMachine):
         if self.kv.pages_for(len(prefix) + len(tail) + out) > self.kv.pool.num_pages:
             return  # the engine refuses such a request at submission
         params = SamplingParams(max_tokens=out, ignore_eos=True)
-        seq = Sequence(str(self.next_id), 0, prefix + tail, params, 0.0, cache_salt=salt)
-        self.forks_left[seq.seq_id] = n - 1
+        seq, *siblings = [Sequence(str(self.next_id), i, prefix + tail, params, 0.0, cache_salt=salt) for i in range(n)]
+        seq.siblings = siblings  # they fork from it when its prompt is computed, or queue
         self.next_id += 1
         self.sched.add(seq)
-        self.live.append(seq)
+        self.live += [seq, *siblings]
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def abort(self, data):
         seq = data.draw(st.sampled_from(self.live))
         self.sched.finish(seq, "abort")
-        self.live.remove(seq)
+        for s in [seq, *seq.siblings]:  # siblings not forked yet go with it
+            if s in self.live:
+                self.live.remove(s)
 
     @precondition(lambda self: not self.sched.has_unfinished())
     @rule()
@@ -121,10 +123,10 @@ class TrafficMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        scheduled = self.sched.schedule()
+        out = self.sched.schedule()
         if self.ahead:
-            self.ahead.start(scheduled)
-        for seq, n in scheduled:
+            self.ahead.start(out.scheduled)
+        for seq, n in out.scheduled:
             first = seq.num_computed_tokens
             for layer in range(CFG.num_layers):
                 values = torch.tensor([prefix_value(seq.token_ids[:p + 1], seq.cache_salt)
@@ -132,10 +134,15 @@ class TrafficMachine(RuleBasedStateMachine):
                 self.write(seq, layer, first, values)
         if self.ahead:
             self.ahead.wait()
-        self.sched.update_after_step(scheduled)
-        for seq, _ in scheduled:
-            if seq.num_computed_tokens == len(seq) and not seq.is_finished:
-                self.sample(seq)
+        results = {}  # "sampling": a token for each sequence whose step reaches its end
+        for seq, n in out.scheduled:
+            if seq.num_computed_tokens + n >= len(seq):
+                results[seq] = [Sampled((len(seq) * 7) % 64)]
+                for child in out.forks.get(seq, ()):
+                    results[child] = [Sampled(len(seq) % 64)]  # diverges from its parent at once
+        for o in self.sched.update_from_output(out, results):
+            if o.finish_reason:
+                self.live.remove(o.seq)
 
     def write(self, seq, layer, first, values):
         count = first + len(values)
@@ -146,23 +153,6 @@ class TrafficMachine(RuleBasedStateMachine):
                 self.kv.k_caches[layer][self.kv.tables[seq.seq_id][pos // bs], pos % bs] = v
         else:
             self.kv.k_caches[layer][self.kv.slot(seq), first:count] = values[:, None, None]
-
-    def sample(self, seq):
-        if self.forks_left.get(seq.seq_id) and seq.num_output_tokens == 0:
-            self.forks_left[seq.seq_id] -= 1
-            child = Sequence(seq.request_id + "f", 1, list(seq.token_ids), seq.params, 0.0, cache_salt=seq.cache_salt)
-            self.live.append(child)
-            if self.sched.fork(seq, child):  # else it queues and computes its prompt itself
-                child.token_ids.append(len(seq) % 64)  # diverges from its parent at once
-        seq.token_ids.append((len(seq) * 7) % 64)
-        for s in (seq,):
-            if s.num_output_tokens >= s.params.max_tokens:
-                self.sched.finish(s, "length")
-                self.live.remove(s)
-        for child in [c for c in self.live if c.status is SequenceStatus.RUNNING
-                      and c.num_output_tokens >= c.params.max_tokens]:
-            self.sched.finish(child, "length")
-            self.live.remove(child)
 
     @invariant()
     def pages_accounted_and_bytes_right(self):

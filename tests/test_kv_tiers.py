@@ -178,7 +178,7 @@ def test_lpm_admits_the_longest_cached_prefix_first_and_starves_nobody():
             sched.add(Sequence(f"hot{i}", 0, list(range(1, 17)) + [40 + i], params, 1.0))
         admitted = []
         while sched.has_unfinished():
-            ((seq, _),) = sched.schedule()
+            ((seq, _),) = sched.schedule().scheduled
             admitted.append(seq.request_id)
             sched.finish(seq, "length")
         return admitted

@@ -10,6 +10,7 @@ from engine import LLM, SamplingParams
 from engine.kv.virtual import VirtualKVCache
 from engine.models.config import ModelConfig
 from engine.multi import MultiLLM
+from engine.sampler import Sampled
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
@@ -190,14 +191,12 @@ class SharedTraffic(RuleBasedStateMachine):
     @rule()
     def step(self):
         for m, (kv, sched) in enumerate(zip(self.kvs, self.scheds)):
-            scheduled = sched.schedule()
-            sched.update_after_step(scheduled)
-            for seq, _ in scheduled:
-                if seq.num_computed_tokens == len(seq):
-                    seq.token_ids.append(len(seq) % 64)
-                    if seq.num_output_tokens >= seq.params.max_tokens:
-                        sched.finish(seq, "length")
-                        self.live[m].remove(seq)
+            out = sched.schedule()
+            results = {seq: [Sampled(len(seq) % 64)] for seq, n in out.scheduled
+                       if seq.num_computed_tokens + n >= len(seq)}
+            for o in sched.update_from_output(out, results):
+                if o.finish_reason:
+                    self.live[m].remove(o.seq)
 
     @invariant()
     def pages_owned_and_bounded(self):

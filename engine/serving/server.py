@@ -430,7 +430,7 @@ def serve(args) -> None:
         name = options.served_model_name or (source.rstrip("/").split("/")[-1] if source else "SmolLM2-135M-Instruct")
         async_engines = {name: AsyncEngine(engine)}
         app = build_app(async_engines, options=options)
-        what = f"{name} ({engine.config.kv_layout} KV, {engine.attention} attention)"
+        what = f"{name} ({engine.config.kv_layout} KV, {engine.attention.name} attention)"
     protocol = type("GuardedH11", (GuardedH11Protocol,), {"header_timeout": options.header_timeout, "peers": Counter(),
                                                           "max_per_peer": options.max_connections_per_peer})
     print(f"vkv: serving {what} on http://{options.host}:{options.port}", flush=True)
