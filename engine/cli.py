@@ -43,7 +43,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_tp_worker(args: argparse.Namespace) -> None:
-    from engine.llm_engine import LLMEngine
     from engine.parallel import worker_main
 
     config = EngineConfig.from_cli_args(args)
@@ -51,7 +50,7 @@ def cmd_tp_worker(args: argparse.Namespace) -> None:
         raise ValueError("a tensor-parallel worker needs --distributed-init and --tensor-parallel-size >= 2")
     if not 1 <= args.rank < config.tensor_parallel_size:
         raise ValueError(f"--rank must be in [1, {config.tensor_parallel_size - 1}]")
-    worker_main(LLMEngine, config, args.rank, config.tensor_parallel_size, config.distributed_init)
+    worker_main(config, args.rank, config.tensor_parallel_size, config.distributed_init)
 
 
 def cmd_top(args: argparse.Namespace) -> None:

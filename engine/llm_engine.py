@@ -20,17 +20,17 @@ import torch
 
 import ext
 import vmm
-from engine.attention import pick_attention
 from engine.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.inputs import Prompt, tokenize
-from engine.kv.build import attach_tiers, make_kv_cache
+from engine.kv.build import attach_tiers
 from engine.map_ahead import MapAhead
-from engine.model_runner import ModelRunner, activation_peak
-from engine.models import load_config, load_model, load_tokenizer
+from engine.model_runner import ModelRunner
+from engine.models import load_config, load_tokenizer
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.parallel import RecordedKV, Workers, check_divisible, shard_config
+from engine.parallel import RecordedKV, Workers
+from engine.rank import build_rank, check_divisible
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RowResult, Scheduler, SchedulerOutput
@@ -58,37 +58,32 @@ class EngineRequest:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: tuple | None = None, tp_rank: int = 0,
-                 pool: vmm.PoolShare | None = None):
+    def __init__(self, config: EngineConfig, loaded: tuple | None = None, pool: vmm.PoolShare | None = None):
         """loaded: (model, tokenizer) already in memory for config.model, to run another engine
         over the same weights (a fresh KV cache and scheduler) without loading them again.
-        tp_rank > 0: a tensor-parallel worker's engine (engine/parallel.py), never stepped.
         pool: this model's share of a physical pool several models draw from (engine/multi.py);
-        config.kv_cache_memory is then ignored."""
+        config.kv_cache_memory is then ignored. With tensor_parallel_size N > 1, ranks 1..N-1
+        run in processes of their own (engine/parallel.py)."""
         self.config = c = config
-        self.model_config = mc = load_config(c.model)
-        self.max_model_len = c.resolve_max_model_len(mc.max_position_embeddings)
-        tp, self.workers = c.tensor_parallel_size, None
-        if tp > 1:
-            check_divisible(mc, tp)
-            if loaded is not None:
-                raise ValueError("an engine with tensor_parallel_size > 1 loads its own weight shards")
-            if tp_rank == 0:
-                self.workers = Workers(c, tp, LLMEngine)
+        tp = c.tensor_parallel_size
+        if tp > 1 and loaded is not None:
+            raise ValueError("an engine with tensor_parallel_size > 1 loads its own weight shards")
         if pool is not None and (tp > 1 or c.kv_layout == "paged"):
             raise ValueError("a shared KV pool needs a virtual kv_layout (interleaved or per_layer) and "
                              "tensor_parallel_size 1")
-        self.model, self.tokenizer = loaded or (
-            load_model(c.model, mc, c.device, c.dtype, c.seed, (tp_rank, tp), c.compute_dtype), load_tokenizer(c.model))
-        self.eos_ids = mc.eos_token_ids or (self.tokenizer.eos_token_id,)
-        self.attention = pick_attention(c.attention_backend, c.device, c.compute_dtype, c.kv_layout, mc.head_dim,
-                                        c.block_size, mc.sliding_window)
-        peak = 0
-        if c.device.type == "cuda" and c.kv_cache_memory is None:  # size the pool after a profile run
-            peak = activation_peak(self.model, c.max_num_batched_tokens, c.max_num_seqs, c.device)
-        self.kv = make_kv_cache(c, shard_config(mc, tp), c.kv_budget_bytes(peak) // tp, self.max_model_len,
-                                self.attention.tile_rows(self.attention.target), pool)
-        self.kv.window = mc.sliding_window
+        if tp > 1:
+            check_divisible(load_config(c.model), tp)
+        self.workers = Workers(c, tp) if tp > 1 else None
+        try:
+            rank = build_rank(c, 0, loaded[0] if loaded else None, pool)
+        except BaseException:
+            if self.workers:
+                self.workers.close()
+            raise
+        self.model_config, self.max_model_len = rank.model_config, rank.max_model_len
+        self.model, self.attention, self.kv = rank.model, rank.attention, rank.kv
+        self.tokenizer = loaded[1] if loaded else load_tokenizer(c.model)
+        self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
         if c.offloading:
             attach_tiers(self.kv, c)
         if self.workers:
@@ -98,7 +93,7 @@ class LLMEngine:
                                    max_model_len=self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.attention, self.max_model_len, c.device, c.compute_dtype,
                                   self.workers)
-        self.grammars = Grammars(self.tokenizer, mc.vocab_size)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         spec = c.speculative_config
         self.proposer = NgramProposer(SpeculativeConfig.from_dict(spec)) if spec else None
@@ -107,8 +102,7 @@ class LLMEngine:
         self.closed = False
         self.num_prompt_tokens = self.num_generation_tokens = self.num_finished = self.num_failed = 0
         self.num_drafts = self.num_drafted = self.num_accepted = 0
-        if tp_rank == 0:
-            log.info("vkv: %s", "; ".join(f"{k}: {v}" for k, v in self.platform().items()))
+        log.info("vkv: %s", "; ".join(f"{k}: {v}" for k, v in self.platform().items()))
 
     def platform(self) -> dict[str, str]:
         """Which paths run on this machine, and why: arithmetic, GEMMs, attention, kernel ISA."""
@@ -232,9 +226,9 @@ class LLMEngine:
         self.sync_workers()
 
     def sync_workers(self) -> None:
-        """Tensor parallel: the other ranks make the KV calls made outside a step now."""
+        """Tensor parallel: the other ranks apply the KV operations made outside a step now."""
         if self.workers:
-            self.workers.send(self.kv.take_calls(), None)
+            self.workers.send(self.kv.take_ops(), None)
 
     @property
     def is_sleeping(self) -> bool:

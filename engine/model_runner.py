@@ -64,8 +64,8 @@ class ModelRunner:
 
     def run(self, scheduled: Scheduled) -> tuple[torch.Tensor, list]:
         input_ids, batch, logits_indices, sampling = self.prepare(scheduled)
-        if self.workers:  # tensor parallel: the other ranks replay the KV calls and run the same step
-            self.workers.send(self.kv.take_calls(), (input_ids, dataclasses.replace(batch, seqs=[]), logits_indices))
+        if self.workers:  # tensor parallel: the other ranks apply the KV operations and run the same step
+            self.workers.send(self.kv.take_ops(), (input_ids, dataclasses.replace(batch, seqs=[]), logits_indices))
         return self.forward(input_ids, batch, logits_indices), sampling
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, logits_indices: torch.Tensor) -> torch.Tensor | None:

@@ -5,13 +5,20 @@ so 1/N of the weights of every layer and 1/N of the KV bytes, in a page pool of 
 
 Approach: the scheduler runs once, on rank 0, against rank 0's KV cache. Every call it makes
 that changes a KV cache (admit, ensure_mapped, commit, fork, release, swap, sleep, ...) is
-recorded (`RecordedKV`) with a snapshot of the sequence it names; each step rank 0 broadcasts
-those calls and the step's flat batch, and every worker replays the calls on its own cache
-before running the same forward pass. All ranks' caches have the same geometry (rows of 1/N
+logged (`RecordedKV`) as a typed operation (a small dataclass per verb) with a snapshot of the
+sequence it names; each step rank 0 broadcasts the log and the step's flat batch, and every
+worker applies the operations to its own cache before running the same forward pass. All ranks' caches have the same geometry (rows of 1/N
 of the bytes, the same page size and page count), so the same calls make the same decisions:
 the pools stay in lockstep, page id for page id, and the slots and block tables rank 0 puts
 in the batch are right on every rank (the tests audit that). Row-parallel projections are
 all-reduced inside the model (engine/models/llama.py); only rank 0 computes logits and samples.
+
+Workers: each local rank is a fresh interpreter running this module (`python -m
+engine.parallel`, as `vkv tp-worker` runs it on another host), never multiprocessing's spawn,
+which re-imports the user's main module (a script on standard input, or one without a main
+guard, would kill every worker at import). It builds its rank itself (engine/rank.py); the
+config comes on its standard input. A worker says "ready" before it joins the group, so one
+that dies on the way fails the engine at once with the worker's own error.
 
 Failure: before each step rank 0 checks that every worker is alive, and the process group has
 a timeout, so a dead worker fails the step (the engine then fails its requests; the server
@@ -29,37 +36,29 @@ import dataclasses
 import datetime
 import logging
 import os
+import pickle
+import select
 import socket
+import subprocess
+import sys
+import tempfile
+import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from engine.models.config import ModelConfig
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.rank import build_rank
 from engine.sequence import Sequence
 
 log = logging.getLogger("vkv.parallel")
 TIMEOUT = datetime.timedelta(seconds=60)
-# KV-cache calls that change state; the rest (reads, and calls these make internally) are not sent.
-MUTATORS = ("admit", "ensure_mapped", "commit", "fork", "release", "swap_out", "swap_in", "reclaim",
-            "map_ahead", "sleep", "wake_up")
+READY = b"vkv-tp-ready\n"
 
 
 class WorkerDied(RuntimeError):
     pass
-
-
-def check_divisible(cfg: ModelConfig, world: int) -> None:
-    """N must divide the query heads, the KV heads and the MLP width (KV heads are not replicated)."""
-    for name, value in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
-                        ("intermediate_size", cfg.intermediate_size)):
-        if value % world:
-            raise ValueError(f"tensor_parallel_size {world} must divide the model's {name} ({value})")
-
-
-def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
-    """The shape one rank's KV cache holds: 1/N of the heads."""
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world)
 
 
 @dataclasses.dataclass(eq=False)
@@ -74,62 +73,174 @@ class SeqState:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    @classmethod
+    def of(cls, seq: Sequence) -> SeqState:
+        return cls(seq.seq_id, list(seq.token_ids), seq.num_computed_tokens, seq.num_prompt_tokens, seq.cache_salt)
 
-def _snapshot(arg):
-    if isinstance(arg, Sequence):
-        return SeqState(arg.seq_id, list(arg.token_ids), arg.num_computed_tokens, arg.num_prompt_tokens,
-                        arg.cache_salt)
-    return arg
+    def live(self, seqs: dict[int, SeqState]) -> SeqState:
+        """The worker's one object for this sequence (the caches key their state by seq_id),
+        brought up to this snapshot."""
+        mine = seqs.setdefault(self.seq_id, self)
+        mine.token_ids, mine.num_computed_tokens, mine.num_prompt_tokens = \
+            self.token_ids, self.num_computed_tokens, self.num_prompt_tokens
+        return mine
+
+
+# -- the operations: one per KV-cache verb that changes state ------------------------------
+@dataclasses.dataclass(frozen=True)
+class Admit:
+    seq: SeqState
+
+    def apply(self, kv, seqs):
+        kv.admit(self.seq.live(seqs))
+
+
+@dataclasses.dataclass(frozen=True)
+class EnsureMapped:
+    seq: SeqState
+    num_tokens: int
+
+    def apply(self, kv, seqs):
+        kv.ensure_mapped(self.seq.live(seqs), self.num_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class MapAhead:
+    seq: SeqState
+    start: int
+    end: int
+    keep_free: int
+
+    def apply(self, kv, seqs):
+        kv.map_ahead(self.seq.live(seqs), self.start, self.end, self.keep_free)
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    seq: SeqState
+
+    def apply(self, kv, seqs):
+        kv.commit(self.seq.live(seqs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fork:
+    parent: SeqState
+    child: SeqState
+
+    def apply(self, kv, seqs):
+        kv.fork(self.parent.live(seqs), self.child.live(seqs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    seq: SeqState
+    keep_pages: bool
+
+    def apply(self, kv, seqs):
+        kv.release(self.seq.live(seqs), self.keep_pages)
+        seqs.pop(self.seq.seq_id, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapOut:
+    seq: SeqState
+
+    def apply(self, kv, seqs):
+        kv.swap_out(self.seq.live(seqs))
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapIn:
+    seq: SeqState
+    num_tokens: int
+    keep_free: int
+
+    def apply(self, kv, seqs):
+        kv.swap_in(self.seq.live(seqs), self.num_tokens, self.keep_free)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reclaim:
+    want_free: int
+
+    def apply(self, kv, seqs):
+        kv.reclaim(self.want_free)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sleep:
+    def apply(self, kv, seqs):
+        kv.sleep()
+
+
+@dataclasses.dataclass(frozen=True)
+class WakeUp:
+    def apply(self, kv, seqs):
+        kv.wake_up()
 
 
 class RecordedKV:
-    """Rank 0's KV cache, recording the state-changing calls made on it for the workers."""
+    """Rank 0's KV cache: the verbs that change it are logged as operations for the workers
+    (calls the cache makes inside them are not: the workers' caches make them too); the rest
+    reads through."""
 
     def __init__(self, kv):
-        self._kv, self.calls = kv, []
+        self._kv, self.ops = kv, []
 
     def __getattr__(self, name):
-        attr = getattr(self._kv, name)
-        if name not in MUTATORS:
-            return attr
+        return getattr(self._kv, name)
 
-        def recorded(*args, **kwargs):
-            self.calls.append((name, [_snapshot(a) for a in args], kwargs))
-            return attr(*args, **kwargs)
-        return recorded
+    def take_ops(self) -> list:
+        ops, self.ops = self.ops, []
+        return ops
 
-    def __setattr__(self, name, value):
-        if name in ("_kv", "calls"):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._kv, name, value)
+    def _log(self, op) -> None:
+        self.ops.append(op)
 
-    def take_calls(self) -> list:
-        calls, self.calls = self.calls, []
-        return calls
+    def admit(self, seq):
+        self._log(Admit(SeqState.of(seq)))
+        return self._kv.admit(seq)
 
+    def ensure_mapped(self, seq, num_tokens):
+        self._log(EnsureMapped(SeqState.of(seq), num_tokens))
+        return self._kv.ensure_mapped(seq, num_tokens)
 
-def replay(kv, calls: list, seqs: dict[int, SeqState]) -> None:
-    """Make the same calls on a worker's cache; one SeqState object per sequence, as rank 0 has
-    one Sequence (the caches key their state by seq_id)."""
-    for name, args, kwargs in calls:
-        live = []
-        for arg in args:
-            if isinstance(arg, SeqState):
-                if arg.seq_id in seqs:
-                    arg = _update(seqs[arg.seq_id], arg)
-                else:
-                    seqs[arg.seq_id] = arg
-            live.append(arg)
-        getattr(kv, name)(*live, **kwargs)
-        if name == "release":
-            seqs.pop(live[0].seq_id, None)
+    def map_ahead(self, seq, start, end, keep_free):
+        self._log(MapAhead(SeqState.of(seq), start, end, keep_free))
+        return self._kv.map_ahead(seq, start, end, keep_free)
 
+    def commit(self, seq):
+        self._log(Commit(SeqState.of(seq)))
+        return self._kv.commit(seq)
 
-def _update(mine: SeqState, now: SeqState) -> SeqState:
-    mine.token_ids, mine.num_computed_tokens, mine.num_prompt_tokens = \
-        now.token_ids, now.num_computed_tokens, now.num_prompt_tokens
-    return mine
+    def fork(self, parent, child):
+        self._log(Fork(SeqState.of(parent), SeqState.of(child)))
+        return self._kv.fork(parent, child)
+
+    def release(self, seq, keep_pages=True):
+        self._log(Release(SeqState.of(seq), keep_pages))
+        return self._kv.release(seq, keep_pages)
+
+    def swap_out(self, seq):
+        self._log(SwapOut(SeqState.of(seq)))
+        return self._kv.swap_out(seq)
+
+    def swap_in(self, seq, num_tokens, keep_free=0):
+        self._log(SwapIn(SeqState.of(seq), num_tokens, keep_free))
+        return self._kv.swap_in(seq, num_tokens, keep_free)
+
+    def reclaim(self, want_free):
+        self._log(Reclaim(want_free))
+        return self._kv.reclaim(want_free)
+
+    def sleep(self):
+        self._log(Sleep())
+        return self._kv.sleep()
+
+    def wake_up(self):
+        self._log(WakeUp())
+        return self._kv.wake_up()
 
 
 def pool_state(kv) -> tuple:
@@ -144,32 +255,69 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Workers:
-    """Ranks 1..N-1 as processes; rank 0 (this process) joins the group too."""
+def _threads(world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world)  # the ranks share the cores
 
-    def __init__(self, config, world: int, engine_class):
-        """engine_class(config, tp_rank=r) builds rank r's engine in its process (LLMEngine)."""
-        self.world = world
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the cores
+
+class Worker:
+    """One local rank: a fresh interpreter running this module; its errors go to a file, so a
+    death can be reported with them."""
+
+    def __init__(self, config: EngineConfig, rank: int, world: int, init: str):
+        self.rank, self.errors = rank, tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.parallel", str(rank), str(world), init],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors)
+        self.proc.stdin.write(pickle.dumps(config))
+        self.proc.stdin.close()
+
+    def wait_ready(self, deadline: float) -> None:
+        """Until it says it is ready; WorkerDied, with its own error, if it exits first."""
+        out = self.proc.stdout
+        while time.monotonic() < deadline:
+            if select.select([out], [], [], 0.1)[0]:
+                line = out.readline()
+                if line == READY:
+                    return
+                if not line:  # it closed its output: it is gone
+                    self.proc.wait(timeout=10)
+                    break
+        raise WorkerDied(self.why())
+
+    def why(self) -> str:
+        code = self.proc.poll()
+        self.errors.seek(0)
+        tail = self.errors.read().decode(errors="replace").strip().splitlines()[-12:]
+        state = f"exited with code {code}" if code is not None else "did not start in time"
+        return f"tensor-parallel worker {self.rank} {state}" + (":\n" + "\n".join(tail) if tail else "")
+
+
+class Workers:
+    """Ranks 1..N-1; rank 0 (this process) joins the group too."""
+
+    def __init__(self, config: EngineConfig, world: int):
+        self.world, self.closed = world, False
+        torch.set_num_threads(_threads(world))
         self.init = config.distributed_init or f"tcp://127.0.0.1:{free_port()}"
-        ctx = mp.get_context("spawn")
         spawn = config.tensor_parallel_workers == "spawn"  # else started by `vkv tp-worker`, anywhere
-        self.procs = [ctx.Process(target=worker_main, args=(engine_class, config, rank, world, self.init), daemon=True,
-                                  name=f"vkv-tp-{rank}") for rank in range(1, world) if spawn]
-        for p in self.procs:
-            p.start()
-        dist.init_process_group("gloo", init_method=self.init, rank=0, world_size=world, timeout=TIMEOUT)
-        self.closed = False
+        self.procs = [Worker(config, rank, world, self.init) for rank in range(1, world)] if spawn else []
+        try:
+            deadline = time.monotonic() + TIMEOUT.total_seconds()
+            for worker in self.procs:
+                worker.wait_ready(deadline)
+            dist.init_process_group("gloo", init_method=self.init, rank=0, world_size=world, timeout=TIMEOUT)
+        except BaseException:
+            self._stop_all()
+            raise
 
     def check_alive(self) -> None:
-        dead = [p for p in self.procs if not p.is_alive()]
+        dead = [w for w in self.procs if w.proc.poll() is not None]
         if dead:
-            raise WorkerDied(f"tensor-parallel worker {dead[0].name} exited with code {dead[0].exitcode}")
+            raise WorkerDied(dead[0].why())
 
-    def send(self, calls: list, step: tuple | None) -> None:
-        """The KV calls since the last send, and the step to run (None: calls only)."""
+    def send(self, ops: list, step: tuple | None) -> None:
+        """The KV operations since the last send, and the step to run (None: operations only)."""
         self.check_alive()
-        dist.broadcast_object_list([("step", calls, step)], src=0)
+        dist.broadcast_object_list([("step", ops, step)], src=0)
 
     def pool_states(self) -> list:
         """Every worker audits its KV cache and reports its pool (reference counts, free pages in
@@ -185,38 +333,60 @@ class Workers:
             return
         self.closed = True
         try:
-            if all(p.is_alive() for p in self.procs):
+            if all(w.proc.poll() is None for w in self.procs):
                 dist.broadcast_object_list([("stop", None, None)], src=0)
         except Exception:  # a worker is gone: the others are stopped below
             pass
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
+        self._stop_all()
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def _stop_all(self) -> None:
+        for w in self.procs:
+            try:
+                w.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                w.proc.terminate()
+                w.proc.wait(timeout=10)
 
-def worker_main(engine_class, config, rank: int, world: int, init: str) -> None:
+
+def worker_main(config: EngineConfig, rank: int, world: int, init: str) -> None:
     """A worker: the model's share and a KV cache like rank 0's, then steps as told."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(_threads(world))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=TIMEOUT)
-    engine = engine_class(config, tp_rank=rank)
+    parts = build_rank(config, rank)
+    runner = ModelRunner(parts.model, parts.kv, parts.attention, parts.max_model_len, config.device,
+                         config.compute_dtype)
     seqs: dict[int, SeqState] = {}
     try:
         while True:
             message = [None]
             dist.broadcast_object_list(message, src=0)
-            kind, calls, step = message[0]
+            kind, ops, step = message[0]
             if kind == "stop":
                 break
             if kind == "audit":
-                engine.kv.audit()
-                dist.gather_object(pool_state(engine.kv), None, dst=0)
+                parts.kv.audit()
+                dist.gather_object(pool_state(parts.kv), None, dst=0)
                 continue
-            replay(engine.kv, calls, seqs)
+            for op in ops:
+                op.apply(parts.kv, seqs)
             if step is not None:
-                engine.runner.forward(*step)
+                runner.forward(*step)
     finally:
-        engine.kv.close()
+        parts.kv.close()
         dist.destroy_process_group()
+
+
+def _main() -> None:
+    """`python -m engine.parallel RANK WORLD INIT`, the pickled EngineConfig on standard input."""
+    rank, world, init = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    config = pickle.loads(sys.stdin.buffer.read())
+    sys.stdout.buffer.write(READY)
+    sys.stdout.flush()
+    os.dup2(2, 1)  # anything printed later goes with the errors, never into a pipe nobody reads
+    worker_main(config, rank, world, init)
+
+
+if __name__ == "__main__":
+    _main()

@@ -46,9 +46,9 @@ def weights_load_once():
     """Every engine of a test run over the same model, device, dtype and seed shares one loaded
     copy of the weights (read-only once prepared), so each model loads once per run instead of
     once per engine. Tensor-parallel shards load as usual."""
-    import engine.llm_engine as llm_engine
+    import engine.rank as rank
 
-    load, loaded = llm_engine.load_model, {}
+    load, loaded = rank.load_model, {}
 
     def load_once(spec, cfg, device, dtype, seed=0, tp=(0, 1), compute_dtype=None):
         if tp != (0, 1):
@@ -58,6 +58,6 @@ def weights_load_once():
             loaded[key] = load(spec, cfg, device, dtype, seed, tp, compute_dtype)
         return loaded[key]
 
-    llm_engine.load_model = load_once
+    rank.load_model = load_once
     yield
-    llm_engine.load_model = load
+    rank.load_model = load

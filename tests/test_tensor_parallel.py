@@ -119,16 +119,58 @@ def test_a_dead_worker_fails_the_step_and_the_server_reports_unhealthy():
     try:
         ok, health = asyncio.run(request())
         assert ok.status_code == 200 and len(ok.json()["choices"][0]["text"]) > 0 and health.status_code == 200
-        worker = engine.engine.workers.procs[0]
+        worker = engine.engine.workers.procs[0].proc
         worker.kill()
-        worker.join(timeout=10)
+        worker.wait(timeout=10)
         failed, health = asyncio.run(request())
         assert failed.status_code in (500, 503) and health.status_code == 503
         assert isinstance(engine.dead.__cause__ or engine.dead, Exception)
         assert "worker" in str(engine.dead)
     finally:
         engine.shutdown()
-    assert not any(p.is_alive() for p in engine.engine.workers.procs)
+    assert all(w.proc.poll() is not None for w in engine.engine.workers.procs)
+
+
+DRIVER = """
+from engine import LLM, SamplingParams
+two = LLM(model="random:tiny", kv_cache_memory=1 << 20, page_size=4096, tensor_parallel_size=2)
+outs = two.generate([[5, 17, 300, 41]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+print("tokens", outs[0].outputs[0].token_ids)
+two.close()
+"""
+
+
+def test_a_script_on_standard_input_without_a_main_guard_runs_tensor_parallel():
+    """Workers are fresh interpreters running the engine's own entry point, so a driver with no
+    main module to re-import (python - <<EOF, no `if __name__ == "__main__"`) works."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-"], input=DRIVER, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    one = LLM(model="random:tiny", kv_cache_memory=1 << 20, page_size=4096)
+    want = one.generate([[5, 17, 300, 41]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    one.close()
+    assert f"tokens {want}" in done.stdout
+
+
+def test_a_worker_that_dies_at_start_up_fails_the_engine_at_once_with_its_own_error(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "sitecustomize.py").write_text(  # only in the workers' fresh interpreters
+        "import sys\n"
+        "if sys.orig_argv[1:3] == ['-m', 'engine.parallel']:\n"
+        "    raise SystemExit('simulated worker start-up failure: no such device')\n")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-"], input=DRIVER, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0
+    assert "WorkerDied" in done.stderr and "simulated worker start-up failure" in done.stderr, done.stderr[-2000:]
+    assert time.monotonic() - start < 30  # not the rendezvous timeout (60 s)
 
 
 def test_a_worker_started_by_the_cli_joins_an_external_rendezvous():

@@ -1,0 +1,59 @@
+"""What one rank holds: its shard of the weights, its attention backend and its KV cache.
+
+LLMEngine builds rank 0 (the only rank without tensor parallelism); engine/parallel.py builds
+ranks 1..N-1 in their own processes by the same function, so every rank's KV cache has the same
+geometry (rows of 1/N of the bytes, the same page size and page count).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import vmm
+from engine.attention import AttentionBackend, pick_attention
+from engine.config import EngineConfig
+from engine.kv.build import make_kv_cache
+from engine.model_runner import activation_peak
+from engine.models import load_config, load_model
+from engine.models.config import ModelConfig
+
+
+@dataclasses.dataclass
+class Rank:
+    model_config: ModelConfig  # the whole model's shape
+    max_model_len: int
+    model: object
+    attention: AttentionBackend
+    kv: object  # VirtualKVCache | PagedKVCache
+
+
+def check_divisible(cfg: ModelConfig, world: int) -> None:
+    """N must divide the query heads, the KV heads and the MLP width (KV heads are not replicated)."""
+    for name, value in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
+                        ("intermediate_size", cfg.intermediate_size)):
+        if value % world:
+            raise ValueError(f"tensor_parallel_size {world} must divide the model's {name} ({value})")
+
+
+def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
+    """The shape one rank's KV cache holds: 1/N of the heads."""
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world)
+
+
+def build_rank(c: EngineConfig, rank: int = 0, model=None, pool: vmm.PoolShare | None = None) -> Rank:
+    """Rank `rank`'s weights (or `model`, already loaded), attention and KV cache (over `pool`,
+    a share of a pool several models draw from, when given). On a GPU without a set
+    kv_cache_memory, the pool is sized after a profile run of a worst-case step."""
+    mc, tp = load_config(c.model), c.tensor_parallel_size
+    check_divisible(mc, tp)
+    max_model_len = c.resolve_max_model_len(mc.max_position_embeddings)
+    if model is None:
+        model = load_model(c.model, mc, c.device, c.dtype, c.seed, (rank, tp), c.compute_dtype)
+    attention = pick_attention(c.attention_backend, c.device, c.compute_dtype, c.kv_layout, mc.head_dim,
+                               c.block_size, mc.sliding_window)
+    peak = 0
+    if c.device.type == "cuda" and c.kv_cache_memory is None:
+        peak = activation_peak(model, c.max_num_batched_tokens, c.max_num_seqs, c.device)
+    kv = make_kv_cache(c, shard_config(mc, tp), c.kv_budget_bytes(peak) // tp, max_model_len,
+                       attention.tile_rows(attention.target), pool)
+    kv.window = mc.sliding_window
+    return Rank(mc, max_model_len, model, attention, kv)
