@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +29,7 @@ from engine.models import load_config, load_tokenizer
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.parallel import RecordedKV, Workers
+from engine.processor import EngineRequest, InputProcessor
 from engine.rank import build_rank, check_divisible
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
@@ -44,17 +44,6 @@ log = logging.getLogger("vkv.engine")
 
 class EngineSleeping(RuntimeError):
     """A request came while the engine sleeps."""
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """A request checked against the model and the KV budget, ready to be added (vLLM's
-    EngineCoreRequest): it is validated once, where it enters."""
-    request_id: str
-    prompt: Prompt
-    params: SamplingParams | BeamSearchParams
-    group: str | None = None  # who asked: admission is fair between groups
-    priority: int = 0  # lower runs first under scheduling_policy="priority"
 
 
 class LLMEngine:
@@ -94,6 +83,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, self.attention, self.max_model_len, c.device, c.compute_dtype,
                                   self.workers)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.processor = InputProcessor(c, self.model_config, self.max_model_len, self.tokenizer, self.eos_ids,
+                                        self.grammars, self.kv.pages_for, self.kv.pool)
         self.output_processor = OutputProcessor(self.tokenizer)
         spec = c.speculative_config
         self.proposer = NgramProposer(SpeculativeConfig.from_dict(spec)) if spec else None
@@ -119,40 +110,10 @@ class LLMEngine:
 
     def process_inputs(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams, *,
                        group: str | None = None, priority: int = 0) -> EngineRequest:
-        """Tokenize and check a request; ValueError, with the numbers, for one that could never
-        run to its end or that names tokens outside the vocabulary. It reads only what never
-        changes (and compiles grammars, which may take a while), so a server runs it off the
+        """The request tokenized and checked (engine/processor.py); ValueError, with the
+        numbers, for one the engine would refuse. Thread-safe: a server runs it off the
         engine's thread."""
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (--scheduling-policy priority); "
-                             f"under {self.config.scheduling_policy!r} it would be ignored")
-        prompt = self.tokenize(prompt)
-        vocab = self.model_config.vocab_size
-        if isinstance(params, SamplingParams):
-            if any(t >= vocab for t in params.token_ids_used()):
-                raise ValueError(f"stop_token_ids and logit_bias must name token ids below the vocabulary "
-                                 f"size {vocab}")
-            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
-            if params.min_tokens and len(banned) >= vocab:
-                raise ValueError(f"min_tokens {params.min_tokens} bans every token of the vocabulary until then: "
-                                 f"stop_token_ids (and EOS) name all {vocab}")
-            if params.structured_outputs:
-                self.grammars.compile(params.structured_outputs)
-        total = len(prompt.token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt.token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"= {total} exceeds max_model_len {self.max_model_len}")
-        width = params.beam_width if isinstance(params, BeamSearchParams) else 1  # beams run in lockstep
-        if width > self.config.max_num_seqs:
-            raise ValueError(f"beam_width {width} exceeds max_num_seqs {self.config.max_num_seqs}")
-        window = self.model_config.sliding_window  # its pages are let go as it grows
-        pages = width * self.kv.pages_for(min(total, window + self.config.max_num_batched_tokens) if window else total)
-        if pages > self.kv.pool.num_pages:
-            raise ValueError(f"{total} tokens{f' for {width} beams' if width > 1 else ''} need {pages} KV pages, "
-                             f"more than the whole KV budget of {self.kv.pool.num_pages} pages")
-        return EngineRequest(request_id, prompt, params, group, priority)
+        return self.processor.process(request_id, prompt, params, group, priority)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams, *,
                     group: str | None = None, priority: int = 0) -> None:
@@ -170,9 +131,7 @@ class LLMEngine:
         if isinstance(params, BeamSearchParams):
             beam = BeamGroup(params, self.eos_ids, self.max_model_len)
             params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
-        now, ids, grammar = time.monotonic(), request.prompt.token_ids, None
-        if params.structured_outputs:
-            grammar = self.grammars.compile(params.structured_outputs)
+        now, ids, grammar = time.monotonic(), request.prompt.token_ids, request.grammar
         seqs = [Sequence(request.request_id, i, list(ids), params, now, request.group or request.request_id,
                          request.priority, generator=self._generator(params, i), cache_salt=request.prompt.cache_salt,
                          grammar=self.grammars.matcher(grammar) if grammar else None, beam=beam)

@@ -21,8 +21,9 @@ import vmm
 from engine.config import EngineConfig
 from engine.kv.build import make_backend
 from engine.llm import as_prompt_list
-from engine.llm_engine import EngineRequest, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.processor import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 

@@ -9,14 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from itertools import count
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from engine.beam_search import BeamGroup
 
 
 class SequenceStatus(Enum):
@@ -48,7 +44,7 @@ class Sequence:
     draft: list[int] = field(default_factory=list)  # speculative tokens this step verifies
     cache_salt: str | None = None  # shares cached pages only with sequences of the same salt
     siblings: list[Sequence] = field(default_factory=list)  # n > 1: fork from it once its prompt is computed
-    beam: BeamGroup | None = None  # a beam search's beams: the group that steers them
+    beam: object | None = None  # a beam search's beams: the BeamGroup that steers them (engine/beam_search.py)
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

@@ -13,6 +13,7 @@ anything that takes tokens back (speculative decoding) rolls the matcher back by
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import asdict, dataclass
 
 import torch
@@ -68,29 +69,35 @@ class StructuredOutputsParams:
 
 
 class Grammars:
-    """Compiles requests' grammars and makes their matchers; wraps the tokenizer once, on first use."""
+    """Compiles requests' grammars and makes their matchers; wraps the tokenizer once, on first use.
+    Requests are compiled where they are checked (engine/processor.py: a server's tokenizer
+    thread), matchers are made on the engine's thread; the lock keeps the wrapper and the cache
+    whole between them."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64):
         self.hf_tokenizer, self.vocab_size = tokenizer, vocab_size
         self._tokenizer = None
         self._compiled: dict[str, str] = {}  # request's grammar, as JSON -> checked grammar
         self.cache_size = cache_size
+        self._lock = threading.Lock()
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            import llguidance.hf
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
 
-            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
-        return self._tokenizer
+                self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+            return self._tokenizer
 
     def compile(self, params: StructuredOutputsParams) -> str:
         """The grammar, checked against the tokenizer; ValueError with llguidance's reason."""
         from llguidance import LLMatcher
 
         key = json.dumps(asdict(params), sort_keys=True)
-        if key in self._compiled:
-            return self._compiled[key]
+        with self._lock:
+            if key in self._compiled:
+                return self._compiled[key]
         try:
             grammar = params.to_llguidance()
         except Exception as exc:  # llguidance raises plain errors for malformed input
@@ -98,9 +105,10 @@ class Grammars:
         error = LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
             raise ValueError(f"invalid structured output: {error.strip()}")
-        if len(self._compiled) >= self.cache_size:
-            self._compiled.pop(next(iter(self._compiled)))
-        self._compiled[key] = grammar
+        with self._lock:
+            if len(self._compiled) >= self.cache_size:
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[key] = grammar
         return grammar
 
     def matcher(self, grammar: str):

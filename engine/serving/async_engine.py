@@ -34,8 +34,9 @@ from dataclasses import dataclass
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.inputs import Prompt, chat_prompt, tokenize
-from engine.llm_engine import EngineRequest, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, RequestOutputKind
+from engine.processor import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.serving.metrics import Metrics
 from engine.stats import EngineStats

@@ -35,10 +35,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import EngineConfig
 from engine.inputs import Prompt, check_cache_salt
-from engine.llm_engine import EngineRequest, LLMEngine
-from engine.outputs import RequestOutput, RequestOutputKind
-from engine.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
 from engine.multi import MultiLLM
+from engine.outputs import RequestOutput, RequestOutputKind
+from engine.processor import EngineRequest
+from engine.sampling_params import SamplingParams
 from engine.serving.async_engine import SLEEPING, AsyncEngine, EngineDeadError, RequestCancelled, Turns
 from engine.serving.http import BodyGuard, GuardedH11Protocol
 from engine.serving.metrics import Metrics

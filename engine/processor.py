@@ -1,0 +1,73 @@
+"""Requests in: tokenized and checked once, where they enter (vLLM's input processor).
+
+`InputProcessor.process` refuses, with the numbers, a request that could never run to its end
+or that names tokens outside the vocabulary, and compiles its grammar; it reads only what never
+changes during a request's check (the model, the config, the KV geometry and the pool's
+current cap), so a server runs it on its tokenizer thread, off the engine's. What it returns,
+an `EngineRequest`, the engine adds without checking again.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.beam_search import BeamSearchParams
+from engine.config import EngineConfig
+from engine.inputs import Prompt, tokenize
+from engine.models.config import ModelConfig
+from engine.sampling_params import SamplingParams
+from engine.structured import Grammars
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request checked against the model and the KV budget, ready to be added (vLLM's
+    EngineCoreRequest)."""
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams | BeamSearchParams
+    group: str | None = None  # who asked: admission is fair between groups
+    priority: int = 0  # lower runs first under scheduling_policy="priority"
+    grammar: str | None = None  # its structured output, compiled
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tokenizer,
+                 eos_ids: tuple[int, ...], grammars: Grammars, pages_for: Callable[[int], int], pool):
+        """pages_for: KV pages a sequence of n tokens needs; pool: the KV pool (its num_pages)."""
+        self.config, self.model_config, self.max_model_len = config, model_config, max_model_len
+        self.tokenizer, self.eos_ids, self.grammars = tokenizer, eos_ids, grammars
+        self.pages_for, self.pool = pages_for, pool
+
+    def process(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams,
+                group: str | None = None, priority: int = 0) -> EngineRequest:
+        c, vocab = self.config, self.model_config.vocab_size
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and c.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (--scheduling-policy priority); "
+                             f"under {c.scheduling_policy!r} it would be ignored")
+        prompt, grammar = tokenize(self.tokenizer, vocab, prompt), None
+        if isinstance(params, SamplingParams):
+            if any(t >= vocab for t in params.token_ids_used()):
+                raise ValueError(f"stop_token_ids and logit_bias must name token ids below the vocabulary "
+                                 f"size {vocab}")
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+            if params.min_tokens and len(banned) >= vocab:
+                raise ValueError(f"min_tokens {params.min_tokens} bans every token of the vocabulary until then: "
+                                 f"stop_token_ids (and EOS) name all {vocab}")
+            if params.structured_outputs:
+                grammar = self.grammars.compile(params.structured_outputs)
+        total = len(prompt.token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt.token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"= {total} exceeds max_model_len {self.max_model_len}")
+        width = params.beam_width if isinstance(params, BeamSearchParams) else 1  # beams run in lockstep
+        if width > c.max_num_seqs:
+            raise ValueError(f"beam_width {width} exceeds max_num_seqs {c.max_num_seqs}")
+        window = self.model_config.sliding_window  # its pages are let go as it grows
+        pages = width * self.pages_for(min(total, window + c.max_num_batched_tokens) if window else total)
+        if pages > self.pool.num_pages:
+            raise ValueError(f"{total} tokens{f' for {width} beams' if width > 1 else ''} need {pages} KV pages, "
+                             f"more than the whole KV budget of {self.pool.num_pages} pages")
+        return EngineRequest(request_id, prompt, params, group, priority, grammar)
