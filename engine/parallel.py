@@ -69,6 +69,7 @@ class SeqState:
     num_computed_tokens: int
     num_prompt_tokens: int
     cache_salt: str | None
+    kv: object = None  # the worker's KV cache keeps its handle here, as rank 0's keeps it on the Sequence
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -245,8 +246,7 @@ class RecordedKV:
 
 def pool_state(kv) -> tuple:
     """What must be equal on every rank: each page's count, the free queue, each sequence's place."""
-    places = getattr(kv, "slots", None) or getattr(kv, "tables", {})
-    return list(kv.pool.ref_counts), list(kv.pool.free_ids), dict(places)
+    return list(kv.pool.ref_counts), list(kv.pool.free_ids), {h.seq_id: h.place for h in kv.handles}
 
 
 def free_port() -> int:

@@ -362,8 +362,8 @@ class Scheduler:
         to_front=False: an idle beam stepping aside, recomputed."""
         self.running.remove(seq)
         self.num_preemptions += 1
-        if self.preemption_mode == "swap" and to_front and seq.num_computed_tokens >= self.swap_min_tokens \
-                and self.kv.swap_out(seq):
+        if self.preemption_mode == "swap" and self.kv.swaps and to_front \
+                and seq.num_computed_tokens >= self.swap_min_tokens and self.kv.swap_out(seq):
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
             return

@@ -1,6 +1,7 @@
 """One sequence being generated: its tokens and how far its KV is computed.
 
-Where its KV lives (a slot, a block table) is the KV cache's business. Everything else that
+Where its KV lives (a slot, a block table) is the KV cache's business, kept on the sequence
+as `kv` from admission to release and written by the cache alone. Everything else that
 changes while it runs (its tokens, how far they are computed, its drafts, its status and finish
 reason) is the scheduler's: no other module writes it (engine/scheduler.py).
 """
@@ -45,6 +46,7 @@ class Sequence:
     cache_salt: str | None = None  # shares cached pages only with sequences of the same salt
     siblings: list[Sequence] = field(default_factory=list)  # n > 1: fork from it once its prompt is computed
     beam: object | None = None  # a beam search's beams: the BeamGroup that steers them (engine/beam_search.py)
+    kv: object | None = None  # its KV state while it holds a place: the KV cache's handle (engine/kv/base.py)
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

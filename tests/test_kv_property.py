@@ -85,9 +85,9 @@ class TrafficMachine(RuleBasedStateMachine):
         """K of `layer` for seq's tokens [first, count), first element of each row."""
         if isinstance(self.kv, PagedKVCache):
             bs = self.kv.block_size
-            blocks = torch.tensor(self.kv.tables[seq.seq_id][first // bs:-(-count // bs)], dtype=torch.long)
+            blocks = torch.tensor(seq.kv.table[first // bs:-(-count // bs)], dtype=torch.long)
             return self.kv.k_caches[layer][blocks].flatten(0, 1)[first % bs:count - first // bs * bs, 0, 0]
-        return self.kv.k_caches[layer][self.kv.slot(seq), first:count, 0, 0]
+        return self.kv.k_caches[layer][seq.kv.slot, first:count, 0, 0]
 
     @rule(prefix=st.sampled_from([[], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [7] * 20]),
           tail=st.lists(st.integers(0, 63), min_size=1, max_size=12), out=st.integers(1, 16),
@@ -150,9 +150,9 @@ class TrafficMachine(RuleBasedStateMachine):
             bs = self.kv.block_size
             for i, v in enumerate(values):
                 pos = first + i
-                self.kv.k_caches[layer][self.kv.tables[seq.seq_id][pos // bs], pos % bs] = v
+                self.kv.k_caches[layer][seq.kv.table[pos // bs], pos % bs] = v
         else:
-            self.kv.k_caches[layer][self.kv.slot(seq), first:count] = values[:, None, None]
+            self.kv.k_caches[layer][seq.kv.slot, first:count] = values[:, None, None]
 
     @invariant()
     def pages_accounted_and_bytes_right(self):

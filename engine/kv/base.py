@@ -23,10 +23,16 @@ its slot; paged: its block table). The scheduler alone drives the life cycle:
     pages    [ cached / shared ][ private ][ mapped by ensure_mapped ]
              committed pages: whole, named by chain hash, shareable
 
-Subclasses say where pages live (`allocate`, `free`, `pages_at`, `install`, `map_fresh`,
-`copy_on_write`), the geometry of rows over pages, where kernels find a sequence's rows
-(`k_caches`, `v_caches`, `block_table`), and where an entry's bytes are (`entry_views`,
-`page_views`: what the KV tiers copy out and in).
+A sequence carries its own KV state, `seq.kv` (a `KVHandle`: its place, the names of its
+pages, how far they are committed and slid), from admission or a fork to release, as nano-vllm's
+sequences carry their block tables: when the sequence goes, its state goes with it. The cache
+keeps only the set of handles it has given out, to audit them.
+
+Subclasses say where pages live (`place`, `vacate`, `pages_at`, `install`, `map_fresh`,
+`copy_on_write`, `unmap_page`), the geometry of rows over pages, where kernels find a
+sequence's rows (`k_caches`, `v_caches`, `block_table`), and where an entry's bytes are
+(`entry_views`, `page_views`: what the KV tiers copy out and in). Swapping is a capability a
+layout declares (`swaps`); the scheduler asks before it swaps.
 """
 from __future__ import annotations
 
@@ -46,11 +52,18 @@ from engine.stats import KVStats
 from vmm import PageAllocator
 
 
-@dataclass(slots=True)
-class _Hashes:
-    pages: list[bytes] = field(default_factory=list)  # names (chain hashes) of the complete pages known
+@dataclass(eq=False)
+class KVHandle:
+    """A sequence's state in a KV cache, on the sequence (seq.kv) while it holds a place."""
+    seq_id: int
+    names: list[bytes] = field(default_factory=list)  # names (chain hashes) of the complete pages known
     committed: int = 0  # pages already offered to the prefix cache
     slid: int = 0  # pages before the sliding window, already let go
+
+    @property
+    def place(self):
+        """Where its pages are (a slot, a block table): what every tensor-parallel rank agrees on."""
+        raise NotImplementedError
 
 
 class KVCacheBase(ABC):
@@ -59,6 +72,7 @@ class KVCacheBase(ABC):
     k_caches: list  # per layer, [blocks, rows, heads, D]
     v_caches: list
     window: int | None = None  # sliding window: pages wholly before it are let go as a sequence grows
+    swaps: bool = False  # can swap_out / swap_in (a virtual layout with a swap tier)
 
     def __init__(self, pool: PageAllocator, enable_prefix_caching: bool, namespace: bytes = b""):
         self.pool = pool
@@ -67,7 +81,7 @@ class KVCacheBase(ABC):
         self.map_seconds = 0.0
         self.cow_copies = 0
         self.swap_outs = self.swap_ins = 0  # sequences swapped out and back in
-        self._hashes: dict[int, _Hashes] = {}
+        self.handles: set[KVHandle] = set()  # every seq.kv given out and not yet released
         self.tiers: KVTiers | None = None
         self.restored_tokens: Counter[str] = Counter()  # per tier
         self.restore_seconds = self.offload_seconds = 0.0
@@ -102,11 +116,11 @@ class KVCacheBase(ABC):
         """Is there a place for n more sequences?"""
 
     @abstractmethod
-    def allocate(self, seq: Sequence) -> None:
-        """Give seq a place to hold its KV (a slot, an empty block table)."""
+    def place(self, seq: Sequence) -> KVHandle:
+        """A place to hold seq's KV (a slot, an empty block table), as its new handle."""
 
     @abstractmethod
-    def free(self, seq: Sequence, keep_pages: bool) -> None:
+    def vacate(self, seq: Sequence, keep_pages: bool) -> None:
         """Take seq's place back and drop its references (keep_pages: a slot may stay mapped)."""
 
     @abstractmethod
@@ -119,7 +133,7 @@ class KVCacheBase(ABC):
         (None: a page before the window, nothing to map)."""
 
     @abstractmethod
-    def drop_page(self, seq: Sequence, k: int) -> None:
+    def unmap_page(self, seq: Sequence, k: int) -> None:
         """seq lets go of its page k (it left the sliding window)."""
 
     @abstractmethod
@@ -198,10 +212,10 @@ class KVCacheBase(ABC):
         """Free up to `pages` of the spare ones, for another tenant of a shared pool."""
         self.reclaim(self.pool.num_free + pages)
 
-    # -- swapping (virtual layouts; the block table preempts by recompute) -----------------
+    # -- swapping: a capability (`swaps`); the block table preempts by recompute ----------
     def swap_out(self, seq: Sequence) -> bool:
-        """Move seq's private pages to the swap tier; False, nothing done, if it cannot."""
-        return False
+        """Move seq's private pages to the swap tier; False, nothing done, if the tier is full."""
+        raise NotImplementedError(f"the {self.layout} layout does not swap")
 
     def swap_in(self, seq: Sequence, num_tokens: int, keep_free: int = 0) -> bool:
         """Bring seq's pages back and map what rows [computed, num_tokens) need, leaving
@@ -227,8 +241,7 @@ class KVCacheBase(ABC):
     def admit(self, seq: Sequence) -> int:
         """Give seq a place and map its longest cached prefix, from the pool and then from the
         tiers; returns the tokens it holds."""
-        self.allocate(seq)
-        self._hashes[seq.seq_id] = _Hashes()
+        self._take_place(seq)
         hits = self._match_prefix(seq)
         for k, pages in enumerate(hits):
             self.install(seq, k, pages)
@@ -241,7 +254,7 @@ class KVCacheBase(ABC):
         `namespace` from now on. Only before the first sequence."""
         if self.prefix_cache is None:
             raise ValueError("KV offloading keeps prefix-cache entries: it needs prefix caching on")
-        if self._hashes:
+        if self.handles:
             raise RuntimeError("tiers are attached before any sequence is admitted")
         self.tiers, self.namespace = tiers, namespace
         self.prefix_cache.on_evict = self._offload
@@ -258,7 +271,7 @@ class KVCacheBase(ABC):
         the pool has no page for it."""
         if not self.tiers:
             return 0
-        names, k, began = self._hashes[seq.seq_id].pages, start, time.perf_counter()
+        names, k, began = seq.kv.names, start, time.perf_counter()
         while k < len(names) and self.tokens_in_pages(k + 1) <= len(seq) - 1:
             if self.tiers.where(names[k]) is None:
                 break
@@ -301,7 +314,7 @@ class KVCacheBase(ABC):
 
     def _page_hashes(self, seq: Sequence, known: int) -> list[bytes]:
         """Names of seq's pages whose tokens are all among its first `known` tokens."""
-        return self._extend_names(seq, self._hashes[seq.seq_id].pages, known)
+        return self._extend_names(seq, seq.kv.names, known)
 
     def _extend_names(self, seq: Sequence, names: list[bytes], known: int) -> list[bytes]:
         k = len(names)
@@ -349,7 +362,7 @@ class KVCacheBase(ABC):
 
     def commit(self, seq: Sequence) -> None:
         """After a step: offer seq's newly complete pages to the prefix cache; slide its window."""
-        state = self._hashes[seq.seq_id]
+        state = seq.kv
         if self.prefix_cache:
             hashes = self._page_hashes(seq, seq.num_computed_tokens)
             while state.committed < len(hashes) and self.page_end(state.committed) <= seq.num_computed_tokens:
@@ -360,30 +373,36 @@ class KVCacheBase(ABC):
         if self.window:
             self._slide(seq, state)
 
-    def _slide(self, seq: Sequence, state: _Hashes) -> None:
+    def _slide(self, seq: Sequence, state: KVHandle) -> None:
         """The next query sits at position `computed` and sees keys after computed - window:
         pages whose rows all lie before that are let go (others may still map them)."""
         first_live = seq.num_computed_tokens - self.window + 1
         while self.page_end(state.slid) <= first_live:
             if self.pages_at(seq, state.slid) is not None:
-                self.drop_page(seq, state.slid)
+                self.unmap_page(seq, state.slid)
             state.slid += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child continues from parent's state: same tokens so far, the pages holding their
         K/V shared. The scheduler counts the child's computed tokens as the parent's."""
-        self.allocate(child)
+        self._take_place(child)
         shared = self.page_range(0, parent.num_computed_tokens)
         for k in shared:  # None: before the parent's window, let go
             self.install(child, k, self.pages_at(parent, k))
         self.after_install(child, len(shared))
-        mine = self._hashes[parent.seq_id]
-        self._hashes[child.seq_id] = _Hashes(mine.pages[:], mine.committed, mine.slid)
+        mine = parent.kv
+        child.kv.names, child.kv.committed, child.kv.slid = mine.names[:], mine.committed, mine.slid
 
     def release(self, seq: Sequence, keep_pages: bool = True) -> None:
-        """seq is done (keep_pages: its slot may stay mapped for the next) or preempted."""
-        self._hashes.pop(seq.seq_id, None)
-        self.free(seq, keep_pages)
+        """seq is done (keep_pages: its slot may stay mapped for the next) or preempted: its
+        place and references go, and its handle with them."""
+        self.vacate(seq, keep_pages)
+        self.handles.discard(seq.kv)
+        seq.kv = None
+
+    def _take_place(self, seq: Sequence) -> None:
+        seq.kv = self.place(seq)
+        self.handles.add(seq.kv)
 
     # -- sleep ----------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -394,7 +413,7 @@ class KVCacheBase(ABC):
             raise RuntimeError(f"{self.active_sequences()} sequences still hold KV")
         if self.prefix_cache:
             self.prefix_cache.clear()  # to the tiers, if any: they come back after wake_up
-        self.release_memory()
+        self.unmap_all()
 
     def _let_cache_go(self) -> None:
         """Closing: the cached entries go to the tiers, which finish their writes (so a
@@ -405,13 +424,13 @@ class KVCacheBase(ABC):
         if self.tiers:
             self.tiers.close()
 
-    @abstractmethod
     def active_sequences(self) -> int:
         """Sequences holding a place (running or swapped out)."""
+        return len(self.handles)
 
     @abstractmethod
-    def release_memory(self) -> None:
-        """Free every physical page of an idle cache."""
+    def unmap_all(self) -> None:
+        """Free every physical page of an idle cache (sleep)."""
 
     @abstractmethod
     def wake_up(self) -> None:

@@ -1,7 +1,7 @@
 """Block-table KV cache: the PagedAttention baseline, in the same engine.
 
 Per layer, K and V are pools of blocks [num_blocks, block_size, kv_heads, head_dim]. A sequence
-owns a block table (page k of the sequence is `tables[seq_id][k]`) and takes one more block
+owns a block table (page k of the sequence is `seq.kv.table[k]`) and takes one more block
 every `block_size` tokens. Block ids and their reference counts live in a
 `vmm.PageAllocator`, the bookkeeping the virtual caches use, and prefix caching, forks and
 copy-on-write come from the same base class, so the two differ only in where K/V live. The
@@ -14,16 +14,27 @@ import contextlib
 import math
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 import vmm
-from engine.kv.base import KVCacheBase
+from engine.kv.base import KVCacheBase, KVHandle
 from engine.models.config import ModelConfig
 from engine.sequence import Sequence
 
 
 GONE = -1  # a table entry before the sliding window: its block went back to the pool
+
+
+@dataclass(eq=False)
+class BlockTable(KVHandle):
+    """A sequence's block table: page k is block `table[k]`."""
+    table: list[int] = field(default_factory=list)
+
+    @property
+    def place(self) -> tuple[int, ...]:
+        return tuple(self.table)
 
 
 class PagedKVCache(KVCacheBase):
@@ -38,7 +49,6 @@ class PagedKVCache(KVCacheBase):
         shape = (num_blocks, block_size, H, D)
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.tables: dict[int, list[int]] = {}  # seq_id -> its block table
 
     @property
     def page_size(self) -> int:
@@ -60,10 +70,7 @@ class PagedKVCache(KVCacheBase):
         return range(start // self.block_size, math.ceil(end / self.block_size))
 
     # -- sleep ----------------------------------------------------------------------------
-    def active_sequences(self) -> int:
-        return len(self.tables)
-
-    def release_memory(self) -> None:
+    def unmap_all(self) -> None:
         """The block pools' storage shrinks to nothing; the tensors stay the same objects."""
         for cache in (*self.k_caches, *self.v_caches):
             cache.untyped_storage().resize_(0)
@@ -79,7 +86,7 @@ class PagedKVCache(KVCacheBase):
         return self.k_caches[0].untyped_storage().nbytes() == 0
 
     def pages_at(self, seq: Sequence, k: int) -> tuple[int, ...] | None:
-        table = self.tables[seq.seq_id]
+        table = seq.kv.table
         return (table[k],) if k < len(table) and table[k] != GONE else None
 
     @contextlib.contextmanager
@@ -87,7 +94,7 @@ class PagedKVCache(KVCacheBase):
         yield self._block_views(pages[0])
 
     def page_views(self, seq: Sequence, k: int) -> list[torch.Tensor]:
-        return self._block_views(self.tables[seq.seq_id][k])
+        return self._block_views(seq.kv.table[k])
 
     def _block_views(self, block: int) -> list[torch.Tensor]:
         """Block `block` of every layer's K, then V, as bytes."""
@@ -101,44 +108,44 @@ class PagedKVCache(KVCacheBase):
     def can_allocate(self, n: int = 1) -> bool:
         return True
 
-    def allocate(self, seq: Sequence) -> None:
-        self.tables[seq.seq_id] = []
+    def place(self, seq: Sequence) -> BlockTable:
+        return BlockTable(seq.seq_id)
 
     def install(self, seq: Sequence, k: int, pages: tuple[int, ...] | None) -> None:
         if pages is not None:
             self.pool.hold(pages[0])
-        self.tables[seq.seq_id].append(GONE if pages is None else pages[0])
+        seq.kv.table.append(GONE if pages is None else pages[0])
 
-    def drop_page(self, seq: Sequence, k: int) -> None:
-        table = self.tables[seq.seq_id]
+    def unmap_page(self, seq: Sequence, k: int) -> None:
+        table = seq.kv.table
         self.pool.drop(table[k])
         table[k] = GONE
 
     def map_fresh(self, seq: Sequence, indices: list[int]) -> None:
-        self.tables[seq.seq_id] += self.pool.alloc_many(len(indices))  # indices always extend the table
+        seq.kv.table += self.pool.alloc_many(len(indices))  # indices always extend the table
 
     def copy_on_write(self, seq: Sequence, k: int) -> None:
-        table = self.tables[seq.seq_id]
+        table = seq.kv.table
         old, new = table[k], self.pool.alloc()
         for cache in self.k_caches + self.v_caches:
             cache[new] = cache[old]
         table[k] = new
         self.pool.drop(old)
 
-    def free(self, seq: Sequence, keep_pages: bool) -> None:
+    def vacate(self, seq: Sequence, keep_pages: bool) -> None:
         """Blocks go straight back: a block table has nothing to gain from keeping them."""
-        for block in self.tables.pop(seq.seq_id):
+        for block in seq.kv.table:
             if block != GONE:
                 self.pool.drop(block)
 
     # -- checks ---------------------------------------------------------------------------
     def audit(self) -> None:
-        expected = Counter(b for table in self.tables.values() for b in table if b != GONE)
+        expected = Counter(b for h in self.handles for b in h.table if b != GONE)
         expected.update(self.held_by_cache())
         self.pool.check(expected)
 
     def block_table(self, seqs: list[Sequence], ctx_lens: list[int]) -> tuple[list[list[int]], int]:
-        return [[max(b, 0) for b in self.tables[s.seq_id][:-(-ctx // self.block_size)]]  # GONE: never read
+        return [[max(b, 0) for b in s.kv.table[:-(-ctx // self.block_size)]]  # GONE: never read
                 for s, ctx in zip(seqs, ctx_lens)], self.block_size
 
     def close(self) -> None:

@@ -28,16 +28,29 @@ import math
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 import vmm
-from engine.kv.base import KVCacheBase
+from engine.kv.base import KVCacheBase, KVHandle
 from engine.models.config import ModelConfig
 from engine.sequence import Sequence
 from vmm.backend import consecutive_runs
 
 LAYOUTS = ("interleaved", "per_layer")
+
+
+@dataclass(eq=False)
+class Slot(KVHandle):
+    """A sequence's slot, and while it is swapped out, what went to the swap tier:
+    {page index: (its pages, swap slots)}."""
+    slot: int = -1
+    swapped: dict[int, tuple] | None = None
+
+    @property
+    def place(self) -> int:
+        return self.slot
 
 
 class VirtualKVCache(KVCacheBase):
@@ -65,11 +78,10 @@ class VirtualKVCache(KVCacheBase):
         self.k_caches, self.v_caches = self._views(L, H, D)
         self.staging: vmm.Reservation | None = None  # entry_views maps there (made on first use)
         self.mapped = [0] * num_slots  # pages mapped in each region of each slot
-        self.slots: dict[int, int] = {}  # seq_id -> its slot
         self.free_slots: deque[int] = deque(range(num_slots))
         self.idle_slots: OrderedDict[int, None] = OrderedDict()
         self.swap = swap
-        self.swapped: dict[int, dict[int, tuple]] = {}  # seq_id -> {page index: (its pages, swap slots)}
+        self.swaps = swap is not None
 
     def _views(self, L: int, H: int, D: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer, K and V as [slots, rows, H, D] views (row stride = row_elems)."""
@@ -97,11 +109,8 @@ class VirtualKVCache(KVCacheBase):
     def page_range(self, start: int, end: int) -> range:
         return range(start * self.row_bytes // self.page_size, -(-end * self.row_bytes // self.page_size))
 
-    def slot(self, seq: Sequence) -> int:
-        return self.slots[seq.seq_id]
-
     def _index(self, seq: Sequence, k: int) -> int:
-        return self.slots[seq.seq_id] * self.slot_pages + k
+        return seq.kv.slot * self.slot_pages + k
 
     def pages_at(self, seq: Sequence, k: int) -> tuple[int, ...] | None:
         first = self.regions[0].page_at(self._index(seq, k))
@@ -111,32 +120,31 @@ class VirtualKVCache(KVCacheBase):
     def can_allocate(self, n: int = 1) -> bool:
         return len(self.idle_slots) + len(self.free_slots) >= n
 
-    def allocate(self, seq: Sequence) -> None:
+    def place(self, seq: Sequence) -> Slot:
         if self.idle_slots:  # reuse mapped pages: deferred reclamation pays off here
-            self.slots[seq.seq_id], _ = self.idle_slots.popitem(last=True)
-        else:
-            self.slots[seq.seq_id] = self.free_slots.popleft()
+            return Slot(seq.seq_id, slot=self.idle_slots.popitem(last=True)[0])
+        return Slot(seq.seq_id, slot=self.free_slots.popleft())
 
     def install(self, seq: Sequence, k: int, pages: tuple[int, ...] | None) -> None:
         if self.pages_at(seq, k) == pages:
             return
         if pages is None:
-            self._unmap(self.slot(seq), [k])
+            self._unmap(seq.kv.slot, [k])
             return
         if self.pages_at(seq, k) is not None:
-            self._unmap(self.slot(seq), [k])
+            self._unmap(seq.kv.slot, [k])
         for region, page in zip(self.regions, pages):
             region.map(self._index(seq, k), page)
-        self.mapped[self.slot(seq)] += 1
+        self.mapped[seq.kv.slot] += 1
 
     def after_install(self, seq: Sequence, num_installed: int) -> None:
         """A reused slot keeps its private pages past the installed prefix; shared ones go."""
         stale = [k for k in range(num_installed, self.slot_pages)
                  if self.pages_at(seq, k) is not None and self.is_shared(seq, k)]
-        self._unmap(self.slot(seq), stale)
+        self._unmap(seq.kv.slot, stale)
 
-    def drop_page(self, seq: Sequence, k: int) -> None:
-        self._unmap(self.slot(seq), [k])
+    def unmap_page(self, seq: Sequence, k: int) -> None:
+        self._unmap(seq.kv.slot, [k])
 
     def map_fresh(self, seq: Sequence, indices: list[int]) -> None:
         for first, count in consecutive_runs(indices):
@@ -145,7 +153,7 @@ class VirtualKVCache(KVCacheBase):
                 if self.tile_rows > 1:  # a tile may load rows never written: they must be finite
                     region.view(torch.uint8, (count * self.page_size,), offset=region.offset_of(
                         self._index(seq, first))).zero_()
-            self.mapped[self.slot(seq)] += count
+            self.mapped[seq.kv.slot] += count
 
     @contextlib.contextmanager
     def entry_views(self, pages: tuple[int, ...]) -> Iterator[list[torch.Tensor]]:
@@ -175,11 +183,11 @@ class VirtualKVCache(KVCacheBase):
         for region in self.regions:
             region.copy_on_write(self._index(seq, k))
 
-    def free(self, seq: Sequence, keep_pages: bool) -> None:
+    def vacate(self, seq: Sequence, keep_pages: bool) -> None:
         """The slot's pages stay mapped for the next sequence unless keep_pages is False
         (preemption: the memory is needed now) or seq ended while swapped out."""
-        slot = self.slots.pop(seq.seq_id)
-        for _, slots in self.swapped.pop(seq.seq_id, {}).values():
+        slot = seq.kv.slot
+        for _, slots in (seq.kv.swapped or {}).values():
             keep_pages = False
             for swap_slot in slots:
                 self.swap.discard(swap_slot)
@@ -194,30 +202,28 @@ class VirtualKVCache(KVCacheBase):
         """Pages only seq maps (the prefix cache may hold them too) leave its slot; the bytes of
         those under its computed rows are saved first. A page the cache holds stays there,
         evictable, and comes back without a copy if it is still cached at swap-in."""
-        if self.swap is None:
-            return False
-        slot, held = self.slot(seq), self.held_by_cache()
+        slot, held = seq.kv.slot, self.held_by_cache()
         mine = [k for k in self._slot_pages(slot)
                 if all(self.pool.ref_counts[p] == 1 + held.get(p, 0) for p in self.pages_at(seq, k))]
         kept = [k for k in mine if k < len(self.page_range(0, seq.num_computed_tokens))]
         if self.swap.num_free < len(kept) * self.num_regions:
             return False
-        self.swapped[seq.seq_id] = {k: (self.pages_at(seq, k), tuple(
+        seq.kv.swapped = {k: (self.pages_at(seq, k), tuple(
             self.swap.save(r.addr + r.offset_of(self._index(seq, k))) for r in self.regions)) for k in kept}
         self._unmap(slot, mine)
         self.swap_outs += 1
         return True
 
     def swap_in(self, seq: Sequence, num_tokens: int, keep_free: int = 0) -> bool:
-        saved = self.swapped[seq.seq_id]
+        saved = seq.kv.swapped
         missing, shared = self.plan_mapping(seq, num_tokens)
         if not self.make_room((len(saved.keys() | missing) + len(shared)) * self.num_regions + keep_free):
             return False
         start = time.perf_counter()
-        hashes = self._hashes[seq.seq_id]
+        handle = seq.kv
         cache = self.prefix_cache.entries if self.prefix_cache else {}
         for k, (pages, swap_slots) in sorted(saved.items()):
-            if k < hashes.committed and cache.get(hashes.pages[k]) == pages:  # still cached: no copy
+            if k < handle.committed and cache.get(handle.names[k]) == pages:  # still cached: no copy
                 self.install(seq, k, pages)
                 for swap_slot in swap_slots:
                     self.swap.discard(swap_slot)
@@ -225,7 +231,7 @@ class VirtualKVCache(KVCacheBase):
             self.map_fresh(seq, [k])
             for r, swap_slot in zip(self.regions, swap_slots):
                 self.swap.restore(swap_slot, r.addr + r.offset_of(self._index(seq, k)))
-        del self.swapped[seq.seq_id]
+        handle.swapped = None
         self.swap_ins += 1
         self.map_seconds += time.perf_counter() - start
         if not self.ensure_mapped(seq, num_tokens):
@@ -261,10 +267,7 @@ class VirtualKVCache(KVCacheBase):
         self._unmap(slot, self._slot_pages(slot))
 
     # -- sleep ----------------------------------------------------------------------------
-    def active_sequences(self) -> int:
-        return len(self.slots)
-
-    def release_memory(self) -> None:
+    def unmap_all(self) -> None:
         """Unmap the idle slots and release every page: the reservations, and so every view
         and pointer into them, stay as they are (on CUDA, graphs captured over them stay valid)."""
         self.reclaim(self.pool.num_pages)
@@ -287,7 +290,7 @@ class VirtualKVCache(KVCacheBase):
                 per_slot[index // self.slot_pages] += 1
             assert per_slot == self.mapped, (per_slot, self.mapped)
         if self.swap:
-            held = [s for saved in self.swapped.values() for _, slots in saved.values() for s in slots]
+            held = [s for h in self.handles for _, slots in (h.swapped or {}).values() for s in slots]
             assert sorted(held + list(self.swap.free_slots)) == list(range(self.swap.num_slots)), \
                 "a swap slot is lost or held twice"
 
@@ -300,7 +303,7 @@ class VirtualKVCache(KVCacheBase):
 
     def block_table(self, seqs: list[Sequence], ctx_lens: list[int]) -> tuple[list[list[int]], int]:
         """A slot is one block as long as the slot: K/V rows are read in place."""
-        return [[self.slots[s.seq_id]] for s in seqs], self.rows
+        return [[s.kv.slot] for s in seqs], self.rows
 
     def close(self) -> None:
         self._let_cache_go()
