@@ -89,9 +89,12 @@ class SeqState:
 
 # -- the operations: one per KV-cache verb that changes state ------------------------------
 @dataclasses.dataclass(frozen=True)
-class Admit:
+class OneSeq:
+    """An operation on one sequence and nothing else."""
     seq: SeqState
 
+
+class Admit(OneSeq):
     def apply(self, kv, seqs):
         kv.admit(self.seq.live(seqs))
 
@@ -116,10 +119,7 @@ class MapAhead:
         kv.map_ahead(self.seq.live(seqs), self.start, self.end, self.keep_free)
 
 
-@dataclasses.dataclass(frozen=True)
-class Commit:
-    seq: SeqState
-
+class Commit(OneSeq):
     def apply(self, kv, seqs):
         kv.commit(self.seq.live(seqs))
 
@@ -143,10 +143,7 @@ class Release:
         seqs.pop(self.seq.seq_id, None)
 
 
-@dataclasses.dataclass(frozen=True)
-class SwapOut:
-    seq: SeqState
-
+class SwapOut(OneSeq):
     def apply(self, kv, seqs):
         kv.swap_out(self.seq.live(seqs))
 
