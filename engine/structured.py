@@ -116,8 +116,21 @@ class Grammars:
 
         matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"invalid structured output: {matcher.get_error()}")
+            raise ValueError(f"invalid structured output: {_first_line(matcher.get_error())}")
         return matcher
+
+    def check(self, grammar: str) -> None:
+        """Refuse, before anything runs, a grammar no text can satisfy (its first mask is an
+        error: `{"$ref": "#"}`, `start: start`) or one past the grammar engine's limits at its
+        first token (a 2,001-way choice, `a{1000000}`). Deeper failures end the request with a
+        GrammarError while it runs."""
+        matcher = self.matcher(grammar)
+        allowed = self.masks([matcher])[0].nonzero().flatten()
+        if matcher.is_error() or not len(allowed):
+            raise ValueError("the structured output cannot be satisfied: no text matches it")
+        if not matcher.consume_token(int(allowed[0])):
+            raise ValueError(f"the structured output exceeds the grammar engine's limits: "
+                             f"{_first_line(matcher.get_error())}")
 
     def masks(self, matchers: list, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """bool [rows, vocab] on `device` (the logits'): True where a token may come next; None
@@ -136,8 +149,18 @@ class Grammars:
         return allowed.flatten(1)[:, :self.vocab_size].bool().to(device)
 
 
+class GrammarError(RuntimeError):
+    """A request's grammar failed while generating (a limit of the grammar engine): the
+    client's request, so the server answers 400. The message is the engine's first line only,
+    never its parser state."""
+
+
+def _first_line(error: str | None) -> str:
+    return (error or "unknown error").strip().splitlines()[0][:200]
+
+
 def consume(matcher, token_id: int) -> bool:
     """Advance a matcher by one sampled token; True when its grammar is now complete."""
     if not matcher.consume_token(token_id):
-        raise RuntimeError(f"the grammar refused token {token_id}: {matcher.get_error()}")
+        raise GrammarError(f"the structured output's grammar failed: {_first_line(matcher.get_error())}")
     return matcher.is_stopped()

@@ -126,7 +126,20 @@ CASES = {  # name: (path, body, status, words the error must contain)
                                                                      "stop_token_ids": list(range(49152))},
                                                  400, ("min_tokens",)),
     "min_tokens under an unsatisfiable grammar": (CHAT, {"messages": HI, "min_tokens": 3, "max_tokens": 8,
-                                                         "guided_json": {"$ref": "#"}}, 400, ("allow no next token",)),
+                                                         "guided_json": {"$ref": "#"}}, 400, ("cannot be satisfied",)),
+    # grammars no text satisfies, and grammars past the grammar engine's limits: refused at submission
+    "json schema that refers to itself": (CHAT, {"messages": HI, "guided_json": {"$ref": "#"}}, 400,
+                                          ("cannot be satisfied",)),
+    "regex that matches nothing": (CHAT, {"messages": HI, "guided_regex": "[^\\x00-\\x{10FFFF}]"}, 400,
+                                   ("cannot be satisfied",)),
+    "grammar that never ends": (CHAT, {"messages": HI, "guided_grammar": "start: start"}, 400,
+                                ("cannot be satisfied",)),
+    "2,001 choices": (CHAT, {"messages": HI, "guided_choice": [f"c{i}" for i in range(2001)]}, 400,
+                      ("limits", "max is 2000")),
+    "a regex of a million repeats": (CHAT, {"messages": HI, "guided_regex": "a{1000000}"}, 400, ("limits",)),
+    "a grammar past the limits after its first token": (CHAT, {"messages": HI, "max_tokens": 8,
+                                                              "guided_regex": "(x|y)a{1000000}"}, 400,
+                                                        ("grammar failed", "too many expressions")),
     "temperature past fp32": ("/v1/completions", {"prompt": "Hi", "temperature": 1e39}, 400, ("temperature",)),
     "cache_salt": ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "cache_salt": "tenant-a"}, 200, ()),
     "cache_salt on chat": (CHAT, {"messages": HI, "max_tokens": 2, "cache_salt": "tenant-a"}, 200, ()),
@@ -158,6 +171,7 @@ def test_bad_and_odd_requests_get_clear_answers_and_hurt_no_one(server, case):
     if status != 200:
         message = r.json()["error"]["message"]
         assert all(w in message for w in words), message
+        assert "<state>" not in message and "compute_time_us" not in message  # no internal parser state
     assert_still_serving(base, engine)
 
 

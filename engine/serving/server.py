@@ -312,6 +312,16 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
     return app
 
 
+def _clients_own(failure: str) -> str | None:
+    """What to tell the client when its request failed of its own doing (a 400), else None."""
+    if failure.startswith("SamplingError") and "allows no token" in failure:
+        return ("the request's constraints (min_tokens, stop_token_ids, logit_bias or a structured output) "
+                "allow no next token")
+    if failure.startswith("GrammarError: "):
+        return failure.removeprefix("GrammarError: ")
+    return None
+
+
 async def _collect(engine: AsyncEngine, requests: list[EngineRequest], request: Request) -> list[RequestOutput]:
     """Run every prompt to the end; abort them all if the client goes away first."""
     async def last(one: EngineRequest) -> RequestOutput:
@@ -328,9 +338,8 @@ async def _collect(engine: AsyncEngine, requests: list[EngineRequest], request: 
             raise HTTPError(499, "client disconnected")
     outs = task.result()
     failed = next((o.error for o in outs if o.error), None)
-    if failed and failed.startswith("SamplingError") and "allows no token" in failed:  # the request's own doing
-        raise HTTPError(400, "the request's constraints (min_tokens, stop_token_ids, logit_bias or a structured "
-                             "output) allow no next token")
+    if failed and _clients_own(failed):
+        raise HTTPError(400, _clients_own(failed))
     if failed:
         raise HTTPError(500, f"the request failed inside the engine: {failed}", "internal_error")
     return outs
@@ -363,7 +372,10 @@ async def _stream(engine: AsyncEngine, rid: str, requests: list[EngineRequest], 
             failure = out if isinstance(out, Exception) else (out.error and RuntimeError(out.error))
             if failure:
                 status = 503 if isinstance(failure, (EngineDeadError, RequestCancelled)) else 500
-                yield f"data: {json.dumps(error_body(str(failure), type(failure).__name__, status))}\n\n"
+                message = str(failure)
+                if status == 500 and _clients_own(message):
+                    status, message = 400, _clients_own(message)
+                yield f"data: {json.dumps(error_body(message, type(failure).__name__, status))}\n\n"
                 break
             choices = []
             for c in out.outputs:
