@@ -57,8 +57,8 @@ class LLM:
 
     def _submit(self, kind: str, prompts: list, params: list, use_tqdm: bool, priority: list[int]) -> list:
         """Tokenize and check every prompt before any runs, so a bad one leaves the engine as it was."""
-        requests = [self.engine.process_inputs(f"{kind}-{next(self._ids)}", prompt, p, priority=urgency)
-                    for prompt, p, urgency in zip(prompts, params, priority)]
+        requests = [self.engine.process_inputs(f"{kind}-{next(self._ids)}", prompt, p, group="llm", priority=urgency)
+                    for prompt, p, urgency in zip(prompts, params, priority)]  # one caller: one group
         for request in requests:
             self.engine.add(request)
         return self._run([r.request_id for r in requests], use_tqdm)

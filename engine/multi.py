@@ -153,7 +153,7 @@ class MultiLLM:
         model = model or next(iter(self.engines))
         engine, prompts = self.engine(model), as_prompt_list(prompts)
         params = params or SamplingParams()
-        requests = [engine.process_inputs(f"multi-{next(self._ids)}", p, params) for p in prompts]
+        requests = [engine.process_inputs(f"multi-{next(self._ids)}", p, params, group="llm") for p in prompts]
         for request in requests:
             self.add(model, request)
         ids, done = [r.request_id for r in requests], {}

@@ -28,9 +28,11 @@ under that (benchmarks/bench_swap.py measures both on this machine), so swap win
 sequence with at least `swap_min_tokens` computed; below that, and whenever the tier is full,
 recompute is used.
 
-Admission order: first come, first served, except that a group (the sequences of one client
-request) that has had fewer sequences admitted goes before one that has had more, so a request
-of many prompts cannot hold the head of the queue for everyone: groups take turns. With `policy="priority"` the lowest priority
+Admission order: first come, first served, except that a group (the sequences of one client)
+that has had fewer sequences admitted goes before one that has had more, so a request of many
+prompts cannot hold the head of the queue for everyone: groups take turns. And seats are
+shared: a group waiting with nothing running while another holds more than its fair share of
+the seats (or of the pages it needs) gets one, the other's newest sequence preempted. With `policy="priority"` the lowest priority
 value goes first (ties: fairness, then arrival) and the least urgent running sequence is the
 one preempted; otherwise the newest is. With `policy="lpm"` (SGLang's longest prefix match)
 the sequence with the most prompt pages already cached, in the pool or a KV tier, goes first
@@ -126,6 +128,7 @@ class Scheduler:
         if len(self.admitted) > 2 * (len(self.waiting) + len(self.running)):  # forget groups gone
             live = {s.group for s in (*self.waiting, *self.running)}
             self.admitted = Counter({g: n for g, n in self.admitted.items() if g in live})
+        self._share_seats(budget)
         scheduled = self._schedule_running(budget)
         budget -= sum(n for _, n in scheduled)
         resumed = self._resume_swapped(budget)
@@ -251,6 +254,24 @@ class Scheduler:
             if seq.beam:
                 seq.beam.fail()
         return [SeqOutput(seq, [], "error", error) for seq in seqs]
+
+    def _share_seats(self, budget: int) -> None:
+        """A group (a client) waiting with no sequence running while the seats or pages are
+        taken: the group holding the most, above its fair share of seats, gives back its newest
+        until the waiting one fits. A client's burst waits; it does not hold everyone.
+        (Not under the priority policy: there urgency decides.)"""
+        if self.policy == "priority":
+            return
+        while self.waiting and (len(self.running) >= self.max_num_seqs or not self._fits(self._next_waiting(), budget)):
+            held = Counter(s.group for s in self.running)
+            waiting = {s.group for s in self.waiting}
+            fair = max(1, self.max_num_seqs // len(held.keys() | waiting))
+            if not held or all(held[g] for g in waiting):
+                return
+            hog, most = held.most_common(1)[0]
+            if most <= fair:
+                return
+            self.preempt(next(s for s in reversed(self.running) if s.group == hog))
 
     def _schedule_running(self, budget: int) -> Scheduled:
         scheduled, i = [], 0

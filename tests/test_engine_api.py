@@ -147,3 +147,32 @@ def test_sleep_releases_the_kv_memory_and_wake_up_changes_nothing(kv_layout):
     after = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert after == before
     assert_pool_whole(llm)
+
+
+def test_a_client_with_nothing_running_gets_a_seat_from_the_one_holding_them_all():
+    """Client A's burst holds every seat; client B's one request runs within two steps (a
+    sequence of A's is preempted, and recomputed later: A's outputs do not change)."""
+    burst = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[5 + i] * 20 for i in range(12)]
+    with LLM(model="random:tiny", max_num_seqs=4, kv_cache_memory=8 << 20, page_size=4096) as alone:
+        want = [o.outputs[0].token_ids for o in alone.generate(prompts, burst, use_tqdm=False)]
+    with LLM(model="random:tiny", max_num_seqs=4, kv_cache_memory=8 << 20, page_size=4096) as llm:
+        engine = llm.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"a{i}", prompt, burst, group="A")
+        done = {}
+        for _ in range(3):
+            done |= {o.request_id: o for o in engine.step() if o.finished}
+        assert [s.group for s in engine.scheduler.running] == ["A"] * 4
+        engine.add_request("b", [9] * 20, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), group="B")
+        steps, first = 0, None
+        while engine.has_unfinished():
+            outs = engine.step()
+            steps += 1
+            if first is None and any(o.request_id == "b" and o.outputs[0].token_ids for o in outs):
+                first = steps
+            done |= {o.request_id: o for o in outs if o.finished}
+        assert first is not None and first <= 2, first
+        assert engine.scheduler.num_preemptions >= 1
+        assert [done[f"a{i}"].outputs[0].token_ids for i in range(12)] == want
+        assert_pool_whole(llm)

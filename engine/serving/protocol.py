@@ -87,7 +87,7 @@ class _Request(_SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # OpenAI's end-user id, for the caller's own bookkeeping: it changes nothing
+    user: str | None = None  # OpenAI's end-user id: with the API key (or the address), who the client is
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
     cache_salt: str | None = None  # vLLM's: cached KV is shared only with requests of the same salt
     use_beam_search: bool = False  # vLLM's: n is the beam width

@@ -121,6 +121,12 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         log.exception("unexpected error", exc_info=exc)
         return error(500, f"internal error: {type(exc).__name__}", "internal_error")
 
+    def client_of(request: Request, body) -> str:
+        """Who asks: the API key that authenticated it (one key: everyone), else the peer
+        address, with OpenAI's `user` field when the request names one."""
+        who = "key" if api_key is not None else (request.client.host if request.client else "unknown")
+        return f"{who}/{body.user}" if body.user else who
+
     def authorize(request: Request) -> None:
         if api_key is None:
             return
@@ -140,10 +146,11 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         if body.stream_options is not None and not body.stream:
             raise HTTPError(400, "stream_options needs stream: true")
 
-    async def prepare(engine: AsyncEngine, rid: str, prompts: list[Prompt], body, max_tokens: int | None,
-                      logprobs: int | None, best_of: int | None = None) -> list[EngineRequest]:
-        """Check the request whole before any of it runs (one engine request per prompt, all of
-        one client group); 400 with the reason if bad. A stream asks for deltas."""
+    async def prepare(engine: AsyncEngine, rid: str, client: str, prompts: list[Prompt], body,
+                      max_tokens: int | None, logprobs: int | None, best_of: int | None = None) -> list[EngineRequest]:
+        """Check the request whole before any of it runs (one engine request per prompt, all in
+        the client's group: the scheduler shares seats between groups); 400 with the reason if
+        bad. A stream asks for deltas."""
         per_prompt = max(body.n, best_of or 0)
         if len(prompts) * per_prompt > limits.max_prompts_per_request:
             raise HTTPError(400, f"{len(prompts)} prompts x {per_prompt} sequences exceed the "
@@ -154,7 +161,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
             params = body.sampling_params(max_tokens, logprobs, best_of)
             if body.stream and isinstance(params, SamplingParams):
                 params.output_kind = RequestOutputKind.DELTA
-            return [await engine.process(f"{rid}-{i}", prompt, params, rid, body.priority)
+            return [await engine.process(f"{rid}-{i}", prompt, params, client, body.priority)
                     for i, prompt in enumerate(prompts)]
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
@@ -255,7 +262,8 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
             raise HTTPError(400, "prompt must not be empty")
         prompts = salted(await tokenize(engine, raw), body)
         rid = new_id("cmpl")
-        requests = await prepare(engine, rid, prompts, body, body.max_tokens, body.logprobs, body.best_of)
+        requests = await prepare(engine, rid, client_of(request, body), prompts, body, body.max_tokens, body.logprobs,
+                                 body.best_of)
         echoes = [(p.text if p.text is not None else engine.tokenizer.decode(p.token_ids)) if body.echo else ""
                   for p in prompts]
 
@@ -294,7 +302,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         rid = new_id("chatcmpl")
-        requests = await prepare(engine, rid, [prompt], body, max_tokens, logprobs)
+        requests = await prepare(engine, rid, client_of(request, body), [prompt], body, max_tokens, logprobs)
 
         def choice(_, c, first: bool) -> dict:
             return {"index": c.index, "delta": ({"role": "assistant"} if first else {}) | {"content": c.text},
