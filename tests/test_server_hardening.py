@@ -345,3 +345,23 @@ def test_offline_engine_fails_one_request_and_serves_the_rest():
     assert [done["ok-0"].outputs[0].token_ids, done["ok-1"].outputs[0].token_ids] == alone
     assert llm.stats().requests_failed == 1
     assert_pool_whole(llm)
+
+
+def test_one_clients_tokenization_burst_does_not_queue_another_client(server):
+    """Each client's tokenization jobs wait in a queue of their own and the workers serve the
+    clients in turn: client b's one prompt is done long before client a's 40 large ones."""
+    _, engine, _ = server
+    text = "word " * 200  # about 1,000 characters: fits max_model_len, takes a while to tokenize
+    done: list[str] = []
+
+    async def job(client, raw):
+        await engine.tokenize(raw, client)
+        done.append(client)
+
+    async def scenario():
+        burst = [asyncio.ensure_future(job("a", text + str(i))) for i in range(40)]
+        await asyncio.sleep(0)  # a's jobs are queued first
+        await asyncio.gather(job("b", "hello"), *burst)
+
+    asyncio.run(scenario())
+    assert len(done) == 41 and done.index("b") <= 4, done.index("b")  # FIFO would make it 41st

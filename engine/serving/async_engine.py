@@ -11,8 +11,11 @@ itself unhealthy.
 Sleep: a sleep command stops new requests (refused like a shutdown's, 503), lets the ones in
 flight finish, then releases the KV memory; wake-up maps it back.
 
-Tokenization and chat templating run on a worker thread with their own tokenizer, so a large
-prompt never blocks the event loop and never shares a tokenizer with the engine thread.
+Tokenization, chat templating and request checks (grammars compiled) run on worker threads,
+each with its own tokenizer, so a large prompt never blocks the event loop and never shares a
+tokenizer with the engine thread; each client's jobs wait in a queue of its own and the
+threads serve the clients in turn (`FairWorkers`), so one client's burst of large prompts
+delays another client's request by at most one job per thread.
 
 Several models over one pool (engine/multi.py): each model has its AsyncEngine and loop
 thread, and every loop does its engine work only while holding the models' shared `Turns`, a
@@ -23,13 +26,14 @@ models' caches). A model idle for `idle_sleep` seconds sleeps; its next request 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
@@ -43,6 +47,7 @@ from engine.stats import EngineStats
 
 log = logging.getLogger("vkv.server")
 SLEEPING = "the engine is sleeping: POST /wake_up first"
+PREPROCESS_THREADS = 2  # fast tokenizers release the GIL: two clients' prompts tokenize at once
 
 
 class EngineDeadError(RuntimeError):
@@ -90,6 +95,56 @@ class Turns:
             self._cv.notify_all()
 
 
+class FairWorkers:
+    """A few threads, each with its own state (a tokenizer), serving per-client queues in turn."""
+
+    def __init__(self, threads: int, make_state):
+        self._queues: OrderedDict[str, deque] = OrderedDict()  # client -> its jobs, in turn order
+        self._cv = threading.Condition()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, args=(make_state(),), name=f"vkv-tokenize-{i}",
+                                          daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, client: str, fn, *args) -> concurrent.futures.Future:
+        """fn(state, *args) on a worker, after the jobs queued before it by this client; other
+        clients' jobs take turns with them."""
+        future = concurrent.futures.Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the server is shutting down")
+            self._queues.setdefault(client, deque()).append((future, fn, args))
+            self._cv.notify()
+        return future
+
+    def _work(self, state) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queues or self._closed)
+                if self._closed:
+                    return
+                client, jobs = next(iter(self._queues.items()))
+                future, fn, args = jobs.popleft()
+                del self._queues[client]
+                if jobs:  # its next job goes to the back of the turn
+                    self._queues[client] = jobs
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(state, *args))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._closed = True
+            for jobs in self._queues.values():
+                for future, _, _ in jobs:
+                    future.cancel()
+            self._queues.clear()
+            self._cv.notify_all()
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, model: str | None = None, metrics: Metrics | None = None,
                  turns: Turns | None = None, idle_sleep: float | None = None):
@@ -113,18 +168,18 @@ class AsyncEngine:
         self.accepting = True  # new requests are taken
         self.dead: EngineDeadError | None = None
         self.sleep_waiters: list[asyncio.Future] = []  # sleep once nothing is in flight, then tell them
-        self.preprocessor = ThreadPoolExecutor(1, thread_name_prefix="vkv-tokenize")
+        self.preprocessor = FairWorkers(PREPROCESS_THREADS, lambda: copy.deepcopy(engine.tokenizer))
         self.thread = threading.Thread(target=self._loop, name="vkv-engine", daemon=True)
         self.thread.start()
 
     # -- called from the event loop -------------------------------------------------------
-    async def tokenize(self, prompt) -> Prompt:
+    async def tokenize(self, prompt, client: str = "") -> Prompt:
         self._check_size(prompt.get("prompt") if isinstance(prompt, dict) else prompt)
-        return await self._preprocess(tokenize, self.tokenizer, self.engine.model_config.vocab_size, prompt)
+        return await self._preprocess(client, tokenize, self.engine.model_config.vocab_size, prompt)
 
-    async def chat_prompt(self, messages: list[dict]) -> Prompt:
+    async def chat_prompt(self, messages: list[dict], client: str = "") -> Prompt:
         self._check_size("".join(m["content"] for m in messages if isinstance(m.get("content"), str)))
-        return await self._preprocess(chat_prompt, self.tokenizer, messages)
+        return await self._preprocess(client, chat_prompt, messages)
 
     def _check_size(self, text) -> None:
         """Refuse a text too long to fit max_model_len before it takes the tokenizer's thread:
@@ -134,16 +189,17 @@ class AsyncEngine:
             raise ValueError(f"the prompt's {len(text)} characters cannot fit in max_model_len "
                              f"{self.max_model_len} tokens (none covers more than {self.max_token_bytes})")
 
-    async def _preprocess(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.preprocessor, fn, *args)
+    async def _preprocess(self, client: str, fn, *args):
+        """fn(a worker's tokenizer, *args), in the client's turn."""
+        return await asyncio.wrap_future(self.preprocessor.submit(client, fn, *args))
 
     async def process(self, request_id: str, prompt: Prompt, params: SamplingParams | BeamSearchParams,
                       group: str | None = None, priority: int = 0) -> EngineRequest:
         """The request checked (ValueError, with the reason, if the engine would refuse it). It
         reads only what never changes (and compiles grammars, which may take a while), so it
         runs on the worker; the engine does not check it again."""
-        return await self._preprocess(lambda: self.engine.process_inputs(request_id, prompt, params, group=group,
-                                                                         priority=priority))
+        return await self._preprocess(group or request_id, lambda _: self.engine.process_inputs(
+            request_id, prompt, params, group=group, priority=priority))
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """The request's outputs as it advances (as its params' output_kind says); a beam
@@ -215,7 +271,7 @@ class AsyncEngine:
         self.running = False
         self.wake.set()
         self.thread.join(timeout=10)
-        self.preprocessor.shutdown(wait=False, cancel_futures=True)
+        self.preprocessor.shutdown()
         if not self.thread.is_alive():
             self.engine.close()
 

@@ -174,11 +174,11 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
             raise HTTPError(400, str(exc)) from exc
         return [dataclasses.replace(p, cache_salt=salt) for p in prompts] if salt is not None else prompts
 
-    async def tokenize(engine: AsyncEngine, raw_prompts: list) -> list[Prompt]:
+    async def tokenize(engine: AsyncEngine, raw_prompts: list, client: str) -> list[Prompt]:
         prompts = []
         for i, raw in enumerate(raw_prompts):
             try:
-                prompts.append(await engine.tokenize(raw))
+                prompts.append(await engine.tokenize(raw, client))
             except ValueError as exc:
                 where = f"prompt[{i}]: " if len(raw_prompts) > 1 else ""
                 raise HTTPError(400, where + str(exc)) from exc
@@ -260,7 +260,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         raw = body.prompts()
         if not raw:
             raise HTTPError(400, "prompt must not be empty")
-        prompts = salted(await tokenize(engine, raw), body)
+        prompts = salted(await tokenize(engine, raw, client_of(request, body)), body)
         rid = new_id("cmpl")
         requests = await prepare(engine, rid, client_of(request, body), prompts, body, body.max_tokens, body.logprobs,
                                  body.best_of)
@@ -293,7 +293,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
             raise HTTPError(400, "top_logprobs needs logprobs: true")
         try:
             conversation = body.conversation()
-            prompt, = salted([await engine.chat_prompt(conversation)], body)
+            prompt, = salted([await engine.chat_prompt(conversation, client_of(request, body))], body)
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
         for name in ("max_completion_tokens", "max_tokens"):
