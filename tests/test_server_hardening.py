@@ -365,3 +365,28 @@ def test_one_clients_tokenization_burst_does_not_queue_another_client(server):
 
     asyncio.run(scenario())
     assert len(done) == 41 and done.index("b") <= 4, done.index("b")  # FIFO would make it 41st
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_isolated_clients_never_reuse_each_others_cached_prefixes(isolate):
+    """--isolate-clients: each client's pages are salted with its identity (here OpenAI's
+    `user` at one address), so one client's prompt is never a cache hit for another, and so
+    cannot be timed or counted by it; the same client still reuses its own."""
+    engine = AsyncEngine(LLMEngine(EngineConfig(model="random:tiny", max_num_seqs=4, kv_cache_memory=8 << 20,
+                                                page_size=4096)))
+    app = build_app(engine, "tiny", ServerOptions(isolate_clients=isolate))
+    secret = {"prompt": list(range(100, 300)), "max_tokens": 2}
+
+    async def hits(user):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://vkv") as c:
+            before = engine.engine.kv.prefix_cache.hits
+            r = await c.post("/v1/completions", json=secret | {"user": user})
+            assert r.status_code == 200, r.text
+            return engine.engine.kv.prefix_cache.hits - before
+
+    try:
+        assert asyncio.run(hits("victim")) == 0
+        assert (asyncio.run(hits("attacker")) == 0) == isolate
+        assert asyncio.run(hits("victim")) > 0  # a client's own prefix is still cached for it
+    finally:
+        engine.shutdown()

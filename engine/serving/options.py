@@ -23,6 +23,7 @@ class ServerOptions:
     max_prompts_per_request: int = 64  # sequences (prompts x max(n, best_of)) one request may ask for
     shutdown_timeout: float = 30.0  # seconds requests in flight get to finish on SIGTERM
     metrics_public: bool = False  # with an API key, /metrics needs it too unless this says otherwise
+    isolate_clients: bool = False  # each client's prompts get its identity as cache_salt: no prefix crosses clients
     kv_limit: tuple[str, ...] = ()  # several models: NAME=MIN:MAX of the shared KV pool, bytes or %
     idle_sleep_seconds: float | None = None  # several models: a model idle this long gives its KV pages back
 
@@ -35,6 +36,10 @@ class ServerOptions:
         p.add_argument("--metrics-public", action="store_true",
                        help="serve /metrics without the API key (its prefix-cache counters tell one client about "
                             "another's prompts)")
+        p.add_argument("--isolate-clients", action="store_true",
+                       help="salt every request's cached pages with its client (the API key or address, with the "
+                            "request's `user`) unless it gives a cache_salt: no client can reuse, or time, another's "
+                            "cached prefix")
         p.add_argument("--served-model-name", default=d.served_model_name)
         p.add_argument("--log-level", default=d.log_level)
         m = p.add_argument_group("several models (--model NAME=SOURCE, more than once: one KV pool)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import hashlib
 import hmac
 import json
 import logging
@@ -166,12 +167,15 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
 
-    def salted(prompts: list[Prompt], body) -> list[Prompt]:
-        """The request's cache_salt on each of its prompts."""
+    def salted(prompts: list[Prompt], body, client: str) -> list[Prompt]:
+        """The request's cache_salt on each of its prompts (with --isolate-clients, by default
+        a digest of its client's identity)."""
         try:
             salt = check_cache_salt(body.cache_salt)
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
+        if salt is None and options.isolate_clients:
+            salt = "client:" + hashlib.sha256(client.encode()).hexdigest()
         return [dataclasses.replace(p, cache_salt=salt) for p in prompts] if salt is not None else prompts
 
     async def tokenize(engine: AsyncEngine, raw_prompts: list, client: str) -> list[Prompt]:
@@ -260,10 +264,10 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         raw = body.prompts()
         if not raw:
             raise HTTPError(400, "prompt must not be empty")
-        prompts = salted(await tokenize(engine, raw, client_of(request, body)), body)
+        client = client_of(request, body)
+        prompts = salted(await tokenize(engine, raw, client), body, client)
         rid = new_id("cmpl")
-        requests = await prepare(engine, rid, client_of(request, body), prompts, body, body.max_tokens, body.logprobs,
-                                 body.best_of)
+        requests = await prepare(engine, rid, client, prompts, body, body.max_tokens, body.logprobs, body.best_of)
         echoes = [(p.text if p.text is not None else engine.tokenizer.decode(p.token_ids)) if body.echo else ""
                   for p in prompts]
 
@@ -293,7 +297,8 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
             raise HTTPError(400, "top_logprobs needs logprobs: true")
         try:
             conversation = body.conversation()
-            prompt, = salted([await engine.chat_prompt(conversation, client_of(request, body))], body)
+            client = client_of(request, body)
+            prompt, = salted([await engine.chat_prompt(conversation, client)], body, client)
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
         for name in ("max_completion_tokens", "max_tokens"):
@@ -302,7 +307,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         rid = new_id("chatcmpl")
-        requests = await prepare(engine, rid, client_of(request, body), [prompt], body, max_tokens, logprobs)
+        requests = await prepare(engine, rid, client, [prompt], body, max_tokens, logprobs)
 
         def choice(_, c, first: bool) -> dict:
             return {"index": c.index, "delta": ({"role": "assistant"} if first else {}) | {"content": c.text},
