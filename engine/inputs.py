@@ -60,12 +60,14 @@ def check_cache_salt(salt) -> str | None:
     return salt
 
 
-def chat_prompt(tokenizer, messages: list[dict]) -> Prompt:
-    """One conversation through the model's chat template, ready for the assistant's turn."""
+def chat_prompt(tokenizer, messages: list[dict], tools: list | None = None) -> Prompt:
+    """One conversation through the model's chat template, ready for the assistant's turn
+    (`tools`: handed to a template that takes them)."""
     for message in messages:
         _check_text(message.get("content") or "")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        extra = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     except Exception as exc:  # templates raise their own errors for conversations they refuse
         raise ValueError(f"cannot apply the chat template: {exc}") from exc
     return Prompt(tokenizer.encode(text, add_special_tokens=False), text)

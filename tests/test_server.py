@@ -443,3 +443,70 @@ def test_a_wake_up_during_the_drain_calls_the_sleep_off(client, server):
                     headers=headers, timeout=60)
     assert ok.status_code == 200
     wait_idle(engine)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                                   "unit": {"type": "string", "enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
+                                                                               "maximum": 14}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tool_calls_with_the_openai_client(client):
+    """A forced call's arguments validate against its function's schema; "required" calls
+    offered functions; a streamed call reassembles to the same call; a history with a tool
+    result continues."""
+    import jsonschema
+
+    named = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=40,
+                                           temperature=0, tool_choice={"type": "function",
+                                                                       "function": {"name": "get_weather"}})
+    call, = named.choices[0].message.tool_calls
+    assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    required = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=60,
+                                              temperature=0, tool_choice="required")
+    calls = required.choices[0].message.tool_calls
+    assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
+    for c in calls:
+        schema = (WEATHER if c.function.name == "get_weather" else TIME)["function"]["parameters"]
+        jsonschema.validate(json.loads(c.function.arguments), schema)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=40,
+                                                 temperature=0, stream=True,
+                                                 tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == \
+        [(call.function.name, json.loads(call.function.arguments))]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}]
+    after = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=12,
+                                           temperature=0)
+    assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_auto_tool_calls_are_parsed_from_hermes_blocks():
+    from engine.serving.tools import calls_in, render, tool_use
+
+    use = tool_use([WEATHER], None, None)
+    assert use.choice == "auto"
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}}\n</tool_call>'
+    content, calls = calls_in(text, use)
+    assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome", "unit": "C"}
+    for unknown in ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "<tool_call>not json</tool_call>"):
+        assert calls_in(unknown, use) == (unknown, [])  # not a call to an offered function: left as text
+    conversation, tools = render(ASK, use, template_takes_tools=False)
+    assert tools is None and conversation[0]["role"] == "system" and "get_weather" in conversation[0]["content"]
+    for bad, words in (([{"type": "function"}], r"tools\[0\]"), ([WEATHER, WEATHER], "twice")):
+        with pytest.raises(ValueError, match=words):
+            tool_use(bad, None, None)
+    with pytest.raises(ValueError, match="not among the tools"):
+        tool_use([WEATHER], {"type": "function", "function": {"name": "nope"}}, None)
+    with pytest.raises(ValueError, match="needs tools"):
+        tool_use(None, "required", None)

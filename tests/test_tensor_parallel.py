@@ -57,7 +57,7 @@ def test_three_ranks_on_smollm2_equal_one_rank(kv_layout, reference):
         assert kv.pool.num_pages * kv.pool.page_size <= BUDGET_PER_RANK[kv_layout]
         engine = llm.engine
         for i, prompt in enumerate(PROMPTS):
-            engine.add_request(str(i), prompt, GREEDY)
+            engine.add_request(str(i), prompt, GREEDY, group="one client")  # one caller: no seat sharing
         done, steps = {}, 0
         while engine.has_unfinished():
             done |= {o.request_id: o for o in engine.step() if o.finished}

@@ -177,9 +177,13 @@ class AsyncEngine:
         self._check_size(prompt.get("prompt") if isinstance(prompt, dict) else prompt)
         return await self._preprocess(client, tokenize, self.engine.model_config.vocab_size, prompt)
 
-    async def chat_prompt(self, messages: list[dict], client: str = "") -> Prompt:
+    async def chat_prompt(self, messages: list[dict], client: str = "", tools: list | None = None) -> Prompt:
         self._check_size("".join(m["content"] for m in messages if isinstance(m.get("content"), str)))
-        return await self._preprocess(client, chat_prompt, messages)
+        return await self._preprocess(client, chat_prompt, messages, tools)
+
+    @property
+    def template_takes_tools(self) -> bool:
+        return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
 
     def _check_size(self, text) -> None:
         """Refuse a text too long to fit max_model_len before it takes the tokenizer's thread:

@@ -8,6 +8,7 @@ there only and copied into the request models here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import typing
 import uuid
@@ -23,7 +24,7 @@ from engine.structured import StructuredOutputsParams
 SHARED_WITH_SAMPLING_PARAMS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens")
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def _sampling_fields() -> dict:
@@ -182,16 +183,33 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """Tool messages, participant names and non-text parts are refused: the model and its chat
-    template have no place for them."""
+    """Participant names and non-text parts are refused: the model and its chat template have
+    no place for them. Tool results (role "tool") and an assistant's earlier tool calls are
+    written into the conversation by engine/serving/tools.py."""
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]  # developer is OpenAI's new name for system
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer is OpenAI's new name for system
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, in OpenAI's shape
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def to_dict(self, i: int) -> dict:
-        """{"role", "content"} for the chat template; ValueError naming what is refused."""
+        """{"role", "content"} (and an assistant's "tool_calls" as {"name", "arguments"}) for
+        the chat template; ValueError naming what is refused."""
+        where = f"messages[{i}]"
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"{where}: only an assistant message has tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError(f"{where}: a tool message, and only a tool message, has a tool_call_id")
+        if self.content is None and not self.tool_calls:
+            raise ValueError(f"{where}.content is required")
+        if self.tool_calls:
+            return {"role": "assistant", "content": self._text(i) if self.content is not None else "",
+                    "tool_calls": [_call_of(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(self.tool_calls)]}
+        return {"role": CHAT_ROLES[self.role], "content": self._text(i)}
+
+    def _text(self, i: int) -> str:
         if isinstance(self.content, str):
-            return {"role": CHAT_ROLES[self.role], "content": self.content}
+            return self.content
         texts = []
         for j, part in enumerate(self.content):
             where = f"messages[{i}].content[{j}]"
@@ -202,7 +220,20 @@ class ChatMessage(BaseModel):
             if part.model_extra:
                 raise ValueError(f"{where}: unknown field {next(iter(part.model_extra))!r}")
             texts.append(part.text)
-        return {"role": CHAT_ROLES[self.role], "content": "".join(texts)}
+        return "".join(texts)
+
+
+def _call_of(call, where: str) -> dict:
+    """An assistant's earlier tool call, {"name", "arguments"}; ValueError if malformed."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    try:
+        arguments = json.loads(fn["arguments"]) if isinstance(fn, dict) and isinstance(fn.get("arguments"), str) \
+            else None
+    except json.JSONDecodeError:
+        arguments = None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(arguments, dict):
+        raise ValueError(f'{where} must be {{"type": "function", "function": {{"name": ..., "arguments": "<JSON object>"}}}}')
+    return {"name": fn["name"], "arguments": arguments}
 
 
 class ChatCompletionRequest(_Request):

@@ -45,6 +45,8 @@ from engine.serving.async_engine import SLEEPING, AsyncEngine, EngineDeadError, 
 from engine.serving.http import BodyGuard, GuardedH11Protocol
 from engine.serving.metrics import Metrics
 from engine.serving.options import ServerOptions
+from engine.serving.tools import calls_in, guide, render, tool_use
+from engine.structured import StructuredOutputsParams
 from engine.serving.protocol import (ChatCompletionRequest, CompletionRequest, KVLimitRequest, TokenText, envelope,
                                      error_body, new_id, parse_limit, usage)
 
@@ -148,10 +150,11 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
             raise HTTPError(400, "stream_options needs stream: true")
 
     async def prepare(engine: AsyncEngine, rid: str, client: str, prompts: list[Prompt], body,
-                      max_tokens: int | None, logprobs: int | None, best_of: int | None = None) -> list[EngineRequest]:
+                      max_tokens: int | None, logprobs: int | None, best_of: int | None = None,
+                      structured: StructuredOutputsParams | None = None, deltas: bool = False) -> list[EngineRequest]:
         """Check the request whole before any of it runs (one engine request per prompt, all in
         the client's group: the scheduler shares seats between groups); 400 with the reason if
-        bad. A stream asks for deltas."""
+        bad. deltas: outputs hold what is new (a stream)."""
         per_prompt = max(body.n, best_of or 0)
         if len(prompts) * per_prompt > limits.max_prompts_per_request:
             raise HTTPError(400, f"{len(prompts)} prompts x {per_prompt} sequences exceed the "
@@ -160,7 +163,9 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
             if max_tokens is None:  # as much as fits after the longest prompt
                 max_tokens = max(1, engine.max_model_len - max(len(p.token_ids) for p in prompts))
             params = body.sampling_params(max_tokens, logprobs, best_of)
-            if body.stream and isinstance(params, SamplingParams):
+            if structured is not None:  # a forced tool call
+                params.structured_outputs = structured
+            if deltas and isinstance(params, SamplingParams):
                 params.output_kind = RequestOutputKind.DELTA
             return [await engine.process(f"{rid}-{i}", prompt, params, client, body.priority)
                     for i, prompt in enumerate(prompts)]
@@ -267,7 +272,8 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         client = client_of(request, body)
         prompts = salted(await tokenize(engine, raw, client), body, client)
         rid = new_id("cmpl")
-        requests = await prepare(engine, rid, client, prompts, body, body.max_tokens, body.logprobs, body.best_of)
+        requests = await prepare(engine, rid, client, prompts, body, body.max_tokens, body.logprobs, body.best_of,
+                                 deltas=body.stream)
         echoes = [(p.text if p.text is not None else engine.tokenizer.decode(p.token_ids)) if body.echo else ""
                   for p in prompts]
 
@@ -287,18 +293,17 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         model_name, engine = pick(body.model)
         tokens = texts[model_name]
         check(engine, body)
-        if body.tools:
-            raise HTTPError(400, "tools are not supported: vkv has no tool-call parser for this model family")
-        for name, value in (("tool_choice", body.tool_choice if body.tool_choice != "none" else None),
-                            ("parallel_tool_calls", body.parallel_tool_calls)):
-            if value is not None:
-                raise HTTPError(400, f"{name} is not supported: vkv does not support tools")
         if body.top_logprobs is not None and not body.logprobs:
             raise HTTPError(400, "top_logprobs needs logprobs: true")
         try:
-            conversation = body.conversation()
+            use = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls)
+            forced = guide(use)
+            if forced and (body.structured() is not None or body.use_beam_search):
+                raise ValueError("a forced tool call is a structured output: give tool_choice or a structured output "
+                                 "(or beam search), not both")
+            conversation, template_tools = render(body.conversation(), use, engine.template_takes_tools)
             client = client_of(request, body)
-            prompt, = salted([await engine.chat_prompt(conversation, client)], body, client)
+            prompt, = salted([await engine.chat_prompt(conversation, client, template_tools)], body, client)
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
         for name in ("max_completion_tokens", "max_tokens"):
@@ -307,22 +312,70 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         rid = new_id("chatcmpl")
-        requests = await prepare(engine, rid, client, [prompt], body, max_tokens, logprobs)
+        requests = await prepare(engine, rid, client, [prompt], body, max_tokens, logprobs, structured=forced,
+                                 deltas=body.stream and not use.offered)
+
+        def message(c) -> tuple[dict, str | None]:
+            """The completion as an assistant message, its tool calls parsed, and why it ended."""
+            content, calls = c.text, []
+            if use.offered and c.finish_reason == "stop":
+                try:
+                    content, calls = calls_in(c.text, use)
+                except (ValueError, KeyError, TypeError):  # not the JSON the grammar allows: left as text
+                    pass
+            return ({"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {}),
+                    "tool_calls" if calls else c.finish_reason)
 
         def choice(_, c, first: bool) -> dict:
             return {"index": c.index, "delta": ({"role": "assistant"} if first else {}) | {"content": c.text},
                     "logprobs": tokens.chat_logprobs(c), "finish_reason": c.finish_reason}
 
+        if body.stream and use.offered:  # calls are known at the end: one chunk per choice, then [DONE]
+            return StreamingResponse(_tool_stream(engine, rid, requests, body, model_name, message),
+                                     media_type="text/event-stream")
         if body.stream:
             chunks = _stream(engine, rid, requests, body, "chat.completion.chunk", model_name, choice)
             return StreamingResponse(chunks, media_type="text/event-stream")
         outs = await _collect(engine, requests, request)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": tokens.chat_logprobs(c), "finish_reason": c.finish_reason}
-                   for c in outs[0].outputs]
+        choices = []
+        for c in outs[0].outputs:
+            said, reason = message(c)
+            choices.append({"index": c.index, "message": said, "logprobs": tokens.chat_logprobs(c),
+                            "finish_reason": reason})
         return envelope("chat.completion", rid, model_name, choices, {"usage": usage(outs)})
 
     return app
+
+
+async def _tool_stream(engine: AsyncEngine, rid: str, requests: list[EngineRequest], body, model: str,
+                       message) -> AsyncIterator[str]:
+    """A stream of a request that may call tools: each choice whole, as one delta (content and
+    `tool_calls` with their indices), then usage if asked, then [DONE]; an error event instead
+    if the request fails."""
+    kind, outs = "chat.completion.chunk", None
+    try:
+        async for out in engine.generate(requests[0]):
+            outs = out
+        if outs.error:
+            raise RuntimeError(outs.error)
+    except Exception as exc:
+        status = 503 if isinstance(exc, (EngineDeadError, RequestCancelled)) else 500
+        text = str(exc)
+        if status == 500 and _clients_own(text):
+            status, text = 400, _clients_own(text)
+        yield f"data: {json.dumps(error_body(text, type(exc).__name__, status))}\n\n"
+        yield "data: [DONE]\n\n"
+        return
+    for c in outs.outputs:
+        said, reason = message(c)
+        delta = said | {"tool_calls": [call | {"index": i} for i, call in enumerate(said.get("tool_calls", []))]}
+        if not delta["tool_calls"]:
+            del delta["tool_calls"]
+        yield f"data: {json.dumps(envelope(kind, rid, model, [{'index': c.index, 'delta': delta, 'logprobs': None, 'finish_reason': None}]))}\n\n"
+        yield f"data: {json.dumps(envelope(kind, rid, model, [{'index': c.index, 'delta': {}, 'logprobs': None, 'finish_reason': reason}]))}\n\n"
+    if body.stream_options and body.stream_options.include_usage:
+        yield f"data: {json.dumps(envelope(kind, rid, model, [], {'usage': usage([outs])}))}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 def _clients_own(failure: str) -> str | None:
