@@ -19,6 +19,17 @@ from dataclasses import asdict, dataclass
 import torch
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Each request's budget in the grammar engine (llguidance's units: a grammar's size, and lexer
+# "fuel", a deterministic bound on the work of building it and of each token's mask). A grammar
+# past it is refused at submission, or fails its request alone while it runs (a 400 either way).
+BUDGET = {"max_grammar_size": 500_000, "initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000,
+          "max_items_in_row": 2000, "step_max_items": 50_000, "max_lexer_states": 250_000}
+
+
+def _limits():
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(**BUDGET)
 
 
 @dataclass
@@ -102,7 +113,7 @@ class Grammars:
             grammar = params.to_llguidance()
         except Exception as exc:  # llguidance raises plain errors for malformed input
             raise ValueError(f"invalid structured output: {exc}") from exc
-        error = LLMatcher.validate_grammar(grammar, self.tokenizer)
+        error = LLMatcher.validate_grammar(grammar, self.tokenizer, limits=_limits())
         if error:
             raise ValueError(f"invalid structured output: {error.strip()}")
         with self._lock:
@@ -114,7 +125,7 @@ class Grammars:
     def matcher(self, grammar: str):
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=_limits())
         if matcher.is_error():
             raise ValueError(f"invalid structured output: {_first_line(matcher.get_error())}")
         return matcher

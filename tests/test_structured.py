@@ -55,3 +55,17 @@ def test_bad_grammars_are_refused_before_anything_runs(tiny, spec, words):
     with pytest.raises(ValueError, match=words):
         tiny.generate([[1, 2]], SamplingParams(structured_outputs=spec), use_tqdm=False)
     assert_pool_whole(tiny)
+
+
+def test_each_request_has_a_budget_in_the_grammar_engine(tiny, monkeypatch):
+    """engine/structured.py BUDGET bounds a grammar's size and the work of building it: past
+    it, the request is refused before anything runs."""
+    import engine.structured as structured
+
+    options = {"choice": [f"option number {i}" for i in range(60)]}
+    monkeypatch.setitem(structured.BUDGET, "max_items_in_row", 20)
+    with pytest.raises(ValueError, match="structured output"):
+        tiny.generate("Hi", SamplingParams(max_tokens=2, structured_outputs=options), use_tqdm=False)
+    monkeypatch.undo()
+    out = tiny.generate("Hi", SamplingParams(max_tokens=8, structured_outputs=options), use_tqdm=False)[0]
+    assert out.error is None
