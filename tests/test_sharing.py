@@ -6,7 +6,7 @@ from engine import LLM, SamplingParams
 from helpers import assert_pool_whole
 
 SYSTEM = ("You are a meticulous assistant for a railway company. Answer questions about timetables, "
-          "tickets, delays, refunds, luggage and accessibility. Be brief and exact. ") * 16
+          "tickets, delays, refunds, luggage and accessibility. Be brief and exact. ") * 8
 QUESTIONS = ["When does the first train leave?", "Can I bring a bicycle?", "How do refunds work?",
              "Is there step-free access?", "What if my train is late?", "Are dogs allowed?"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
