@@ -73,8 +73,9 @@ def plot(result: dict, path: str) -> None:
     bars = ax.bar(names, values, color=["#888", "#2a7", "#c44"])
     ax.bar_label(bars, fmt="%.2f s")
     ax.set_ylabel("client B: time to first token (s)")
-    ax.set_title(f"One client's 64 x 64-token request against another's stream ({result['machine']['cpu_model']}, {result['machine']['isa']})",
-                 fontsize=9)
+    machine = result["machine"]
+    ax.set_title(f"One client's 64 x 64-token request against another's stream ({machine['cpu_model']}, "
+                 f"{'+'.join(machine['isa'])})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
