@@ -359,22 +359,22 @@ def test_offline_engine_fails_one_request_and_serves_the_rest():
 
 def test_one_clients_tokenization_burst_does_not_queue_another_client(server):
     """Each client's tokenization jobs wait in a queue of their own and the workers serve the
-    clients in turn: client b's one prompt is done long before client a's 40 large ones."""
+    clients in turn: client b's one job starts right after the jobs in flight, not after all
+    of client a's 40 queued before it."""
     _, engine, _ = server
-    text = "word " * 200  # about 1,000 characters: fits max_model_len, takes a while to tokenize
-    done: list[str] = []
+    order: list[str] = []
 
-    async def job(client, raw):
-        await engine.tokenize(raw, client)
-        done.append(client)
+    def slow(tokenizer, who):  # a tokenization that takes 10 ms
+        order.append(who)
+        time.sleep(0.01)
+        return tokenizer.encode("hello")
 
-    async def scenario():
-        burst = [asyncio.ensure_future(job("a", text + str(i))) for i in range(40)]
-        await asyncio.sleep(0)  # a's jobs are queued first
-        await asyncio.gather(job("b", "hello"), *burst)
-
-    asyncio.run(scenario())
-    assert len(done) == 41 and done.index("b") <= 4, done.index("b")  # FIFO would make it 41st
+    burst = [engine.preprocessor.submit("a", slow, "a") for _ in range(40)]
+    order.append("b asks")
+    small = engine.preprocessor.submit("b", slow, "b")
+    assert small.result(timeout=30) and all(f.result(timeout=30) for f in burst)
+    # in turn: after the two jobs in flight and at most one more of a's; FIFO: after all of a's
+    assert order.index("b") - order.index("b asks") <= 3, order
 
 
 @pytest.mark.parametrize("isolate", [False, True])
