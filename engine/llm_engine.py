@@ -21,7 +21,6 @@ import ext
 import vmm
 from engine.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
-from engine.inputs import Prompt, tokenize
 from engine.kv.build import attach_tiers
 from engine.map_ahead import MapAhead
 from engine.model_runner import ModelRunner
@@ -105,9 +104,6 @@ class LLMEngine:
                 "kernel_isa": f"{isa} ({isa_why})" if self.model.native else f"none ({ext.cpu_kernels_error()})"}
 
     # -- requests -------------------------------------------------------------------------
-    def tokenize(self, prompt) -> Prompt:
-        return tokenize(self.tokenizer, self.model_config.vocab_size, prompt)
-
     def process_inputs(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams, *,
                        group: str | None = None, priority: int = 0) -> EngineRequest:
         """The request tokenized and checked (engine/processor.py); ValueError, with the

@@ -105,9 +105,10 @@ class OutputProcessor:
         before the scheduler did."""
         p = state.params
         for i, s in enumerate(o.new):
+            before = len(c.detokenizer.text)
             self._add_token(c, s)
-            text = c.detokenizer.text
-            stops = [at for at in (text.find(stop) for stop in p.stop) if at >= 0]
+            text = c.detokenizer.text  # a stop string ending before `before` would have stopped it already
+            stops = [at for at in (text.find(stop, max(0, before - len(stop) + 1)) for stop in p.stop) if at >= 0]
             if stops:
                 c.shown, c.finish_reason = min(stops), "stop"
                 return o.finish_reason is None

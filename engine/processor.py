@@ -58,7 +58,6 @@ class InputProcessor:
                                  f"stop_token_ids (and EOS) name all {vocab}")
             if params.structured_outputs:
                 grammar = self.grammars.compile(params.structured_outputs)
-                self.grammars.check(grammar)
         total = len(prompt.token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt.token_ids)} tokens) + max_tokens ({params.max_tokens}) "

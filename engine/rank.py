@@ -43,8 +43,7 @@ def build_rank(c: EngineConfig, rank: int = 0, model=None, pool: vmm.PoolShare |
     """Rank `rank`'s weights (or `model`, already loaded), attention and KV cache (over `pool`,
     a share of a pool several models draw from, when given). On a GPU without a set
     kv_cache_memory, the pool is sized after a profile run of a worst-case step."""
-    mc, tp = load_config(c.model), c.tensor_parallel_size
-    check_divisible(mc, tp)
+    mc, tp = load_config(c.model), c.tensor_parallel_size  # (LLMEngine checked that tp divides the model)
     max_model_len = c.resolve_max_model_len(mc.max_position_embeddings)
     if model is None:
         model = load_model(c.model, mc, c.device, c.dtype, c.seed, (rank, tp), c.compute_dtype)

@@ -262,14 +262,14 @@ class Scheduler:
         (Not under the priority policy: there urgency decides.)"""
         if self.policy == "priority":
             return
-        while self.waiting and (len(self.running) >= self.max_num_seqs or not self._fits(self._next_waiting(), budget)):
-            held = Counter(s.group for s in self.running)
-            waiting = {s.group for s in self.waiting}
-            fair = max(1, self.max_num_seqs // len(held.keys() | waiting))
-            if not held or all(held[g] for g in waiting):
+        while self.waiting and self.running:
+            held, waiting = Counter(s.group for s in self.running), {s.group for s in self.waiting}
+            if all(held[g] for g in waiting):  # every waiting client has something running (the usual case)
+                return
+            if len(self.running) < self.max_num_seqs and self._fits(self._next_waiting(), budget):
                 return
             hog, most = held.most_common(1)[0]
-            if most <= fair:
+            if most <= max(1, self.max_num_seqs // len(held.keys() | waiting)):
                 return
             self.preempt(next(s for s in reversed(self.running) if s.group == hog))
 

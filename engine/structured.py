@@ -102,7 +102,8 @@ class Grammars:
             return self._tokenizer
 
     def compile(self, params: StructuredOutputsParams) -> str:
-        """The grammar, checked against the tokenizer; ValueError with llguidance's reason."""
+        """The grammar, checked against the tokenizer and at its first token (cached: a grammar
+        seen before is not checked again); ValueError with the reason."""
         from llguidance import LLMatcher
 
         key = json.dumps(asdict(params), sort_keys=True)
@@ -116,6 +117,7 @@ class Grammars:
         error = LLMatcher.validate_grammar(grammar, self.tokenizer, limits=_limits())
         if error:
             raise ValueError(f"invalid structured output: {error.strip()}")
+        self._check(grammar)
         with self._lock:
             if len(self._compiled) >= self.cache_size:
                 self._compiled.pop(next(iter(self._compiled)))
@@ -130,7 +132,7 @@ class Grammars:
             raise ValueError(f"invalid structured output: {_first_line(matcher.get_error())}")
         return matcher
 
-    def check(self, grammar: str) -> None:
+    def _check(self, grammar: str) -> None:
         """Refuse, before anything runs, a grammar no text can satisfy (its first mask is an
         error: `{"$ref": "#"}`, `start: start`) or one past the grammar engine's limits at its
         first token (a 2,001-way choice, `a{1000000}`). Deeper failures end the request with a

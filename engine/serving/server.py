@@ -359,11 +359,7 @@ async def _tool_stream(engine: AsyncEngine, rid: str, requests: list[EngineReque
         if outs.error:
             raise RuntimeError(outs.error)
     except Exception as exc:
-        status = 503 if isinstance(exc, (EngineDeadError, RequestCancelled)) else 500
-        text = str(exc)
-        if status == 500 and _clients_own(text):
-            status, text = 400, _clients_own(text)
-        yield f"data: {json.dumps(error_body(text, type(exc).__name__, status))}\n\n"
+        yield _error_event(exc)
         yield "data: [DONE]\n\n"
         return
     for c in outs.outputs:
@@ -376,6 +372,15 @@ async def _tool_stream(engine: AsyncEngine, rid: str, requests: list[EngineReque
     if body.stream_options and body.stream_options.include_usage:
         yield f"data: {json.dumps(envelope(kind, rid, model, [], {'usage': usage([outs])}))}\n\n"
     yield "data: [DONE]\n\n"
+
+
+def _error_event(failure: Exception) -> str:
+    """The server-sent event that ends a failed stream: 503 if the engine died or the server
+    is stopping, 400 if the request failed of its own doing, else 500."""
+    status, message = (503 if isinstance(failure, (EngineDeadError, RequestCancelled)) else 500), str(failure)
+    if status == 500 and _clients_own(message):
+        status, message = 400, _clients_own(message)
+    return f"data: {json.dumps(error_body(message, type(failure).__name__, status))}\n\n"
 
 
 def _clients_own(failure: str) -> str | None:
@@ -437,11 +442,7 @@ async def _stream(engine: AsyncEngine, rid: str, requests: list[EngineRequest], 
                 continue
             failure = out if isinstance(out, Exception) else (out.error and RuntimeError(out.error))
             if failure:
-                status = 503 if isinstance(failure, (EngineDeadError, RequestCancelled)) else 500
-                message = str(failure)
-                if status == 500 and _clients_own(message):
-                    status, message = 400, _clients_own(message)
-                yield f"data: {json.dumps(error_body(message, type(failure).__name__, status))}\n\n"
+                yield _error_event(failure)
                 break
             choices = []
             for c in out.outputs:
