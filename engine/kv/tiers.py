@@ -152,24 +152,27 @@ class DiskTier:
 
     def __contains__(self, name: bytes) -> bool:
         with self.lock:
-            return name in self.index or name in self.pending
+            return name in self.index
 
     def put(self, name: bytes, parts: Sequence[torch.Tensor], wait: bool = False) -> None:
         """Queue the entry's bytes for the writer (copied now: the parts may change next).
         wait=False drops the write when the writer is behind."""
         with self.lock:
-            if name in self.index or name in self.pending:
+            if name in self.index:
                 return
         buf = torch.empty(self.entry_bytes, dtype=torch.uint8)
         for part, dst in zip(parts, buf.split([p.numel() for p in parts])):
             dst.copy_(part)
-        with self.lock:
+        with self.lock:  # what the tier holds is decided here, on the caller's thread: only the bytes land later
             self.pending[name] = buf
+            self.index[name] = None
+            self._trim()
         try:
             self.queue.put((name, buf), block=wait)
         except queue.Full:
             with self.lock:
                 self.pending.pop(name, None)
+                self.index.pop(name, None)
                 self.dropped += 1
 
     def _write_loop(self) -> None:
@@ -180,10 +183,12 @@ class DiskTier:
             except OSError as exc:  # a full or read-only disk: the entry is simply not kept
                 log.warning("vkv: KV tier write of %s failed: %s", name.hex()[:16], exc)
                 with self.lock:
+                    self.index.pop(name, None)
                     self.errors += 1
             finally:
                 with self.lock:
-                    self.pending.pop(name, None)
+                    if self.pending.get(name) is buf:  # (not a later put of the same name)
+                        del self.pending[name]
 
     def _write(self, name: bytes, buf: torch.Tensor) -> None:
         payload = memoryview(buf.numpy())
@@ -195,14 +200,17 @@ class DiskTier:
             f.write(payload)
         os.replace(tmp, path)
         with self.lock:
-            self.index[name] = None
-            self.bytes_written += self.file_bytes
-            self._trim()
+            if name in self.index:
+                self.bytes_written += self.file_bytes
+            else:  # let go while it was being written
+                path.unlink(missing_ok=True)
 
     def _trim(self) -> None:
-        """Delete the least recently used files beyond the byte bound (lock held, or at start)."""
+        """Let go of the least recently used entries beyond the byte bound, written or still
+        pending (lock held, or at start)."""
         while len(self.index) * self.file_bytes > self.capacity:
             name, _ = self.index.popitem(last=False)
+            self.pending.pop(name, None)
             self._path(name).unlink(missing_ok=True)
             self.dropped += 1
 
