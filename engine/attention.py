@@ -72,21 +72,33 @@ def library(kernel: str):
         return None
 
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 @dataclass(frozen=True)
 class Target:
     """What a backend is asked to run on: the device, the compute dtype, the KV layout and the
-    model's head size (and a sliding window, if the model has one)."""
+    model's head size (and a sliding window, if the model has one), and what the KV cache
+    stores (kv_dtype: None for the compute dtype; fp8 for kv_cache_dtype="fp8...")."""
     device: torch.device
     dtype: torch.dtype
     kv_layout: str
     head_dim: int
     block_size: int = 16
     sliding_window: int | None = None
+    kv_dtype: torch.dtype | None = None
 
     @property
     def gpu_ready(self) -> bool:
         return self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16) \
-            and self.head_dim % 8 == 0 and self.head_dim <= 256
+            and self.head_dim % 8 == 0 and self.head_dim <= 256 and self.kv_dtype in (None, self.dtype)
+
+    @property
+    def why_not_gpu(self) -> str:
+        if self.kv_dtype not in (None, self.dtype):
+            return (f"reads KV in the compute dtype only, not {str(self.kv_dtype).removeprefix('torch.')} "
+                    "(kv_cache_dtype): that cache runs on sdpa")
+        return ""
 
 
 class AttentionBackend:
@@ -116,10 +128,12 @@ class Native(AttentionBackend):
     name = "native"
 
     def unavailable(self, t: Target) -> str | None:
+        narrower = {torch.float32: (torch.bfloat16, *FP8), torch.bfloat16: FP8}.get(t.dtype, ())
         if t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) and t.head_dim % 2 == 0 \
-                and ext.cpu_kernels() is not None:
+                and t.kv_dtype in (None, t.dtype, *narrower) and ext.cpu_kernels() is not None:
             return None
-        return f"needs the CPU, fp32 or bf16, an even head_dim and the built kernels ({ext.cpu_kernels_error()})"
+        return "needs the CPU, fp32 or bf16 (KV the same, bf16 or fp8), an even head_dim and the built kernels " \
+            f"({ext.cpu_kernels_error()})"
 
     def prepare(self, k_caches, v_caches, batch, cos_sin, paged=False, window=None) -> NativeStep:
         if ext.cpu_kernels() is None:
@@ -143,7 +157,7 @@ class Flash(AttentionBackend):
     def unavailable(self, t: Target) -> str | None:
         if t.gpu_ready and t.kv_layout != "paged":
             return None
-        return "needs a CUDA device, fp16/bf16, a virtual kv_layout and head_dim a multiple of 8 up to 256"
+        return t.why_not_gpu or "needs a CUDA device, fp16/bf16, a virtual kv_layout and head_dim a multiple of 8 up to 256"
 
     def prepare(self, k_caches, v_caches, batch, cos_sin, paged=False, window=None) -> FlashStep:
         return FlashStep(k_caches, v_caches, batch, cos_sin, window, flash_varlen)
@@ -160,7 +174,7 @@ class FlashAttn4(AttentionBackend):
             else "no GPU"
         if t.gpu_ready and t.kv_layout != "paged" and why is None and self.call:
             return None
-        return "needs flash-attn-4 installed, fp16/bf16, a virtual layout and a GPU it supports" + \
+        return t.why_not_gpu or "needs flash-attn-4 installed, fp16/bf16, a virtual layout and a GPU it supports" + \
             (f" ({why})" if why else "")
 
     def tile_rows(self, t: Target) -> int:
@@ -185,7 +199,8 @@ class FlashAttn(AttentionBackend):
     def unavailable(self, t: Target) -> str | None:
         if t.gpu_ready and (t.kv_layout != "paged" or t.block_size % 256 == 0) and self.call:
             return None
-        return "needs the flash-attn package, a CUDA GPU, fp16/bf16, and a virtual layout or blocks of 256 rows"
+        return t.why_not_gpu or \
+            "needs the flash-attn package, a CUDA GPU, fp16/bf16, and a virtual layout or blocks of 256 rows"
 
     def prepare(self, k_caches, v_caches, batch, cos_sin, paged=False, window=None) -> KVCacheStep:
         return KVCacheStep(k_caches, v_caches, batch, cos_sin, window, self.call, paged)
@@ -195,11 +210,12 @@ BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (FlashAttn4, F
 
 
 def pick_attention(name: str | None, device: torch.device, dtype: torch.dtype, kv_layout: str,
-                   head_dim: int, block_size: int = 16, sliding_window: int | None = None) -> AttentionBackend:
+                   head_dim: int, block_size: int = 16, sliding_window: int | None = None,
+                   kv_dtype: torch.dtype | None = None) -> AttentionBackend:
     """The user's choice, checked; else the best backend that runs here, in BACKENDS' order (a
     sliding window runs on sdpa alone: the others are not given the window)."""
     assert tuple(BACKENDS) == ATTENTION_BACKENDS
-    target = Target(device, dtype, kv_layout, head_dim, block_size, sliding_window)
+    target = Target(device, dtype, kv_layout, head_dim, block_size, sliding_window, kv_dtype)
     for candidate in ([name] if name else BACKENDS):
         if candidate not in BACKENDS:
             raise ValueError(f"unknown attention backend {candidate!r}: choose one of {ATTENTION_BACKENDS}")
@@ -270,8 +286,8 @@ class TorchStep:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         q, k = rope_reference(q, self.rows), rope_reference(k, self.rows)
-        k_cache[self.store_at] = k.to(k_cache.dtype)  # a bf16 cache under fp32 activations: rounded here
-        v_cache[self.store_at] = v.to(v_cache.dtype)
+        k_cache[self.store_at] = narrow(k, k_cache.dtype)  # a narrower cache: rounded here
+        v_cache[self.store_at] = narrow(v, v_cache.dtype)
         return self.attend(q, k_cache, v_cache)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -334,6 +350,15 @@ class KVCacheStep(TorchStep):
             result = self.call(padded, k_cache, v_cache, cache_seqlens=lengths, causal=True, **where)
             out[token] = result[group, row]
         return out
+
+
+def narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: rounded to nearest even, and for fp8 saturated at the
+    format's largest finite value (as the native kernel stores it; e5m2 would overflow to inf)."""
+    if dtype in FP8:
+        top = torch.finfo(dtype).max
+        x = x.clamp(-top, top)
+    return x.to(dtype)
 
 
 def sequence_rows(cache: torch.Tensor, table: list[int], ctx: int, first: int = 0) -> torch.Tensor:

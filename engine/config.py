@@ -14,6 +14,11 @@ import ext
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 KV_LAYOUTS = ("interleaved", "per_layer", "paged")
+# kv_cache_dtype, vLLM's names: "auto" stores KV in the model's dtype; "fp8" is fp8_e4m3. The
+# fp8 formats are unscaled (vLLM's default scale of 1.0): e4m3 keeps 3 mantissa bits up to 448,
+# e5m2 2 bits up to 57344. Half of bf16's bytes, a quarter of fp32's.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
 ATTENTION_BACKENDS = ("flash-attn-4", "flash-attn", "flash", "native", "sdpa")  # by preference
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -25,6 +30,7 @@ class EngineConfig:
     model: str | None = None
     device: str | None = None  # cpu | cuda[:N]; default: cuda when present
     dtype: str | torch.dtype | None = None  # default: bf16 on cuda, fp32 on cpu
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: "auto" is the model's dtype
     kv_layout: str | None = None  # default: per_layer on the CPU, interleaved on a GPU (see below)
     kv_cache_memory: int | None = None  # bytes of physical KV pages; default below
     gpu_memory_utilization: float = 0.9  # share of free GPU memory for KV when no byte budget
@@ -63,6 +69,8 @@ class EngineConfig:
             if self.dtype not in DTYPES:
                 raise ValueError(f"unknown dtype {self.dtype!r}: choose one of {sorted(DTYPES)}")
             self.dtype = DTYPES[self.dtype]
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}: choose one of {tuple(KV_CACHE_DTYPES)}")
         if self.kv_layout is None:
             # Measured on the CPU (AVX2 EPYC, 32 ShareGPT requests): per_layer 124.5 output tok/s,
             # interleaved 109.4. The host maps 4 KiB page-table entries, and an interleaved token
@@ -117,9 +125,14 @@ class EngineConfig:
         return bool(self.kv_offloading_size or self.kv_offloading_path)
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV cache stores: `dtype`, or the fp8 format kv_cache_dtype names."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype the model computes in (activations, GEMMs); weights are rounded to `dtype`
-        first and the KV cache is stored in `dtype`. See `arithmetic`."""
+        first and the KV cache is stored in `kv_dtype`. See `arithmetic`."""
         return self.arithmetic()[0]
 
     def arithmetic(self) -> tuple[torch.dtype, str]:
@@ -166,6 +179,9 @@ class EngineConfig:
                        "several as NAME=SOURCE, which share one KV pool")
         g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
         g.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
+        g.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=tuple(KV_CACHE_DTYPES),
+                       help="what the KV cache stores: auto (the model's dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, "
+                       "half of bf16's bytes per token")
         g.add_argument("--kv-layout", default=None, choices=KV_LAYOUTS,
                        help="default: per_layer on the CPU, interleaved on a GPU")
         g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pages (default: 1 GiB "
@@ -203,7 +219,7 @@ class EngineConfig:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
-        names = ("model", "device", "dtype", "kv_layout", "kv_cache_memory", "page_size", "block_size",
+        names = ("model", "device", "dtype", "kv_cache_dtype", "kv_layout", "kv_cache_memory", "page_size", "block_size",
                  "max_num_seqs", "max_model_len", "max_num_batched_tokens", "attention_backend",
                  "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
                  "kv_offloading_size", "kv_offloading_path", "kv_offloading_path_size",

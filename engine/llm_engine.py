@@ -99,7 +99,7 @@ class LLMEngine:
         compute, why = self.config.arithmetic()
         isa, isa_why = ext.kernel_isa()
         return {"compute_dtype": str(compute).removeprefix("torch."), "compute_reason": why,
-                "kv_dtype": str(self.config.dtype).removeprefix("torch."), "gemm": self.model.gemm_path,
+                "kv_dtype": str(self.config.kv_dtype).removeprefix("torch."), "gemm": self.model.gemm_path,
                 "attention": self.attention.name,
                 "kernel_isa": f"{isa} ({isa_why})" if self.model.native else f"none ({ext.cpu_kernels_error()})"}
 

@@ -48,7 +48,7 @@ def build_rank(c: EngineConfig, rank: int = 0, model=None, pool: vmm.PoolShare |
     if model is None:
         model = load_model(c.model, mc, c.device, c.dtype, c.seed, (rank, tp), c.compute_dtype)
     attention = pick_attention(c.attention_backend, c.device, c.compute_dtype, c.kv_layout, mc.head_dim,
-                               c.block_size, mc.sliding_window)
+                               c.block_size, mc.sliding_window, c.kv_dtype)
     peak = 0
     if c.device.type == "cuda" and c.kv_cache_memory is None:
         peak = activation_peak(model, c.max_num_batched_tokens, c.max_num_seqs, c.device)

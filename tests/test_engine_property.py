@@ -4,7 +4,8 @@ preemption, forks that find no room, idle beams stepping aside and prefix-cache 
 happen. Every request that is not aborted must produce exactly what it produces alone in a
 roomy engine, no step may stall, and afterwards the pool is whole again.
 
-The model is `random:tiny` (2 layers, 512 bytes of KV per token), with 4 KiB host pages.
+The model is `random:tiny` (2 layers, 512 bytes of KV per token; 128 in an fp8 cache), with
+4 KiB host pages.
 """
 import functools
 
@@ -19,6 +20,9 @@ MAX_TOKENS = 16
 # (roomier, tight) pool sizes: the tight one just holds one 3-beam group of the longest request
 # (24 + 16 tokens: 5 interleaved pages, 2 pages in each of 4 per-layer ranges, 3 blocks).
 PAGES = {"interleaved": (24, 15), "per_layer": (32, 24), "paged": (12, 9)}
+# The same in an fp8 cache (a quarter of the bytes: 32 interleaved or 128 per-layer tokens a page).
+PAGES_FP8 = {"interleaved": (10, 6), "per_layer": (16, 12), "paged": (12, 9)}
+KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 
 @functools.cache
@@ -28,27 +32,29 @@ def weights() -> tuple:
     return engine.model, engine.tokenizer
 
 
-def engine_for(layout: str, pages: int, seats: int, caching: bool, swap_pages: int = 0, ahead: int = 0) -> LLM:
-    kv_memory = pages * (16 * 512 if layout == "paged" else PAGE)  # paged: blocks of 16 tokens
+def engine_for(layout: str, pages: int, seats: int, caching: bool, swap_pages: int = 0, ahead: int = 0,
+               kv_dtype: str = "auto") -> LLM:
+    token_bytes = 512 if kv_dtype == "auto" else 128
+    kv_memory = pages * (16 * token_bytes if layout == "paged" else PAGE)  # paged: blocks of 16 tokens
     swap = {"preemption_mode": "swap", "swap_space": swap_pages * PAGE / (1 << 30)} if swap_pages else {}
     config = EngineConfig(model="random:tiny", kv_layout=layout, page_size=PAGE, kv_cache_memory=kv_memory,
                           max_num_seqs=seats, enable_prefix_caching=caching, max_num_batched_tokens=32, seed=0,
-                          map_ahead_tokens=ahead, **swap)
+                          map_ahead_tokens=ahead, kv_cache_dtype=kv_dtype, **swap)
     llm = LLM.from_config(config, weights())
     llm.engine.scheduler.swap_min_tokens = 4  # short requests here: swap most preempted ones
     return llm
 
 
 @functools.cache
-def roomy() -> LLM:
-    return engine_for("interleaved", 512, 8, False)
+def roomy(kv_dtype: str) -> LLM:
+    return engine_for("interleaved", 512, 8, False, kv_dtype=kv_dtype)
 
 
 @functools.cache
-def alone(kind: str, prompt: tuple[int, ...], width: int, max_tokens: int):
-    """What the request produces by itself in a roomy engine (its outputs are a function of the
-    request alone, so they are computed once)."""
-    roomy_llm = roomy()
+def alone(kind: str, prompt: tuple[int, ...], width: int, max_tokens: int, kv_dtype: str = "auto"):
+    """What the request produces by itself in a roomy engine with the same KV format (its
+    outputs are a function of the request alone, so they are computed once)."""
+    roomy_llm = roomy(kv_dtype)
     if kind == "beam":
         out = roomy_llm.beam_search(list(prompt), BeamSearchParams(width, max_tokens, ignore_eos=True))[0]
         return [s.tokens for s in out.sequences]
@@ -74,17 +80,18 @@ request = st.fixed_dictionaries({
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(layout=st.sampled_from(list(PAGES)), tight=st.booleans(), seats=st.integers(3, 5), caching=st.booleans(),
-       swap_pages=st.sampled_from([0, 6, 64]), ahead=st.sampled_from([0, 4]),
+       swap_pages=st.sampled_from([0, 6, 64]), ahead=st.sampled_from([0, 4]), kv_dtype=st.sampled_from(KV_DTYPES),
        requests=st.lists(request, min_size=3, max_size=8))
 @example(  # found by this test: an idle beam swapped out and back in sampled another sequence's logits
-    layout="per_layer", tight=False, seats=5, caching=False, swap_pages=6, ahead=4, requests=[
+    layout="per_layer", tight=False, seats=5, caching=False, swap_pages=6, ahead=4, kv_dtype="auto", requests=[
         {"kind": "plain", "prompt": (3, 3, 3, 3), "width": 2, "max_tokens": 4, "arrive": 2, "abort": None},
         {"kind": "beam", "prompt": (3, 3, 3, 3), "width": 3, "max_tokens": 2, "arrive": 2, "abort": None},
         {"kind": "beam", "prompt": tuple(SHARED) + (3, 3, 4, 4, 7, 13, 33, 45, 46, 89, 348, 3), "width": 3,
          "max_tokens": 10, "arrive": 0, "abort": None}])
 def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, seats, caching, swap_pages, ahead,
-                                                              requests):
-    llm = engine_for(layout, PAGES[layout][tight], seats, caching, 0 if layout == "paged" else swap_pages, ahead)
+                                                              kv_dtype, requests):
+    pages = (PAGES if kv_dtype == "auto" else PAGES_FP8)[layout][tight]
+    llm = engine_for(layout, pages, seats, caching, 0 if layout == "paged" else swap_pages, ahead, kv_dtype)
     engine, done, step = llm.engine, {}, 0
     while step < 2000 and (engine.has_unfinished() or step <= 8):
         for i, r in enumerate(requests):
@@ -101,7 +108,7 @@ def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, sea
         if f"r{i}" in done and r["abort"] is None:
             out = done[f"r{i}"]
             got = [s.tokens for s in out.sequences] if r["kind"] == "beam" else [o.token_ids for o in out.outputs]
-            assert got == alone(r["kind"], r["prompt"], r["width"], r["max_tokens"]), r
+            assert got == alone(r["kind"], r["prompt"], r["width"], r["max_tokens"], kv_dtype), r
         else:
             assert r["abort"] is not None, f"request {i} never finished"
     assert_pool_whole(llm)

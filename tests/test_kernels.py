@@ -18,14 +18,24 @@ from helpers import make_batch
 pytestmark = pytest.mark.skipif(ext.cpu_kernels() is None, reason=f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 F32, BF16 = torch.float32, torch.bfloat16
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def randn(*shape, dtype):
+    """Normal values as a cache of `dtype` holds them (fp8 has no randn of its own); wide enough
+    to reach fp8's subnormals and, for e4m3, its saturation."""
+    x = torch.randn(*shape)
+    return (x * 4).clamp(-448, 448).to(dtype) if dtype in (E4M3, E5M2) else x.to(dtype)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), layout=st.sampled_from(["interleaved", "per_layer", "paged"]),
-       dtypes=st.sampled_from([(F32, F32), (BF16, BF16), (F32, BF16)]),  # (activations, cache)
+       dtypes=st.sampled_from([(F32, F32), (BF16, BF16), (F32, BF16), (F32, E4M3), (F32, E5M2), (BF16, E4M3),
+                               (BF16, E5M2)]),  # (activations, cache)
        heads=st.sampled_from([(9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 3, 32), (4, 2, 256)]))
 def test_native_attention_equals_the_reference_on_random_batches(data, layout, dtypes, heads):
-    """(fp32, bf16) is bf16 KV under fp32 arithmetic, the CPU's bf16 path without native bf16."""
+    """(fp32, bf16) is bf16 KV under fp32 arithmetic, the CPU's bf16 path without native bf16;
+    fp8 caches are kv_cache_dtype="fp8_e4m3" / "fp8_e5m2", decoded by the kernel as it loads."""
     (dtype, cache_dtype), (hq, hkv, dim) = dtypes, heads
     seqs = data.draw(st.lists(st.integers(1, 300).flatmap(
         lambda ctx: st.tuples(st.integers(1, min(ctx, 70)), st.just(ctx))), min_size=1, max_size=6))
@@ -33,18 +43,18 @@ def test_native_attention_equals_the_reference_on_random_batches(data, layout, d
     layers = 2
     if layout == "paged":
         block_size, num_blocks = 16, sum(-(-c // 16) for _, c in seqs) + 3
-        k_caches = [torch.randn(num_blocks, block_size, hkv, dim, dtype=cache_dtype) for _ in range(layers)]
-        v_caches = [torch.randn(num_blocks, block_size, hkv, dim, dtype=cache_dtype) for _ in range(layers)]
+        k_caches = [randn(num_blocks, block_size, hkv, dim, dtype=cache_dtype) for _ in range(layers)]
+        v_caches = [randn(num_blocks, block_size, hkv, dim, dtype=cache_dtype) for _ in range(layers)]
         free = torch.randperm(num_blocks).tolist()
         table = [[free.pop() for _ in range(-(-c // 16))] for _, c in seqs]
     else:
         block_size, slots = 320, len(seqs) + 2
         if layout == "interleaved":  # every layer's K and V in one row: strided views
-            rows = torch.randn(slots, block_size, layers, 2, hkv, dim, dtype=cache_dtype)
+            rows = randn(slots, block_size, layers, 2, hkv, dim, dtype=cache_dtype)
             k_caches, v_caches = [rows[:, :, l, 0] for l in range(layers)], [rows[:, :, l, 1] for l in range(layers)]
         else:
-            k_caches = [torch.randn(slots, block_size, hkv, dim, dtype=cache_dtype) for _ in range(layers)]
-            v_caches = [torch.randn(slots, block_size, hkv, dim, dtype=cache_dtype) for _ in range(layers)]
+            k_caches = [randn(slots, block_size, hkv, dim, dtype=cache_dtype) for _ in range(layers)]
+            v_caches = [randn(slots, block_size, hkv, dim, dtype=cache_dtype) for _ in range(layers)]
         table = [[s] for s in torch.randperm(slots)[:len(seqs)].tolist()]
     batch = make_batch(seqs, table, block_size)
     tokens = sum(q for q, _ in seqs)
@@ -53,9 +63,36 @@ def test_native_attention_equals_the_reference_on_random_batches(data, layout, d
     reference_caches = ([c.clone() for c in k_caches], [c.clone() for c in v_caches])
     want = StepAttention("sdpa", *reference_caches, batch, cos_sin)(1, q.clone(), k.clone(), v.clone())
     got = StepAttention("native", k_caches, v_caches, batch, cos_sin)(1, q.clone(), k.clone(), v.clone())
-    tolerance = 1e-4 if cache_dtype != dtype else TOLERANCE[dtype]  # both read the same rounded K and V
+    tolerance = 1e-4 if dtype == F32 and cache_dtype != dtype else TOLERANCE[dtype]  # both read the same rounded K, V
     torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
-    assert torch.equal(k_caches[1], reference_caches[0][1]) and torch.equal(v_caches[1], reference_caches[1][1])
+    for mine, theirs in zip((k_caches[1], v_caches[1]), reference_caches):  # stored alike, bit for bit
+        assert torch.equal(mine.view(torch.uint8), theirs[1].view(torch.uint8))
+
+
+@pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("query_heads", [1, 16])  # a few rows: the vector loads; many: the widened GEMM
+def test_every_fp8_value_decodes_exactly_and_stores_saturate(cache_dtype, query_heads):
+    """Attention over one key returns its value row: a row holding every finite fp8 byte comes
+    back as torch decodes it, bit for bit, on both of the kernel's read paths. Stores round
+    like torch and saturate at the format's largest value (e5m2 alone would give inf)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = torch.isfinite(codes.view(cache_dtype).float())
+    v_cache = torch.where(finite, codes, 0).view(cache_dtype).reshape(1, 1, 1, 256)
+    k_cache = torch.zeros(1, 1, 1, 256, dtype=cache_dtype)
+    batch = make_batch([(1, 1)], [[0]], 1)
+    q, out = torch.randn(1, query_heads, 256), torch.empty(1, query_heads, 256)
+    torch.ops.vkv.attention(q, k_cache, v_cache, batch.block_table, 1, batch.q_start, batch.q_len, batch.ctx_len,
+                            0.0625, out)
+    assert torch.equal(out[0], v_cache[0, 0].float().expand(query_heads, 256))
+    big = torch.tensor([[[1e6] * 2 + [-1e6] * 2 + [3.0e-3, -7.1e-5, 0.33, 1e-9]]]).expand(1, 1, 8)
+    k, v = big.clone(), big.clone()
+    k_cache, v_cache = (torch.zeros(1, 4, 1, 8, dtype=cache_dtype) for _ in range(2))
+    cos_sin = torch.cat([torch.ones(4, 4), torch.zeros(4, 4)], 1)  # position 0: no rotation
+    torch.ops.vkv.rope_store(torch.zeros(1, 1, 8), k, v, torch.tensor([0]), cos_sin, k_cache, v_cache,
+                             batch.block_table, 4, torch.tensor([0], dtype=torch.int32))
+    top = torch.finfo(cache_dtype).max
+    assert torch.equal(v_cache[0, 0, 0].float(), big[0, 0].clamp(-top, top).to(cache_dtype).float())
+    assert v_cache[0, 0, 0].float().abs().max() == top
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

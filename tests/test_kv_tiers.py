@@ -79,11 +79,11 @@ def test_another_dtype_or_model_never_restores_a_page(tmp_path):
         rounds(llm, 1)
     (fp32_dir,) = tmp_path.iterdir()
     before = {f.name: f.read_bytes() for f in fp32_dir.glob("*.kv")}
-    for other in (dict(dtype="bfloat16"), dict(model="random:tiny")):
+    for other in (dict(dtype="bfloat16"), dict(kv_cache_dtype="fp8"), dict(model="random:tiny")):
         with LLM(**opts, **other) as llm:
             rounds(llm, 1)
             assert tier(llm, "disk").tokens_restored == 0, other
-    assert len(list(tmp_path.iterdir())) == 3  # a directory per namespace
+    assert len(list(tmp_path.iterdir())) == 4  # a directory per namespace
     assert {f.name: f.read_bytes() for f in fp32_dir.glob("*.kv")} == before
 
 

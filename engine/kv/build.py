@@ -25,12 +25,12 @@ def make_kv_cache(c: EngineConfig, cfg: ModelConfig, budget: int, max_model_len:
     share of a pool several models draw from). tile_rows: what the attention kernel loads
     past a sequence's end (engine/attention.py)."""
     if c.kv_layout == "paged":
-        itemsize = torch.empty((), dtype=c.dtype).element_size()
+        itemsize = torch.empty((), dtype=c.kv_dtype).element_size()
         block_bytes = c.block_size * cfg.kv_bytes_per_token(itemsize)
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {budget} is below one block ({block_bytes} bytes)")
-        return PagedKVCache(cfg, c.block_size, num_blocks, c.dtype, c.device, c.enable_prefix_caching)
+        return PagedKVCache(cfg, c.block_size, num_blocks, c.kv_dtype, c.device, c.enable_prefix_caching)
     if pool is not None:
         backend, num_pages = pool.backend, pool.num_pages
     else:
@@ -42,7 +42,7 @@ def make_kv_cache(c: EngineConfig, cfg: ModelConfig, budget: int, max_model_len:
     swap = None
     if c.preemption_mode == "swap":  # swapped sequences keep their slots: twice the slots
         swap = vmm.SwapSpace(backend, int(c.swap_space * (1 << 30)), c.swap_path)
-    return VirtualKVCache(cfg, c.kv_layout, c.max_num_seqs * (2 if swap else 1), max_model_len, c.dtype,
+    return VirtualKVCache(cfg, c.kv_layout, c.max_num_seqs * (2 if swap else 1), max_model_len, c.kv_dtype,
                           backend, num_pages, c.enable_prefix_caching, tile_rows, swap, pool)
 
 

@@ -17,12 +17,15 @@
 // -fopenmp-simd (the elementwise kernels round like torch's ops; the dot products ask for fma
 // or a simd reduction explicitly); VKV_CPU_ISA=avx2|scalar adds -mno-avx512f|-mno-avx, and the
 // vector layer below (`Vec`) follows what the compiler was allowed.
-// Floats are fp32 or bf16 (activations, cache), or fp32 activations over a bf16 cache (bf16 KV
-// where the CPU computes in fp32); every accumulation is fp32.
+// Floats are fp32 or bf16 (activations, cache); a cache may be narrower than the activations
+// (bf16 KV where the CPU computes in fp32; fp8 KV, e4m3 or e5m2, under either: kv_cache_dtype).
+// Every accumulation is fp32.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
 #include <dlfcn.h>
@@ -51,6 +54,41 @@ VKV_INLINE float load(c10::BFloat16 x) {
 }
 VKV_INLINE void store(float* p, float x) { *p = x; }
 VKV_INLINE void store(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // round to nearest even
+
+// fp8 caches, unscaled (vLLM's default scale of 1): decoded by moving the exponent and mantissa
+// bits into an fp32's and rebiasing; the subnormals (a zero exponent) are the magnitude's integer
+// times the smallest step. Stores round to nearest even and saturate at the format's largest
+// finite value (e5m2 would overflow to infinity, e4m3fn to NaN).
+template <typename F>
+struct Fp8;
+template <>
+struct Fp8<c10::Float8_e4m3fn> {  // 4 exponent bits (bias 7), 3 mantissa bits
+  static constexpr int kShift = 20, kBias = 127 - 7, kSubBelow = 8;
+  static constexpr float kStep = 1.0f / 512, kMax = 448.0f;
+};
+template <>
+struct Fp8<c10::Float8_e5m2> {  // 5 exponent bits (bias 15), 2 mantissa bits
+  static constexpr int kShift = 21, kBias = 127 - 15, kSubBelow = 4;
+  static constexpr float kStep = 1.0f / 65536, kMax = 57344.0f;
+};
+template <typename F>
+VKV_INLINE float fp8_load(uint8_t b) {
+  const uint32_t mag = b & 0x7fu, bits = (mag << Fp8<F>::kShift) + (static_cast<uint32_t>(Fp8<F>::kBias) << 23);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  f = mag < Fp8<F>::kSubBelow ? static_cast<float>(mag) * Fp8<F>::kStep : f;
+  return (b & 0x80u) ? -f : f;
+}
+VKV_INLINE float load(c10::Float8_e4m3fn x) { return fp8_load<c10::Float8_e4m3fn>(x.x); }
+VKV_INLINE float load(c10::Float8_e5m2 x) { return fp8_load<c10::Float8_e5m2>(x.x); }
+template <typename F>
+VKV_INLINE void fp8_store(F* p, float x) {
+  *p = F(std::min(std::max(x, -Fp8<F>::kMax), Fp8<F>::kMax));
+}
+VKV_INLINE void store(c10::Float8_e4m3fn* p, float x) { fp8_store(p, x); }
+VKV_INLINE void store(c10::Float8_e5m2* p, float x) { fp8_store(p, x); }
+template <typename C>
+constexpr bool kIsFp8 = std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>;
 
 // x as T would hold it (what torch's op in dtype T rounds each intermediate to).
 template <typename T>
@@ -115,6 +153,11 @@ struct Item {
   int64_t part;  // -1: writes the output; else index of its partial result
 };
 
+template <typename C>  // a cache tensor's data as C (fp8 included)
+C* cache_ptr(const at::Tensor& t) {
+  return reinterpret_cast<C*>(t.data_ptr());
+}
+
 template <typename T>
 struct Rows {  // where sequence b's positions live in a cache tensor [blocks, rows, heads, D]
   const T* base;
@@ -126,27 +169,26 @@ struct Rows {  // where sequence b's positions live in a cache tensor [blocks, r
   }
 };
 
-// n rows of D values from x (row stride lda) into `wide` as fp32, D apart: a bf16 cache's tile
-// for the fp32 GEMM when the activations are fp32.
-template <typename C>
-const float* widen(const C* x, int64_t lda, int64_t n, int64_t D, std::vector<float>& wide) {
+// n rows of D values from x (row stride lda) into `wide` as T, D apart: a narrower cache's tile
+// for the activations' GEMM (bf16 or fp8 under fp32, fp8 under bf16; every such widening is exact).
+template <typename T, typename C>
+const T* widen(const C* x, int64_t lda, int64_t n, int64_t D, std::vector<float>& wide) {
   wide.resize(n * D);
   for (int64_t j = 0; j < n; ++j) {
-    float* dst = wide.data() + j * D;
+    T* dst = reinterpret_cast<T*>(wide.data()) + j * D;
     const C* src = x + j * lda;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) dst[d] = load(src[d]);
+    for (int64_t d = 0; d < D; ++d) store(dst + d, load(src[d]));
   }
-  return wide.data();
+  return reinterpret_cast<const T*>(wide.data());
 }
 
 // S[r][j] = q_r . k_j for the n keys from k0 (rows of one block), R query rows (unscaled).
-// T: the queries' type; C: the cache's (T, or bf16 under fp32 queries).
+// T: the queries' type; C: the cache's (T, or narrower: see `dispatch`).
 template <typename T, typename C>
 void scores(const C* k0, int64_t lda, int64_t n, const T* Q, int64_t R, int64_t D, float* S, std::vector<float>& wide) {
   if constexpr (!std::is_same_v<T, C>) {
-    static_assert(std::is_same_v<T, float>, "a narrower cache is read under fp32 queries");
-    return scores<float, float>(widen(k0, lda, n, D, wide), D, n, Q, R, D, S, wide);
+    return scores<T, T>(widen<T>(k0, lda, n, D, wide), D, n, Q, R, D, S, wide);
   } else if constexpr (std::is_same_v<T, float>) {
     if (blas().sgemm) {
       const int m = n, nr = R, kd = D, ld = lda, ldq = D, lds = kKeyBlock;
@@ -176,8 +218,7 @@ void scores(const C* k0, int64_t lda, int64_t n, const T* Q, int64_t R, int64_t 
 template <typename T, typename C>
 void weigh(const C* v0, int64_t lda, int64_t n, const T* P, int64_t R, int64_t D, float* acc, std::vector<float>& wide) {
   if constexpr (!std::is_same_v<T, C>) {
-    static_assert(std::is_same_v<T, float>, "a narrower cache is read under fp32 queries");
-    return weigh<float, float>(widen(v0, lda, n, D, wide), D, n, P, R, D, acc, wide);
+    return weigh<T, T>(widen<T>(v0, lda, n, D, wide), D, n, P, R, D, acc, wide);
   } else if constexpr (std::is_same_v<T, float>) {
     if (blas().sgemm) {
       const int md = D, nr = R, kn = n, ld = lda, ldp = kKeyBlock, ldc = D;
@@ -221,6 +262,17 @@ struct Vec {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
+  template <typename F, typename = std::enable_if_t<kIsFp8<F>>>
+  static VKV_INLINE R load(const F* p) {  // fp8_load, 16 lanes
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
+    const __m512 normal = _mm512_castsi512_ps(
+        _mm512_add_epi32(_mm512_slli_epi32(mag, Fp8<F>::kShift), _mm512_set1_epi32(Fp8<F>::kBias << 23)));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(Fp8<F>::kStep));
+    const __mmask16 is_sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(Fp8<F>::kSubBelow));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(_mm512_mask_blend_ps(is_sub, normal, sub)), sign));
+  }
   static VKV_INLINE void store(float* p, R x) { _mm512_storeu_ps(p, x); }
   static VKV_INLINE R set1(float x) { return _mm512_set1_ps(x); }
   static VKV_INLINE R mul(R a, R b) { return _mm512_mul_ps(a, b); }
@@ -237,6 +289,17 @@ struct Vec {
   static VKV_INLINE R load(const c10::BFloat16* p) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+  template <typename F, typename = std::enable_if_t<kIsFp8<F>>>
+  static VKV_INLINE R load(const F* p) {  // fp8_load, 8 lanes
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i mag = _mm256_and_si256(v, _mm256_set1_epi32(0x7f));
+    const __m256 normal = _mm256_castsi256_ps(
+        _mm256_add_epi32(_mm256_slli_epi32(mag, Fp8<F>::kShift), _mm256_set1_epi32(Fp8<F>::kBias << 23)));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(Fp8<F>::kStep));
+    const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(Fp8<F>::kSubBelow), mag));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_or_ps(_mm256_blendv_ps(normal, sub, is_sub), _mm256_castsi256_ps(sign));
   }
   static VKV_INLINE void store(float* p, R x) { _mm256_storeu_ps(p, x); }
   static VKV_INLINE R set1(float x) { return _mm256_set1_ps(x); }
@@ -454,9 +517,9 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int32_t* ql = q_len.data_ptr<int32_t>();
   const int32_t* cl = ctx_len.data_ptr<int32_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
-  const Rows<C> K{k_cache.data_ptr<C>(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table,
+  const Rows<C> K{cache_ptr<C>(k_cache), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table,
                   block_table.stride(0), block_size};
-  const Rows<C> V{v_cache.data_ptr<C>(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table,
+  const Rows<C> V{cache_ptr<C>(v_cache), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table,
                   block_table.stride(0), block_size};
   // Work: every (sequence, block of query positions). When that is too little to keep the
   // threads busy (a few long decodes), decode items split their keys and merge after.
@@ -524,12 +587,37 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     }
 }
 
-// A cache holds q's dtype, or bf16 under fp32 activations (bf16 KV where the CPU computes in fp32).
+// Calls fn(T{}, C{}) for activations of type T and a cache of type C: C is T, or narrower (bf16
+// under fp32; fp8 e4m3 or e5m2 under fp32 or bf16).
+template <typename Fn>
+void dispatch(at::ScalarType activations, at::ScalarType cache, const char* op, Fn fn) {
+  auto with_cache = [&](auto t) {
+    using T = decltype(t);
+    switch (cache) {
+      case at::kFloat:
+        if constexpr (std::is_same_v<T, float>) return fn(t, float{});
+        break;
+      case at::kBFloat16:
+        return fn(t, c10::BFloat16{});
+      case at::kFloat8_e4m3fn:
+        return fn(t, c10::Float8_e4m3fn{});
+      case at::kFloat8_e5m2:
+        return fn(t, c10::Float8_e5m2{});
+      default:
+        break;
+    }
+    TORCH_CHECK(false, op, ": a ", cache, " KV cache under ", activations, " activations is not supported");
+  };
+  if (activations == at::kFloat)
+    with_cache(float{});
+  else if (activations == at::kBFloat16)
+    with_cache(c10::BFloat16{});
+  else
+    TORCH_CHECK(false, op, " runs fp32 and bf16, not ", activations);
+}
+
 void check_cache(const at::Tensor& q, const at::Tensor& cache, const char* name) {
   TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1, name, " must be [blocks, rows, heads, D] with D contiguous");
-  TORCH_CHECK(cache.scalar_type() == q.scalar_type() ||
-                  (q.scalar_type() == at::kFloat && cache.scalar_type() == at::kBFloat16),
-              name, " must hold q's dtype, or bf16 under fp32 q");
   TORCH_CHECK(cache.size(3) == q.size(2) && q.size(1) % cache.size(2) == 0, name, ": head shapes do not fit q");
 }
 
@@ -543,17 +631,10 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   for (const auto* t : {&block_table, &q_start, &q_len, &ctx_len})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "index tensors must be contiguous int32");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
-  const bool narrow = k_cache.scalar_type() != q.scalar_type();
-  if (q.scalar_type() == at::kFloat && narrow)
-    attention_impl<float, c10::BFloat16>(q, k_cache, v_cache, block_table, block_size, q_start, q_len, ctx_len, scale,
-                                         out);
-  else if (q.scalar_type() == at::kFloat)
-    attention_impl<float, float>(q, k_cache, v_cache, block_table, block_size, q_start, q_len, ctx_len, scale, out);
-  else if (q.scalar_type() == at::kBFloat16)
-    attention_impl<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, block_table, block_size, q_start, q_len,
-                                                 ctx_len, scale, out);
-  else
-    TORCH_CHECK(false, "vkv attention runs fp32 and bf16, not ", q.scalar_type());
+  dispatch(q.scalar_type(), k_cache.scalar_type(), "vkv attention", [&](auto t, auto c) {
+    attention_impl<decltype(t), decltype(c)>(q, k_cache, v_cache, block_table, block_size, q_start, q_len, ctx_len,
+                                             scale, out);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -579,8 +660,8 @@ void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at
   T* qp = q.data_ptr<T>();
   T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
-  C* kc = k_cache.data_ptr<C>();
-  C* vc = v_cache.data_ptr<C>();
+  C* kc = cache_ptr<C>(k_cache);
+  C* vc = cache_ptr<C>(v_cache);
   // strides read once: TensorBase::stride() is a call, not a load
   const int64_t s_cs = cos_sin.stride(0), s_table = block_table.stride(0);
   const int64_t sq_t = q.stride(0), sq_h = q.stride(1), sk_t = k.stride(0), sk_h = k.stride(1);
@@ -623,16 +704,10 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
   check_cache(q, k_cache, "k_cache");
   check_cache(q, v_cache, "v_cache");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
-  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)
-    rope_store_impl<float, c10::BFloat16>(q, k, v, positions, cos_sin, k_cache, v_cache, block_table, block_size,
-                                          token_seq);
-  else if (q.scalar_type() == at::kFloat)
-    rope_store_impl<float, float>(q, k, v, positions, cos_sin, k_cache, v_cache, block_table, block_size, token_seq);
-  else if (q.scalar_type() == at::kBFloat16)
-    rope_store_impl<c10::BFloat16, c10::BFloat16>(q, k, v, positions, cos_sin, k_cache, v_cache, block_table,
-                                                  block_size, token_seq);
-  else
-    TORCH_CHECK(false, "rope_store runs fp32 and bf16");
+  dispatch(q.scalar_type(), k_cache.scalar_type(), "rope_store", [&](auto t, auto c) {
+    rope_store_impl<decltype(t), decltype(c)>(q, k, v, positions, cos_sin, k_cache, v_cache, block_table, block_size,
+                                              token_seq);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
