@@ -30,7 +30,7 @@ from engine.outputs import RequestOutput
 from engine.parallel import RecordedKV, Workers
 from engine.processor import EngineRequest, InputProcessor
 from engine.rank import build_rank, check_divisible
-from engine.sampler import sample
+from engine.sampler import sample, score
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RowResult, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
@@ -201,10 +201,13 @@ class LLMEngine:
         if self.map_ahead:
             self.map_ahead.start(out.scheduled)
         try:
-            logits, rows = self.runner.run(out.scheduled)
+            logits, rows, scoring = self.runner.run(out.scheduled)
         finally:
             if self.map_ahead:
                 self.map_ahead.wait()
+        for seq, first, position, n in scoring:  # prompt_logprobs: row i guesses prompt token position + 1 + i
+            self.output_processor.score_prompt(seq.request_id, position + 1, score(
+                logits[first:first + n], seq.token_ids[position + 1:position + 1 + n], seq.params.prompt_logprobs))
         seq_outputs = self.scheduler.update_from_output(out, self._sample(logits, rows, out))
         outputs, stopped, failed = self.output_processor.process(seq_outputs)
         for seq in stopped:

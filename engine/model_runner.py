@@ -1,4 +1,5 @@
-"""Build one step's flat batch, run the model, return logits of the sequences that sample."""
+"""Build one step's flat batch, run the model, return logits of the sequences that sample (and
+of the prompt rows whose logprobs are wanted)."""
 from __future__ import annotations
 
 import dataclasses
@@ -35,11 +36,13 @@ class ModelRunner:
         self.workers = workers  # engine.parallel.Workers when tensor parallel (kv is then a RecordedKV)
         self.cos_sin = rope_table(model.inv_freq, max_model_len, dtype, device)
 
-    def prepare(self, scheduled: Scheduled) -> tuple[torch.Tensor, StepBatch, torch.Tensor, list]:
-        """The flat batch, and per sequence that samples (seq, its first logits row, rows): one
-        row after its last known token, plus one after each drafted token."""
+    def prepare(self, scheduled: Scheduled) -> tuple[torch.Tensor, StepBatch, torch.Tensor, list, list]:
+        """The flat batch; per sequence that samples (seq, its first logits row, rows): one row
+        after its last known token, plus one after each drafted token; and per sequence scoring
+        its prompt (seq, its first logits row, position, rows): the rows of its prompt
+        positions this step computes, each the guess at the next prompt token."""
         input_ids, positions, token_seq, starts, q_lens, ctx_lens = [], [], [], [], [], []
-        logits_indices, sampling, row = [], [], 0
+        logits_indices, sampling, scoring, row = [], [], [], 0
         for i, (seq, n) in enumerate(scheduled):
             first, ctx = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids += (seq.token_ids + seq.draft)[first:ctx] if seq.draft else seq.token_ids[first:ctx]
@@ -49,6 +52,10 @@ class ModelRunner:
             q_lens.append(n)
             ctx_lens.append(ctx)
             row += n
+            last = min(ctx, seq.num_prompt_tokens - 1)  # prompt position `last - 1` guesses the prompt's last token
+            if seq.scores_prompt and first < last:
+                scoring.append((seq, len(logits_indices), first, last - first))
+                logits_indices += range(row - n, row - n + last - first)
             if ctx >= len(seq):  # the step reaches the end of what is known: sample after it
                 rows = ctx - len(seq) + 1
                 sampling.append((seq, len(logits_indices), rows))
@@ -60,13 +67,14 @@ class ModelRunner:
         batch = StepBatch(seqs, starts, q_lens, ctx_lens, tensor(positions, torch.long), tensor(token_seq),
                           tensor(starts), tensor(q_lens), tensor(ctx_lens), tensor([0] + [s + n for s, n in zip(starts, q_lens)]),
                           tensor([t + [0] * (width - len(t)) for t in table]), block_size)
-        return tensor(input_ids, torch.long), batch, tensor(logits_indices, torch.long), sampling
+        return tensor(input_ids, torch.long), batch, tensor(logits_indices, torch.long), sampling, scoring
 
-    def run(self, scheduled: Scheduled) -> tuple[torch.Tensor, list]:
-        input_ids, batch, logits_indices, sampling = self.prepare(scheduled)
+    def run(self, scheduled: Scheduled) -> tuple[torch.Tensor, list, list]:
+        """The step's logits, the sampling rows and the prompt-scoring rows (see prepare)."""
+        input_ids, batch, logits_indices, sampling, scoring = self.prepare(scheduled)
         if self.workers:  # tensor parallel: the other ranks apply the KV operations and run the same step
             self.workers.send(self.kv.take_ops(), (input_ids, dataclasses.replace(batch, seqs=[]), logits_indices))
-        return self.forward(input_ids, batch, logits_indices), sampling
+        return self.forward(input_ids, batch, logits_indices), sampling, scoring
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, logits_indices: torch.Tensor) -> torch.Tensor | None:
         """The model over one flat batch; logits on rank 0, None on the other ranks."""

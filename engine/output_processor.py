@@ -44,6 +44,8 @@ class RequestState:
     completions: list[Completion]
     beam: BeamGroup | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (prompt_logprobs); the first None
+    prompt_logprobs_sent: bool = False  # DELTA: they go out once, in the first output after the prompt
 
     @property
     def finished(self) -> bool:
@@ -60,7 +62,16 @@ class OutputProcessor:
     def add(self, request_id: str, prompt: Prompt, params: SamplingParams, beam: BeamGroup | None = None) -> None:
         completions = [Completion(IncrementalDetokenizer(self.tokenizer, prompt.token_ids, params.skip_special_tokens))
                        for _ in range(1 if beam else params.num_samples)]
-        self.requests[request_id] = RequestState(request_id, prompt, params, completions, beam)
+        scored = [None] * len(prompt.token_ids) if getattr(params, "prompt_logprobs", None) is not None else None
+        self.requests[request_id] = RequestState(request_id, prompt, params, completions, beam, prompt_logprobs=scored)
+
+    def score_prompt(self, request_id: str, position: int, scored: list[Sampled]) -> None:
+        """The logprobs of prompt tokens position, position + 1, ... (a prefill chunk's; a
+        sequence computing its prompt again after a preemption writes the same values)."""
+        state = self.requests.get(request_id)
+        if state is not None and state.prompt_logprobs is not None:
+            for i, s in enumerate(scored, position):
+                state.prompt_logprobs[i] = TokenLogprob(s.token_id, s.logprob, s.top)
 
     def abort(self, request_id: str) -> bool:
         return self.requests.pop(request_id, None) is not None
@@ -145,8 +156,11 @@ class OutputProcessor:
             outputs.append(CompletionOutput(rank if p.best_of else index, text, list(tokens), c.finish_reason,
                                             list(records) if logprobs else None,
                                             c.cum_logprob if logprobs or p.best_of else None))
+        prompt_logprobs = state.prompt_logprobs
+        if prompt_logprobs is not None and delta:
+            prompt_logprobs, state.prompt_logprobs_sent = (None if state.prompt_logprobs_sent else prompt_logprobs), True
         return RequestOutput(state.request_id, state.prompt.text, state.prompt.token_ids, outputs,
-                             state.finished, state.error)
+                             state.finished, state.error, list(prompt_logprobs) if prompt_logprobs else None)
 
     def _beam_output(self, state: RequestState) -> BeamSearchOutput:
         start, prompt_text = len(state.prompt.token_ids), state.prompt.text

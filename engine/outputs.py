@@ -41,3 +41,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     error: str | None = None  # why the request failed, when it did (finish_reason "error")
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # prompt_logprobs: per prompt token, the first None

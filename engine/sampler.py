@@ -126,6 +126,16 @@ def filter_logits(x: torch.Tensor, params) -> torch.Tensor:
     return x
 
 
+def score(logits: torch.Tensor, tokens: list[int], k: int) -> list[Sampled]:
+    """Given tokens under their rows' raw distributions, each with its row's k most likely
+    tokens (prompt_logprobs: row i is the model's guess at tokens[i])."""
+    lp = logits.float().log_softmax(-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    top = torch.topk(lp, k) if k else None
+    tops = zip(top.indices.tolist(), top.values.tolist()) if top is not None else ([] for _ in tokens)
+    return [Sampled(t, c, list(zip(*ranked)) if k else []) for t, c, ranked in zip(tokens, chosen, tops)]
+
+
 def _with_logprobs(logits: torch.Tensor, tokens: list[int], seqs) -> list[Sampled]:
     want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None or s.params.best_of]
     out = [Sampled(t) for t in tokens]

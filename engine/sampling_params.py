@@ -33,6 +33,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # how many most likely tokens to report per generated token
+    prompt_logprobs: int | None = None  # the same per prompt token (vLLM's): each prompt token's logprob given
+    # the tokens before it, and the k most likely there; the prompt is then computed whole (no cached prefix)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -78,6 +80,8 @@ class SamplingParams:
              f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}"),
             (self.logprobs is None or (integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
+            (self.prompt_logprobs is None or (integer(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"),
             (real(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
              f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}"),
             (real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,

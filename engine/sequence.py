@@ -70,6 +70,12 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def scores_prompt(self) -> bool:
+        """Are its prompt tokens' logprobs wanted (prompt_logprobs)? Then its prompt is computed
+        whole, never read from the prefix cache or the tiers, whose pages have no logits."""
+        return getattr(self.params, "prompt_logprobs", None) is not None
+
+    @property
     def num_pending_tokens(self) -> int:
         """Tokens whose K/V the next forward passes must compute."""
         return len(self.token_ids) - self.num_computed_tokens

@@ -31,6 +31,32 @@ def test_greedy_matches_transformers(kv_layout, prefix_caching, prompt_ids, refe
     assert_pool_whole(llm)
 
 
+def test_prompt_logprobs_equal_transformers_in_chunks_and_never_come_from_the_cache(prompt_ids):
+    """prompt_logprobs (vLLM's): per prompt token, its logprob given the tokens before it and
+    the k most likely there, computed in chunks of 8 tokens; a prompt whose pages are cached
+    is computed again (a cached page has no logits), and preemption writes no token twice."""
+    from helpers import hf_model
+    model = hf_model(bundled_dir())
+    llm = LLM(kv_cache_memory=90 * 65536, max_num_seqs=6, max_num_batched_tokens=8, page_size=4096)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, prompt_logprobs=2)
+    for _ in range(2):  # the second finds its pages cached
+        llm.generate(prompt_ids[4], GREEDY, use_tqdm=False)
+    hits = llm.stats().kv.prefix_cache_hits
+    assert hits > 0
+    outs = llm.generate(prompt_ids, params, use_tqdm=False)
+    assert llm.stats().kv.prefix_cache_hits == hits and llm.stats().preemptions > 0
+    for ids, out in zip(prompt_ids, outs):
+        with torch.no_grad():
+            lp = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        top = lp.topk(2)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for i, record in enumerate(out.prompt_logprobs[1:]):
+            assert record.token_id == ids[i + 1]
+            assert record.logprob == pytest.approx(float(lp[i, ids[i + 1]]), abs=2e-4)
+            assert [t for t, _ in record.top] == top.indices[i].tolist()
+    assert_pool_whole(llm)
+
+
 @pytest.mark.parametrize("kv_layout", ["interleaved", "paged"])
 def test_preemption_under_a_tiny_budget_changes_nothing(kv_layout, prompt_ids, reference):
     # 90 pages of 64 KiB (1.4 interleaved fp32 tokens each; paged: 16-token blocks of the same

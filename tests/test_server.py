@@ -327,6 +327,23 @@ def test_echo_logit_bias_and_best_of_work(client):
     assert best.usage.completion_tokens <= 5 * 6
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client):
+    """lm-eval-harness's loglikelihood request: echo the prompt with its tokens' logprobs (the
+    first has none), then the completion's; they equal the engine's prompt_logprobs."""
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1)
+    lp, text = out.choices[0].logprobs, out.choices[0].text
+    from engine import LLM, SamplingParams
+    with LLM(kv_cache_memory=16 << 20) as llm:
+        want = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    n = len(want.prompt_token_ids)
+    assert len(lp.tokens) == n + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx([r.logprob for r in want.prompt_logprobs[1:]], abs=1e-4)
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    assert text.startswith(prompt) and "".join(lp.tokens[:n]) == prompt
+    assert lp.text_offset == sorted(lp.text_offset) and text[lp.text_offset[n]:].startswith(lp.tokens[n])
+
+
 def test_best_of_returns_the_n_most_likely_samples():
     from engine import LLM, SamplingParams
     llm = LLM(max_num_seqs=8)

@@ -7,7 +7,8 @@ its slot; paged: its block table). The scheduler alone drives the life cycle:
 
   admit          give the sequence a place, map the longest cached prefix, then restore the
                  pages after it that the KV tiers hold (engine/kv/tiers.py); returns how
-                 many tokens those pages hold (the scheduler counts them computed)
+                 many tokens those pages hold (the scheduler counts them computed). A
+                 sequence that scores its prompt (prompt_logprobs) gets a place alone
   ensure_mapped  before a step writes rows [computed, end): map missing pages, and copy any
                  page there that is shared (copy-on-write: a cached prefix's last page, the
                  prompt's last page after a fork)
@@ -242,6 +243,9 @@ class KVCacheBase(ABC):
         """Give seq a place and map its longest cached prefix, from the pool and then from the
         tiers; returns the tokens it holds."""
         self._take_place(seq)
+        if seq.scores_prompt:  # its prompt's logits are wanted: nothing is read from a cache
+            self.after_install(seq, 0)
+            return 0
         hits = self._match_prefix(seq)
         for k, pages in enumerate(hits):
             self.install(seq, k, pages)

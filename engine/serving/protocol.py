@@ -305,6 +305,20 @@ class TokenText:
                 "top_logprobs": [{self.text(t): v for t, v in r.top} for r in records],
                 "text_offset": [offset + r.text_offset for r in records]}
 
+    def echoed_logprobs(self, scored: list, prompt_ids: list[int], completion: dict, shift: int) -> dict:
+        """The completions API's logprobs with echo: the prompt's tokens (the first has no
+        logprob, as OpenAI's), then the completion's, whose text offsets move past the prompt's
+        `shift` characters. A prompt token's offset is where its text starts among theirs."""
+        texts = [self.text(t) for t in prompt_ids]
+        offsets = [0]
+        for t in texts[:-1]:
+            offsets.append(offsets[-1] + len(t))
+        return {"tokens": texts + completion["tokens"],
+                "token_logprobs": [r.logprob if r else None for r in scored] + completion["token_logprobs"],
+                "top_logprobs": [{self.text(t): v for t, v in r.top} if r else None for r in scored]
+                + completion["top_logprobs"],
+                "text_offset": offsets + [shift + o for o in completion["text_offset"]]}
+
     def chat_logprobs(self, c: CompletionOutput, start: int = 0) -> dict | None:
         """The chat API's form: per token, its top_logprobs are exactly the k most likely."""
         if c.logprobs is None:

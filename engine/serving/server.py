@@ -151,7 +151,8 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
 
     async def prepare(engine: AsyncEngine, rid: str, client: str, prompts: list[Prompt], body,
                       max_tokens: int | None, logprobs: int | None, best_of: int | None = None,
-                      structured: StructuredOutputsParams | None = None, deltas: bool = False) -> list[EngineRequest]:
+                      structured: StructuredOutputsParams | None = None, deltas: bool = False,
+                      prompt_logprobs: int | None = None) -> list[EngineRequest]:
         """Check the request whole before any of it runs (one engine request per prompt, all in
         the client's group: the scheduler shares seats between groups); 400 with the reason if
         bad. deltas: outputs hold what is new (a stream)."""
@@ -165,6 +166,8 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
             params = body.sampling_params(max_tokens, logprobs, best_of)
             if structured is not None:  # a forced tool call
                 params.structured_outputs = structured
+            if prompt_logprobs is not None:  # echo with logprobs
+                params = dataclasses.replace(params, prompt_logprobs=prompt_logprobs)
             if deltas and isinstance(params, SamplingParams):
                 params.output_kind = RequestOutputKind.DELTA
             return [await engine.process(f"{rid}-{i}", prompt, params, client, body.priority)
@@ -262,8 +265,9 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         check(engine, body, body.best_of)
         if body.suffix:
             raise HTTPError(400, "suffix is not supported: the model has no fill-in-the-middle mode")
-        if body.echo and body.logprobs is not None:
-            raise HTTPError(400, "echo with logprobs needs the prompt's logprobs, which vkv does not compute")
+        scored = body.echo and body.logprobs is not None  # the prompt's tokens get logprobs too
+        if scored and body.stream:
+            raise HTTPError(400, "echo with logprobs is not streamed: ask without stream")
         if body.stream and body.best_of is not None and body.best_of > body.n:
             raise HTTPError(400, "best_of > n cannot be streamed: the best are known only at the end")
         raw = body.prompts()
@@ -273,7 +277,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         prompts = salted(await tokenize(engine, raw, client), body, client)
         rid = new_id("cmpl")
         requests = await prepare(engine, rid, client, prompts, body, body.max_tokens, body.logprobs, body.best_of,
-                                 deltas=body.stream)
+                                 deltas=body.stream, prompt_logprobs=body.logprobs if scored else None)
         echoes = [(p.text if p.text is not None else engine.tokenizer.decode(p.token_ids)) if body.echo else ""
                   for p in prompts]
 
@@ -285,8 +289,12 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
             chunks = _stream(engine, rid, requests, body, "text_completion", model_name, choice)
             return StreamingResponse(chunks, media_type="text/event-stream")
         outs = await _collect(engine, requests, request)
-        return envelope("text_completion", rid, model_name,
-                        [choice(i, c) for i, o in enumerate(outs) for c in o.outputs], {"usage": usage(outs)})
+        choices = [choice(i, c) for i, o in enumerate(outs) for c in o.outputs]
+        if scored:  # the echoed prompt's tokens first, then the completion's (text offsets after the prompt)
+            for ch, (i, o) in zip(choices, ((i, o) for i, o in enumerate(outs) for _ in o.outputs)):
+                ch["logprobs"] = tokens.echoed_logprobs(o.prompt_logprobs, o.prompt_token_ids, ch["logprobs"],
+                                                        len(echoes[i]))
+        return envelope("text_completion", rid, model_name, choices, {"usage": usage(outs)})
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(body: ChatCompletionRequest, request: Request):
