@@ -45,10 +45,12 @@ def test_each_model_served_together_computes_what_it_computes_alone(layout):
 def test_models_of_other_dtypes_and_layouts_share_the_pool():
     prompts = [[5 + i] * 40 for i in range(3)]
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    own = {"a": {"model": "random:tiny", "dtype": "bfloat16"}, "b": {"model": "random:qwen3-small", "kv_layout": "interleaved"}}
+    own = {"a": {"model": "random:tiny", "dtype": "bfloat16"}, "b": {"model": "random:qwen3-small", "kv_layout": "interleaved"},
+           "c": {"model": "random:tiny", "kv_cache_dtype": "fp8"}}
     with MultiLLM(own, kv_cache_memory=4 << 20) as llms:
         together = {name: [o.outputs[0].token_ids for o in llms.generate(prompts, greedy, model=name)] for name in own}
         assert llms.engines["a"].kv.dtype == torch.bfloat16 and llms.engines["b"].kv.layout == "interleaved"
+        assert llms.engines["c"].kv.dtype == torch.float8_e4m3fn
         llms.audit()
     for name, options in own.items():
         with LLM(**options, kv_cache_memory=4 << 20) as llm:
