@@ -69,6 +69,7 @@ class SeqState:
     num_computed_tokens: int
     num_prompt_tokens: int
     cache_salt: str | None
+    scores_prompt: bool = False  # prompt_logprobs: admitted without its cached prefix
     kv: object = None  # the worker's KV cache keeps its handle here, as rank 0's keeps it on the Sequence
 
     def __len__(self) -> int:
@@ -76,7 +77,8 @@ class SeqState:
 
     @classmethod
     def of(cls, seq: Sequence) -> SeqState:
-        return cls(seq.seq_id, list(seq.token_ids), seq.num_computed_tokens, seq.num_prompt_tokens, seq.cache_salt)
+        return cls(seq.seq_id, list(seq.token_ids), seq.num_computed_tokens, seq.num_prompt_tokens, seq.cache_salt,
+                   seq.scores_prompt)
 
     def live(self, seqs: dict[int, SeqState]) -> SeqState:
         """The worker's one object for this sequence (the caches key their state by seq_id),

@@ -82,8 +82,10 @@ def test_two_ranks_swap_and_sleep_in_lockstep():
                   max_num_seqs=4)
     prompts = [[5 + i, 17, 300 + i, 41, 9, 1000 + 3 * i] * 3 for i in range(4)]
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)  # admitted without the cached prefix
     one = LLM(**config | {"kv_cache_memory": 1 << 20})
     want = tokens(one.generate(prompts, greedy, use_tqdm=False))
+    want_scores = [r.logprob for r in one.generate(prompts[0], scored, use_tqdm=False)[0].prompt_logprobs[1:]]
     one.engine.close()
     two = LLM(tensor_parallel_size=2, preemption_mode="swap", swap_space=0.01, **config)
     try:
@@ -95,6 +97,8 @@ def test_two_ranks_swap_and_sleep_in_lockstep():
         assert_in_lockstep(two)
         two.wake_up()
         assert tokens(two.generate(prompts[:1], greedy, use_tqdm=False)) == want[:1]
+        got = [r.logprob for r in two.generate(prompts[0], scored, use_tqdm=False)[0].prompt_logprobs[1:]]
+        assert got == pytest.approx(want_scores, abs=1e-4)
         assert_pool_whole(two)
         assert_in_lockstep(two)
     finally:
