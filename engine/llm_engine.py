@@ -1,6 +1,6 @@
 """The engine loop: requests in, one `step()` at a time, outputs back. Data goes one way:
 
-    drafts (spec_decode) -> Scheduler.schedule -> ModelRunner.run -> sampling (sampler,
+    drafts (spec_decode) -> Scheduler.schedule -> ModelRunner.run -> sample_step (sampler,
     spec_decode, beam rows) -> Scheduler.update_from_output -> OutputProcessor.process
 
 The scheduler writes every sequence's schedule state; the output processor turns tokens into
@@ -15,11 +15,9 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 import ext
 import vmm
-from engine.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams
+from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.kv.build import attach_tiers
 from engine.map_ahead import MapAhead
@@ -30,11 +28,12 @@ from engine.outputs import RequestOutput
 from engine.parallel import RecordedKV, Workers
 from engine.processor import EngineRequest, InputProcessor
 from engine.rank import build_rank, check_divisible
-from engine.sampler import sample, score
+from engine.sample_step import sample_step
+from engine.sampler import score
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RowResult, Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.spec_decode import NgramProposer, SpeculativeConfig, verify_rows
+from engine.spec_decode import NgramProposer, SpeculativeConfig
 from engine.stats import EngineStats
 from engine.structured import Grammars
 
@@ -123,30 +122,10 @@ class LLMEngine:
             raise EngineSleeping("the engine is sleeping: wake it up first")
         if request.request_id in self.output_processor.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        params, beam = request.params, None
-        if isinstance(params, BeamSearchParams):
-            beam = BeamGroup(params, self.eos_ids, self.max_model_len)
-            params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
-        now, ids, grammar = time.monotonic(), request.prompt.token_ids, request.grammar
-        seqs = [Sequence(request.request_id, i, list(ids), params, now, request.group or request.request_id,
-                         request.priority, generator=self._generator(params, i), cache_salt=request.prompt.cache_salt,
-                         grammar=self.grammars.matcher(grammar) if grammar else None, beam=beam)
-                for i in range(params.num_samples)]
-        seqs[0].siblings = seqs[1:]
-        if beam:
-            beam.start(seqs[0])
-        self.output_processor.add(request.request_id, request.prompt, params, beam)
-        self.scheduler.add(seqs[0])
-        self.num_prompt_tokens += len(ids)
-
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
-        """Seeded requests draw from their own generators (seed + index for the index-th
-        completion); the rest share torch's default one."""
-        if params.seed is None or params.greedy:
-            return None
-        g = torch.Generator(device=self.config.device)
-        g.manual_seed((params.seed + index) % (1 << 64))
-        return g
+        first = self.processor.sequence(request, time.monotonic())
+        self.output_processor.add(request.request_id, request.prompt, first.params, first.beam)
+        self.scheduler.add(first)
+        self.num_prompt_tokens += len(first)
 
     def abort(self, request_id: str) -> None:
         if self.output_processor.abort(request_id):
@@ -208,7 +187,11 @@ class LLMEngine:
         for seq, first, position, n in scoring:  # prompt_logprobs: row i guesses prompt token position + 1 + i
             self.output_processor.score_prompt(seq.request_id, position + 1, score(
                 logits[first:first + n], seq.token_ids[position + 1:position + 1 + n], seq.params.prompt_logprobs))
-        seq_outputs = self.scheduler.update_from_output(out, self._sample(logits, rows, out))
+        sampled = sample_step(logits, rows, out, self.grammars, self.eos_ids)
+        self.num_drafts += sampled.drafts
+        self.num_drafted += sampled.drafted
+        self.num_accepted += sampled.accepted
+        seq_outputs = self.scheduler.update_from_output(out, sampled.results)
         outputs, stopped, failed = self.output_processor.process(seq_outputs)
         for seq in stopped:
             self.scheduler.finish(seq, "stop")
@@ -221,29 +204,6 @@ class LLMEngine:
                 self.num_failed += bool(o.error)
                 self.num_finished += not o.error
         return outputs
-
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[Sequence, int, int]],
-                out: SchedulerOutput) -> dict[Sequence, RowResult]:
-        """Each sampling sequence's result (tokens, a beam's row, or its row's exception):
-        drafted rows are verified, a beam's row goes to its group, the rest are sampled in one
-        batch, with the siblings forking from a sequence sampling from its row."""
-        drafted = [r for r in rows if r[2] > 1]
-        results: dict[Sequence, RowResult] = verify_rows(logits, drafted)
-        self.num_drafts += len(drafted)
-        self.num_drafted += sum(n - 1 for _, _, n in drafted)
-        self.num_accepted += sum(len(r) - 1 for r in results.values() if isinstance(r, list))
-        plain_rows, plain = [], []
-        for seq, first, n in rows:
-            if n == 1 and seq.beam:
-                results[seq] = logits[first]
-            elif n == 1:
-                for s in (seq, *out.forks.get(seq, ())):
-                    plain_rows.append(first)
-                    plain.append(s)
-        masks = self.grammars.masks([s.grammar for s in plain], logits.device)
-        for seq, result in zip(plain, sample(logits[plain_rows], plain, self.eos_ids, masks)):
-            results[seq] = result if isinstance(result, Exception) else [result]
-        return results
 
     def _forget(self, seqs: list[Sequence]) -> None:
         if self.proposer:

@@ -11,11 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.beam_search import BeamSearchParams
+import torch
+
+from engine.beam_search import BeamGroup, BeamSearchParams
 from engine.config import EngineConfig
 from engine.inputs import Prompt, tokenize
 from engine.models.config import ModelConfig
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 from engine.structured import Grammars
 
 
@@ -71,3 +74,31 @@ class InputProcessor:
             raise ValueError(f"{total} tokens{f' for {width} beams' if width > 1 else ''} need {pages} KV pages, "
                              f"more than the whole KV budget of {self.pool.num_pages} pages")
         return EngineRequest(request_id, prompt, params, group, priority, grammar)
+
+    def sequence(self, request: EngineRequest, now: float) -> Sequence:
+        """The request's first sequence, as the engine's thread adds it: its n > 1 (or best_of)
+        siblings ride on it until they fork; a beam search's first beam is steered by its
+        BeamGroup (`seq.beam`) and samples greedily. Each has its own seeded generator and
+        grammar matcher."""
+        params, beam = request.params, None
+        if isinstance(params, BeamSearchParams):
+            beam = BeamGroup(params, self.eos_ids, self.max_model_len)
+            params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
+        ids, grammar = request.prompt.token_ids, request.grammar
+        seqs = [Sequence(request.request_id, i, list(ids), params, now, request.group or request.request_id,
+                         request.priority, generator=self._generator(params, i), cache_salt=request.prompt.cache_salt,
+                         grammar=self.grammars.matcher(grammar) if grammar else None, beam=beam)
+                for i in range(params.num_samples)]
+        seqs[0].siblings = seqs[1:]
+        if beam:
+            beam.start(seqs[0])
+        return seqs[0]
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Seeded requests draw from their own generators (seed + index for the index-th
+        completion); the rest share torch's default one."""
+        if params.seed is None or params.greedy:
+            return None
+        g = torch.Generator(device=self.config.device)
+        g.manual_seed((params.seed + index) % (1 << 64))
+        return g
