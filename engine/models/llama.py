@@ -69,7 +69,7 @@ class Attention(nn.Module):
 
     def shard(self, rank: int, world: int) -> None:
         """Keep this rank's query heads and the KV heads they read (GQA groups stay whole)."""
-        d, (nq, nk, _) = self.head_dim, self.split
+        nq, nk, _ = self.split
         q, k, v = (part.chunk(world)[rank] for part in self.qkv_proj.weight.data.split(self.split))
         self.qkv_proj.weight.data = torch.cat([q, k, v])
         if self.qkv_proj.bias is not None:
