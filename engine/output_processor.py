@@ -62,7 +62,7 @@ class OutputProcessor:
     def add(self, request_id: str, prompt: Prompt, params: SamplingParams, beam: BeamGroup | None = None) -> None:
         completions = [Completion(IncrementalDetokenizer(self.tokenizer, prompt.token_ids, params.skip_special_tokens))
                        for _ in range(1 if beam else params.num_samples)]
-        scored = [None] * len(prompt.token_ids) if getattr(params, "prompt_logprobs", None) is not None else None
+        scored = [None] * len(prompt.token_ids) if params.prompt_logprobs is not None else None
         self.requests[request_id] = RequestState(request_id, prompt, params, completions, beam, prompt_logprobs=scored)
 
     def score_prompt(self, request_id: str, position: int, scored: list[Sampled]) -> None:

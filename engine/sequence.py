@@ -73,7 +73,7 @@ class Sequence:
     def scores_prompt(self) -> bool:
         """Are its prompt tokens' logprobs wanted (prompt_logprobs)? Then its prompt is computed
         whole, never read from the prefix cache or the tiers, whose pages have no logits."""
-        return getattr(self.params, "prompt_logprobs", None) is not None
+        return self.params.prompt_logprobs is not None
 
     @property
     def num_pending_tokens(self) -> int:

@@ -243,9 +243,6 @@ class KVCacheBase(ABC):
         """Give seq a place and map its longest cached prefix, from the pool and then from the
         tiers; returns the tokens it holds."""
         self._take_place(seq)
-        if seq.scores_prompt:  # its prompt's logits are wanted: nothing is read from a cache
-            self.after_install(seq, 0)
-            return 0
         hits = self._match_prefix(seq)
         for k, pages in enumerate(hits):
             self.install(seq, k, pages)
@@ -273,7 +270,7 @@ class KVCacheBase(ABC):
         """Restore seq's pages start, start+1, ... that the tiers hold, each into a fresh page
         at its own place; returns how many. Stops at the first page no tier has whole, or when
         the pool has no page for it."""
-        if not self.tiers:
+        if not self.tiers or seq.scores_prompt:  # its prompt's logits are wanted: computed whole
             return 0
         names, k, began = seq.kv.names, start, time.perf_counter()
         while k < len(names) and self.tokens_in_pages(k + 1) <= len(seq) - 1:
@@ -307,7 +304,7 @@ class KVCacheBase(ABC):
         return k
 
     def _match_prefix(self, seq: Sequence) -> list[tuple[int, ...]]:
-        if not self.prefix_cache:
+        if not self.prefix_cache or seq.scores_prompt:  # its prompt's logits are wanted: computed whole
             return []
         hits = self.prefix_cache.match(self._page_hashes(seq, len(seq)))
         while hits and self.tokens_in_pages(len(hits)) > len(seq) - 1:
