@@ -1,9 +1,10 @@
 """vkv's serving engine: Llama-family models over virtual KV memory (see ../vmm)."""
 from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.llm import LLM
+from engine.lora import LoRARequest
 from engine.multi import MultiLLM
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "MultiLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams",
-           "BeamSearchOutput", "BeamSearchSequence"]
+           "BeamSearchOutput", "BeamSearchSequence", "LoRARequest"]

@@ -57,6 +57,12 @@ class EngineConfig:
     tensor_parallel_workers: str = "spawn"  # or "external": ranks 1..N-1 are started with `vkv tp-worker`
     map_ahead_tokens: int = 0  # > 0: a worker thread maps each sequence's next pages during the forward pass
     speculative_config: dict | None = None  # vLLM's: {"method": "ngram", "num_speculative_tokens": k, ...}
+    # LoRA adapters (engine/lora.py), vLLM's names: requests may name an adapter; a step runs rows
+    # of at most max_loras distinct adapters; at most max_cpu_loras stay loaded (default max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -114,6 +120,14 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not wired: the adapters' deltas "
+                             "would need sharding like the weights")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -215,6 +229,14 @@ class EngineConfig:
                        help="tokens per sequence whose pages a worker thread maps during each forward pass (0: off)")
         g.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                        help='e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')
+        g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the model "
+                       "(requests name one; `vkv serve --lora-modules NAME=PATH`)")
+        g.add_argument("--max-loras", type=int, default=EngineConfig.max_loras,
+                       help="distinct adapters running in one step")
+        g.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank,
+                       help="the largest adapter rank accepted")
+        g.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept loaded (least recently used dropped first; default: --max-loras)")
         g.add_argument("--model-seed", type=int, default=EngineConfig.seed, help="weights of random:<preset> models")
 
     @classmethod
@@ -223,7 +245,8 @@ class EngineConfig:
                  "max_num_seqs", "max_model_len", "max_num_batched_tokens", "attention_backend",
                  "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
                  "kv_offloading_size", "kv_offloading_path", "kv_offloading_path_size",
-                 "tensor_parallel_size", "distributed_init", "tensor_parallel_workers", "map_ahead_tokens", "speculative_config")
+                 "tensor_parallel_size", "distributed_init", "tensor_parallel_workers", "map_ahead_tokens", "speculative_config",
+                 "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
         models = args.model if isinstance(args.model, list) else [args.model]
         if len(models) > 1:
             raise ValueError("several --model: only `vkv serve` serves several models (as NAME=SOURCE)")

@@ -10,6 +10,7 @@ from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.inputs import chat_prompt
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -32,33 +33,45 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Prompts are strings or token-id lists (or vLLM's {"prompt": ...} and
         {"prompt_token_ids": ...}); outputs come back in input order. A request that fails
         comes back with finish_reason "error" and the reason in `error`. `priority` (one per
-        prompt, lower first) matters under scheduling_policy="priority"."""
+        prompt, lower first) matters under scheduling_policy="priority". `lora_request`: the
+        LoRA adapter every prompt runs with, or one per prompt (None: the base model); needs
+        enable_lora=True."""
         prompts = as_prompt_list(prompts)
         params = params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         priority = priority if priority is not None else [0] * len(prompts)
-        if not len(params) == len(priority) == len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams and {len(priority)} priorities")
-        return self._submit("gen", prompts, params, use_tqdm, priority)
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if not len(params) == len(priority) == len(loras) == len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams, {len(priority)} priorities "
+                             f"and {len(loras)} LoRA requests")
+        return self._submit("gen", prompts, params, use_tqdm, priority, loras)
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """vLLM's offline beam search: each prompt's beam_width best continuations, best first."""
         prompts = as_prompt_list(prompts)
-        return self._submit("beam", prompts, [params] * len(prompts), use_tqdm, [0] * len(prompts))
+        n = len(prompts)
+        return self._submit("beam", prompts, [params] * n, use_tqdm, [0] * n, [lora_request] * n)
 
-    def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool = True):
+    def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool = True,
+             lora_request: LoRARequest | None = None):
         """One conversation (a list of {"role", "content"}) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([chat_prompt(self.tokenizer, c) for c in conversations], params, use_tqdm)
+        return self.generate([chat_prompt(self.tokenizer, c) for c in conversations], params, use_tqdm,
+                             lora_request=lora_request)
 
-    def _submit(self, kind: str, prompts: list, params: list, use_tqdm: bool, priority: list[int]) -> list:
-        """Tokenize and check every prompt before any runs, so a bad one leaves the engine as it was."""
-        requests = [self.engine.process_inputs(f"{kind}-{next(self._ids)}", prompt, p, group="llm", priority=urgency)
-                    for prompt, p, urgency in zip(prompts, params, priority)]  # one caller: one group
+    def _submit(self, kind: str, prompts: list, params: list, use_tqdm: bool, priority: list[int],
+                loras: list) -> list:
+        """Tokenize and check every prompt (and load its adapter) before any runs, so a bad one
+        leaves the engine as it was."""
+        requests = [self.engine.process_inputs(f"{kind}-{next(self._ids)}", prompt, p, group="llm", priority=urgency,
+                                               lora_request=lora)
+                    for prompt, p, urgency, lora in zip(prompts, params, priority, loras)]  # one caller: one group
         for request in requests:
             self.engine.add(request)
         return self._run([r.request_id for r in requests], use_tqdm)

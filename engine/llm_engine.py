@@ -20,6 +20,7 @@ import vmm
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.kv.build import attach_tiers
+from engine.lora import LoRARegistry, LoRARequest
 from engine.map_ahead import MapAhead
 from engine.model_runner import ModelRunner
 from engine.models import load_config, load_tokenizer
@@ -77,12 +78,14 @@ class LLMEngine:
             self.kv = RecordedKV(self.kv)
         self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, policy=c.scheduling_policy,
                                    preemption_mode=c.preemption_mode, eos_ids=self.eos_ids,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, max_loras=c.max_loras if c.enable_lora else None)
         self.runner = ModelRunner(self.model, self.kv, self.attention, self.max_model_len, c.device, c.compute_dtype,
                                   self.workers)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.loras = LoRARegistry(self.model_config, c.max_lora_rank, c.max_cpu_loras or c.max_loras, c.device,
+                                  c.compute_dtype) if c.enable_lora else None
         self.processor = InputProcessor(c, self.model_config, self.max_model_len, self.tokenizer, self.eos_ids,
-                                        self.grammars, self.kv.pages_for, self.kv.pool)
+                                        self.grammars, self.kv.pages_for, self.kv.pool, self.loras)
         self.output_processor = OutputProcessor(self.tokenizer)
         spec = c.speculative_config
         self.proposer = NgramProposer(SpeculativeConfig.from_dict(spec)) if spec else None
@@ -104,17 +107,31 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
     def process_inputs(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams, *,
-                       group: str | None = None, priority: int = 0) -> EngineRequest:
-        """The request tokenized and checked (engine/processor.py); ValueError, with the
-        numbers, for one the engine would refuse. Thread-safe: a server runs it off the
-        engine's thread."""
-        return self.processor.process(request_id, prompt, params, group, priority)
+                       group: str | None = None, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> EngineRequest:
+        """The request tokenized and checked, its LoRA adapter loaded (engine/processor.py);
+        ValueError, with the numbers, for one the engine would refuse. Thread-safe: a server
+        runs it off the engine's thread."""
+        return self.processor.process(request_id, prompt, params, group, priority, lora_request)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams, *,
-                    group: str | None = None, priority: int = 0) -> None:
+                    group: str | None = None, priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         """prompt: text, token ids or a Prompt. With BeamSearchParams the request is a beam
         search: its beams are greedy sequences that a BeamGroup steers."""
-        self.add(self.process_inputs(request_id, prompt, params, group=group, priority=priority))
+        self.add(self.process_inputs(request_id, prompt, params, group=group, priority=priority,
+                                     lora_request=lora_request))
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Load (and check) an adapter now rather than with its first request (vLLM's add_lora);
+        ValueError by name. Thread-safe."""
+        self.processor.adapter(request)
+
+    def remove_lora(self, name: str) -> bool:
+        """Drop an adapter from memory; requests running with it finish with it."""
+        return self.loras.drop(name) if self.loras else False
+
+    def list_loras(self) -> list[str]:
+        return self.loras.names() if self.loras else []
 
     def add(self, request: EngineRequest) -> None:
         """Queue a request that process_inputs made."""

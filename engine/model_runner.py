@@ -9,6 +9,7 @@ import torch
 from engine.attention import AttentionBackend
 from engine.kv.base import KVCacheBase
 from engine.kv.batch import StepBatch
+from engine.lora import LoRABatch
 from engine.ops import rope_table
 from engine.scheduler import Scheduled
 
@@ -36,11 +37,14 @@ class ModelRunner:
         self.workers = workers  # engine.parallel.Workers when tensor parallel (kv is then a RecordedKV)
         self.cos_sin = rope_table(model.inv_freq, max_model_len, dtype, device)
 
-    def prepare(self, scheduled: Scheduled) -> tuple[torch.Tensor, StepBatch, torch.Tensor, list, list]:
+    def prepare(self, scheduled: Scheduled) -> tuple[torch.Tensor, StepBatch, torch.Tensor, list, list,
+                                                     LoRABatch | None]:
         """The flat batch; per sequence that samples (seq, its first logits row, rows): one row
-        after its last known token, plus one after each drafted token; and per sequence scoring
-        its prompt (seq, its first logits row, position, rows): the rows of its prompt
-        positions this step computes, each the guess at the next prompt token."""
+        after its last known token, plus one after each drafted token; per sequence scoring its
+        prompt (seq, its first logits row, position, rows): the rows of its prompt positions
+        this step computes, each the guess at the next prompt token; and the rows of each LoRA
+        adapter (the sequences ordered so that each adapter's rows are one segment)."""
+        scheduled = by_adapter(scheduled)
         input_ids, positions, token_seq, starts, q_lens, ctx_lens = [], [], [], [], [], []
         logits_indices, sampling, scoring, row = [], [], [], 0
         for i, (seq, n) in enumerate(scheduled):
@@ -67,17 +71,30 @@ class ModelRunner:
         batch = StepBatch(seqs, starts, q_lens, ctx_lens, tensor(positions, torch.long), tensor(token_seq),
                           tensor(starts), tensor(q_lens), tensor(ctx_lens), tensor([0] + [s + n for s, n in zip(starts, q_lens)]),
                           tensor([t + [0] * (width - len(t)) for t in table]), block_size)
-        return tensor(input_ids, torch.long), batch, tensor(logits_indices, torch.long), sampling, scoring
+        lora = LoRABatch.of([seq.lora for seq in seqs], starts, q_lens)
+        return tensor(input_ids, torch.long), batch, tensor(logits_indices, torch.long), sampling, scoring, lora
 
     def run(self, scheduled: Scheduled) -> tuple[torch.Tensor, list, list]:
         """The step's logits, the sampling rows and the prompt-scoring rows (see prepare)."""
-        input_ids, batch, logits_indices, sampling, scoring = self.prepare(scheduled)
+        input_ids, batch, logits_indices, sampling, scoring, lora = self.prepare(scheduled)
         if self.workers:  # tensor parallel: the other ranks apply the KV operations and run the same step
             self.workers.send(self.kv.take_ops(), (input_ids, dataclasses.replace(batch, seqs=[]), logits_indices))
-        return self.forward(input_ids, batch, logits_indices), sampling, scoring
+        return self.forward(input_ids, batch, logits_indices, lora), sampling, scoring
 
-    def forward(self, input_ids: torch.Tensor, batch: StepBatch, logits_indices: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, input_ids: torch.Tensor, batch: StepBatch, logits_indices: torch.Tensor,
+                lora: LoRABatch | None = None) -> torch.Tensor | None:
         """The model over one flat batch; logits on rank 0, None on the other ranks."""
         attn = self.attention.prepare(self.kv.k_caches, self.kv.v_caches, batch, self.cos_sin,
                                       paged=self.kv.layout == "paged", window=self.kv.window)
-        return self.model(input_ids, attn, logits_indices)
+        return self.model(input_ids, attn, logits_indices, lora)
+
+
+def by_adapter(scheduled: Scheduled) -> Scheduled:
+    """The step's sequences with each LoRA adapter's together (base-model ones first, then
+    each adapter in the order it first appears); as they were when none has an adapter."""
+    if all(seq.lora is None for seq, _ in scheduled):
+        return scheduled
+    order: dict = {None: 0}
+    for seq, _ in scheduled:
+        order.setdefault(seq.lora, len(order))
+    return sorted(scheduled, key=lambda item: order[item[0].lora])

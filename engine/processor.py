@@ -16,6 +16,7 @@ import torch
 from engine.beam_search import BeamGroup, BeamSearchParams
 from engine.config import EngineConfig
 from engine.inputs import Prompt, tokenize
+from engine.lora import Adapter, LoRARegistry, LoRARequest
 from engine.models.config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -32,18 +33,21 @@ class EngineRequest:
     group: str | None = None  # who asked: admission is fair between groups
     priority: int = 0  # lower runs first under scheduling_policy="priority"
     grammar: str | None = None  # its structured output, compiled
+    lora: Adapter | None = None  # the LoRA adapter it runs with, loaded
 
 
 class InputProcessor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tokenizer,
-                 eos_ids: tuple[int, ...], grammars: Grammars, pages_for: Callable[[int], int], pool):
-        """pages_for: KV pages a sequence of n tokens needs; pool: the KV pool (its num_pages)."""
+                 eos_ids: tuple[int, ...], grammars: Grammars, pages_for: Callable[[int], int], pool,
+                 loras: LoRARegistry | None = None):
+        """pages_for: KV pages a sequence of n tokens needs; pool: the KV pool (its num_pages);
+        loras: the LoRA adapters in memory (None: LoRA is off)."""
         self.config, self.model_config, self.max_model_len = config, model_config, max_model_len
         self.tokenizer, self.eos_ids, self.grammars = tokenizer, eos_ids, grammars
-        self.pages_for, self.pool = pages_for, pool
+        self.pages_for, self.pool, self.loras = pages_for, pool, loras
 
     def process(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams,
-                group: str | None = None, priority: int = 0) -> EngineRequest:
+                group: str | None = None, priority: int = 0, lora_request: LoRARequest | None = None) -> EngineRequest:
         c, vocab = self.config, self.model_config.vocab_size
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
@@ -73,7 +77,18 @@ class InputProcessor:
         if pages > self.pool.num_pages:
             raise ValueError(f"{total} tokens{f' for {width} beams' if width > 1 else ''} need {pages} KV pages, "
                              f"more than the whole KV budget of {self.pool.num_pages} pages")
-        return EngineRequest(request_id, prompt, params, group, priority, grammar)
+        return EngineRequest(request_id, prompt, params, group, priority, grammar, self.adapter(lora_request))
+
+    def adapter(self, request: LoRARequest | None) -> Adapter | None:
+        """The adapter a request names, loaded and checked (engine/lora.py); ValueError by name."""
+        if request is None:
+            return None
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        if self.loras is None:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} asked for, but LoRA is not enabled "
+                             f"(enable_lora=True, --enable-lora)")
+        return self.loras.get(request)
 
     def sequence(self, request: EngineRequest, now: float) -> Sequence:
         """The request's first sequence, as the engine's thread adds it: its n > 1 (or best_of)
@@ -87,6 +102,7 @@ class InputProcessor:
         ids, grammar = request.prompt.token_ids, request.grammar
         seqs = [Sequence(request.request_id, i, list(ids), params, now, request.group or request.request_id,
                          request.priority, generator=self._generator(params, i), cache_salt=request.prompt.cache_salt,
+                         lora=request.lora,
                          grammar=self.grammars.matcher(grammar) if grammar else None, beam=beam)
                 for i in range(params.num_samples)]
         seqs[0].siblings = seqs[1:]

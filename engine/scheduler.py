@@ -92,7 +92,7 @@ class Scheduler:
     def __init__(self, kv: KVCacheBase, max_num_seqs: int, max_num_batched_tokens: int,
                  headroom: float = 0.01, policy: str = "fcfs", preemption_mode: str = "recompute",
                  swap_min_tokens: int = SWAP_MIN_TOKENS, eos_ids: tuple[int, ...] = (),
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, max_loras: int | None = None):
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}: choose one of {SCHEDULING_POLICIES}")
         if preemption_mode not in PREEMPTION_MODES:
@@ -101,6 +101,7 @@ class Scheduler:
         self.swap_min_tokens = swap_min_tokens
         self.eos_ids, self.max_model_len = eos_ids, max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_loras = max_loras  # distinct LoRA adapters running at once (None: LoRA is off)
         self.headroom_pages = max(1, math.ceil(headroom * kv.pool.num_pages))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -266,7 +267,8 @@ class Scheduler:
             held, waiting = Counter(s.group for s in self.running), {s.group for s in self.waiting}
             if all(held[g] for g in waiting):  # every waiting client has something running (the usual case)
                 return
-            if len(self.running) < self.max_num_seqs and self._fits(self._next_waiting(), budget):
+            head = self._next_waiting()
+            if head is None or (len(self.running) < self.max_num_seqs and self._fits(head, budget)):
                 return
             hog, most = held.most_common(1)[0]
             if most <= max(1, self.max_num_seqs // len(held.keys() | waiting)):
@@ -302,6 +304,8 @@ class Scheduler:
         scheduled = []
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = min(self.swapped, key=self._urgency)  # ties: the first swapped out
+            if not self._adapter_fits(seq):
+                break
             n = min(seq.num_pending_tokens, budget)
             keep_free = self.headroom_pages if self.running else 0
             if not self.kv.swap_in(seq, seq.num_computed_tokens + n, keep_free):
@@ -317,7 +321,7 @@ class Scheduler:
         scheduled = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.kv.can_allocate():
             seq = self._next_waiting()
-            if not self._fits(seq, budget):
+            if seq is None or not self._fits(seq, budget):
                 break
             seq.num_computed_tokens = self.kv.admit(seq)  # a cached prefix counts as computed
             n = min(seq.num_pending_tokens, budget)
@@ -337,12 +341,14 @@ class Scheduler:
             budget -= n
         return scheduled
 
-    def _next_waiting(self) -> Sequence:
+    def _next_waiting(self) -> Sequence | None:
         """The waiting sequence to admit next (queue order breaks ties: preempted ones are at
-        the front)."""
-        if len(self.waiting) == 1:
-            return self.waiting[0]
+        the front); None when every one waits for a LoRA adapter's turn."""
         waiting = self.waiting
+        if self.max_loras is not None:
+            waiting = [seq for seq in waiting if self._adapter_fits(seq)]
+        if len(waiting) <= 1:
+            return waiting[0] if waiting else None
         fair = lambda i: (self._urgency(waiting[i]), self.admitted[waiting[i].group], i)
         if self.policy != "lpm" or len(waiting) > LPM_MAX_QUEUE:
             return waiting[min(range(len(waiting)), key=fair)]
@@ -359,6 +365,14 @@ class Scheduler:
             self._names[seq.seq_id] = (len(seq), names)
         return names
 
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Can seq run beside the running sequences: its LoRA adapter is one of theirs, or
+        fewer than max_loras distinct ones run (vLLM's rule)?"""
+        if seq.lora is None or self.max_loras is None:
+            return True
+        running = {s.lora for s in self.running if s.lora is not None}
+        return seq.lora in running or len(running) < self.max_loras
+
     def _urgency(self, seq: Sequence) -> int:
         """Lower goes first: the request's priority under the priority policy, else all equal."""
         return seq.priority if self.policy == "priority" else 0
@@ -370,6 +384,8 @@ class Scheduler:
     def _unblock(self, budget: int) -> None:
         idle = [s for s in self.running if s.num_pending_tokens == 0]
         head = self._next_waiting()
+        if head is None:
+            return
         while idle and (len(self.running) >= self.max_num_seqs or not self._fits(head, budget)):
             self.preempt(idle.pop(), to_front=False)
 

@@ -44,6 +44,7 @@ class Sequence:
     grammar: object | None = None  # structured outputs: the matcher that masks its next token
     draft: list[int] = field(default_factory=list)  # speculative tokens this step verifies
     cache_salt: str | None = None  # shares cached pages only with sequences of the same salt
+    lora: object | None = None  # the LoRA adapter it runs with (engine/lora.py Adapter); its pages are its own
     siblings: list[Sequence] = field(default_factory=list)  # n > 1: fork from it once its prompt is computed
     beam: object | None = None  # a beam search's beams: the BeamGroup that steers them (engine/beam_search.py)
     kv: object | None = None  # its KV state while it holds a place: the KV cache's handle (engine/kv/base.py)
@@ -54,7 +55,8 @@ class Sequence:
     def branch(self) -> Sequence:
         """A new sequence with the same tokens so far, its prompt the same (a beam's fork)."""
         child = Sequence(self.request_id, self.index, list(self.token_ids), self.params, self.arrival,
-                         group=self.group, priority=self.priority, cache_salt=self.cache_salt, beam=self.beam)
+                         group=self.group, priority=self.priority, cache_salt=self.cache_salt, lora=self.lora,
+                         beam=self.beam)
         child.num_prompt_tokens = self.num_prompt_tokens
         return child
 

@@ -60,3 +60,24 @@ def assert_pool_whole(llm) -> None:
     stats = llm.stats()
     assert stats.kv.pages_in_use == 0, stats
     assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def peft_adapter(path, seed: int, r: int = 8, targets=LORA_TARGETS, alpha: int = 16, rslora: bool = False,
+                 std: float = 0.1):
+    """A LoRA adapter of the bundled model saved by `peft` at path, A and B both random
+    (non-zero B: the adapter changes the output); returns the PeftModel (the reference)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(bundled_dir(), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                            init_lora_weights=False, use_rslora=rslora))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, std)
+    model.save_pretrained(str(path))
+    return model.eval()

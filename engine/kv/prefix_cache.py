@@ -3,7 +3,7 @@ tokens chained to its parent page's hash, and kept for later sequences with the 
 
 Names are SHA-256 digests (32 bytes): a page's name is SHA-256(parent's name || its token ids
 as little-endian uint32), and the first page's parent is a root that names the namespace (the
-KV cache's geometry) and the request's `cache_salt`. So the same name means the same tokens in
+KV cache's geometry), the request's `cache_salt` and its LoRA adapter's digest. So the same name means the same tokens in
 the same place after the same prefix, in any process and after a restart, and a match cannot be
 forged offline: Python's `hash()` of a tuple of ints is neither salted nor collision-resistant
 (vLLM's CVE-2025-25183 was exactly this). A request with a cache_salt only ever shares pages
@@ -25,14 +25,17 @@ from vmm import PageAllocator
 ROOT = b"vkv/prefix/v1"
 
 
-def root_name(namespace: bytes = b"", cache_salt: str | None = None) -> bytes:
+def root_name(namespace: bytes = b"", cache_salt: str | None = None, adapter: bytes | None = None) -> bytes:
     """The name a sequence's first page chains from: the namespace (what the bytes of a page
-    depend on besides the tokens) and the request's cache_salt, each length-prefixed."""
+    depend on besides the tokens), the request's cache_salt and its LoRA adapter's digest (an
+    adapter changes every layer's K/V), each length-prefixed."""
     h = hashlib.sha256(ROOT)
     h.update(struct.pack("<I", len(namespace)) + namespace)
     if cache_salt is not None:
         salt = cache_salt.encode("utf-8", "surrogatepass")
         h.update(b"\x01" + struct.pack("<I", len(salt)) + salt)
+    if adapter is not None:
+        h.update(b"\x02" + struct.pack("<I", len(adapter)) + adapter)
     return h.digest()
 
 

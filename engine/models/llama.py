@@ -79,20 +79,25 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = self.num_heads // world, self.num_kv_heads // world
         self.split = (nq // world, nk // world, nk // world)
 
-    def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
-        q, k, v = self.qkv_proj.forward(x).split(self.split, dim=-1)
+    def forward(self, x: torch.Tensor, attn, lora=None) -> torch.Tensor:
+        qkv = self.qkv_proj.forward(x)
+        if lora:
+            lora.add(self.layer, "qkv_proj", x, qkv)
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm.forward(q.contiguous())[0], self.k_norm.forward(k.contiguous())[0]
-        out = attn(self.layer, q, k, v)
-        return all_reduce(self.o_proj.forward(out.view(-1, self.num_heads * self.head_dim)))
+        out = attn(self.layer, q, k, v).view(-1, self.num_heads * self.head_dim)
+        o = self.o_proj.forward(out)
+        return all_reduce(lora.add(self.layer, "o_proj", out, o) if lora else o)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        self.layer = layer
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
@@ -101,8 +106,13 @@ class MLP(nn.Module):
         self.gate_up_proj.weight.data = torch.cat([gate.chunk(world)[rank], up.chunk(world)[rank]])
         self.down_proj.weight.data = self.down_proj.weight.data.chunk(world, dim=1)[rank]
 
-    def forward(self, x: torch.Tensor, native: bool) -> torch.Tensor:
-        return all_reduce(self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(x), native)))
+    def forward(self, x: torch.Tensor, native: bool, lora=None) -> torch.Tensor:
+        gate_up = self.gate_up_proj.forward(x)
+        if lora:
+            lora.add(self.layer, "gate_up_proj", x, gate_up)
+        h = ops.silu_and_mul(gate_up, native)
+        down = self.down_proj.forward(h)
+        return all_reduce(lora.add(self.layer, "down_proj", h, down) if lora else down)
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +126,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -127,11 +137,11 @@ class DecoderLayer(nn.Module):
                 a.qkv_proj.rows_weight, a.qkv_proj.bias, a.o_proj.rows_weight, m.gate_up_proj.rows_weight,
                 m.down_proj.rows_weight, a.num_heads, a.num_kv_heads)
 
-    def forward(self, x, residual, attn, native: bool):
+    def forward(self, x, residual, attn, native: bool, lora=None):
         x, residual = self.input_layernorm.forward(x, residual, native)
-        x = self.self_attn.forward(x, attn)
+        x = self.self_attn.forward(x, attn, lora)
         x, residual = self.post_attention_layernorm.forward(x, residual, native)
-        return self.mlp.forward(x, native), residual
+        return self.mlp.forward(x, native, lora), residual
 
 
 class Backbone(nn.Module):
@@ -223,18 +233,20 @@ class LlamaForCausalLM(nn.Module):
         return need <= available // 4
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attn, logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attn, logits_indices: torch.Tensor, lora=None) -> torch.Tensor:
         """Logits of the tokens at `logits_indices` (each sequence's last scheduled token).
-        `attn(layer, q, k, v)` rotates, stores the new K/V and attends over the cached context."""
+        `attn(layer, q, k, v)` rotates, stores the new K/V and attends over the cached context;
+        `lora` (engine/lora.py LoRABatch), if any, adds its rows' adapter deltas to the projections."""
         x, residual = self.model.embed_tokens(input_ids), None
-        step = getattr(attn, "native_args", None) if self.decode and input_ids.shape[0] <= ROWS_MAX else None
+        few = self.decode and input_ids.shape[0] <= ROWS_MAX and lora is None
+        step = getattr(attn, "native_args", None) if few else None
         if step is not None and step(0) is not None:  # a few rows: each layer in one native call
             residual = torch.empty_like(x)
             for i, weights in enumerate(self.decode):
                 x = torch.ops.vkv.decode_layer(x, residual, i == 0, *weights, *step(i))
         else:
             for layer in self.model.layers:
-                x, residual = layer.forward(x, residual, attn, self.native)  # no hooks: .forward, not __call__
+                x, residual = layer.forward(x, residual, attn, self.native, lora)  # no hooks: .forward, not __call__
         if self.rank:
             return None
         x, _ = self.model.norm.forward(x[logits_indices], residual[logits_indices], self.native)  # rows that sample

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.inputs import Prompt, chat_prompt, tokenize
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import RequestOutput, RequestOutputKind
 from engine.processor import EngineRequest
 from engine.sampling_params import SamplingParams
@@ -198,12 +199,24 @@ class AsyncEngine:
         return await asyncio.wrap_future(self.preprocessor.submit(client, fn, *args))
 
     async def process(self, request_id: str, prompt: Prompt, params: SamplingParams | BeamSearchParams,
-                      group: str | None = None, priority: int = 0) -> EngineRequest:
+                      group: str | None = None, priority: int = 0,
+                      lora_request: LoRARequest | None = None) -> EngineRequest:
         """The request checked (ValueError, with the reason, if the engine would refuse it). It
-        reads only what never changes (and compiles grammars, which may take a while), so it
-        runs on the worker; the engine does not check it again."""
+        reads only what never changes (and compiles grammars or loads its LoRA adapter, which
+        may take a while), so it runs on the worker; the engine does not check it again."""
         return await self._preprocess(group or request_id, lambda _: self.engine.process_inputs(
-            request_id, prompt, params, group=group, priority=priority))
+            request_id, prompt, params, group=group, priority=priority, lora_request=lora_request))
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.config.enable_lora
+
+    async def add_lora(self, request: LoRARequest) -> None:
+        """Load and check an adapter off the event loop (ValueError by name)."""
+        await asyncio.to_thread(self.engine.add_lora, request)
+
+    def remove_lora(self, name: str) -> bool:
+        return self.engine.remove_lora(name)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """The request's outputs as it advances (as its params' output_kind says); a beam

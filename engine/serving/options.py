@@ -26,6 +26,8 @@ class ServerOptions:
     isolate_clients: bool = False  # each client's prompts get its identity as cache_salt: no prefix crosses clients
     kv_limit: tuple[str, ...] = ()  # several models: NAME=MIN:MAX of the shared KV pool, bytes or %
     idle_sleep_seconds: float | None = None  # several models: a model idle this long gives its KV pages back
+    lora_modules: tuple[str, ...] = ()  # NAME=PATH: LoRA adapters served over the model (needs --enable-lora)
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +49,12 @@ class ServerOptions:
                        help="a model's floor and cap of the pool, bytes or percent, e.g. chat=10%%:60%%")
         m.add_argument("--idle-sleep-seconds", type=float, default=None,
                        help="a model without requests this long gives its KV pages back until its next request")
+        lo = p.add_argument_group("LoRA adapters (with --enable-lora)")
+        lo.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                        help="PEFT adapters to serve; a request's `model` names one")
+        lo.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key): "
+                             "they read a directory of this machine")
         g = p.add_argument_group("limits")
         g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body accepted")
         g.add_argument("--body-timeout", type=float, default=d.body_timeout, help="seconds for a body to arrive")
@@ -67,4 +75,4 @@ class ServerOptions:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerOptions:
         values = {f.name: getattr(args, f.name) for f in fields(cls)}
-        return cls(**{**values, "kv_limit": tuple(values["kv_limit"])})
+        return cls(**{**values, "kv_limit": tuple(values["kv_limit"]), "lora_modules": tuple(values["lora_modules"])})

@@ -55,6 +55,22 @@ class KVLimitRequest(BaseModel):
     max: str | int = "100%"
 
 
+class LoadLoRARequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): a PEFT adapter's directory, served under lora_name
+    over `model` (default: the first model)."""
+    model_config = STRICT
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    model: str | None = None
+
+
+class UnloadLoRARequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+    model_config = STRICT
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None  # vLLM's clients send it; the name decides
+
+
 def parse_limit(value: str | int) -> float | int:
     """A KV limit: "25%" -> 0.25 of the pool, "1073741824" or 1073741824 -> bytes."""
     text = str(value).strip()

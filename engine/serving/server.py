@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import signal
@@ -31,12 +32,13 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import EngineConfig
 from engine.inputs import Prompt, check_cache_salt
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRARequest
 from engine.multi import MultiLLM
 from engine.outputs import RequestOutput, RequestOutputKind
 from engine.processor import EngineRequest
@@ -47,8 +49,8 @@ from engine.serving.metrics import Metrics
 from engine.serving.options import ServerOptions
 from engine.serving.tools import calls_in, guide, render, tool_use
 from engine.structured import StructuredOutputsParams
-from engine.serving.protocol import (ChatCompletionRequest, CompletionRequest, KVLimitRequest, TokenText, envelope,
-                                     error_body, new_id, parse_limit, usage)
+from engine.serving.protocol import (ChatCompletionRequest, CompletionRequest, KVLimitRequest, LoadLoRARequest,
+                                     TokenText, UnloadLoRARequest, envelope, error_body, new_id, parse_limit, usage)
 
 log = logging.getLogger("vkv.server")
 
@@ -63,12 +65,24 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
 
 
 def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | None = None,
-              options: ServerOptions = ServerOptions(), group: MultiLLM | None = None) -> FastAPI:
+              options: ServerOptions = ServerOptions(), group: MultiLLM | None = None,
+              adapters: dict[str, str] | None = None) -> FastAPI:
     """The app over one engine (served as model_name) or several ({name: engine}, the models of
-    `group`, which share its KV pool); of `options` it reads the API key and the limits."""
+    `group`, which share its KV pool); of `options` it reads the API key and the limits.
+    adapters: {LoRA adapter name: path} over the (first) model, loaded here; a request's
+    `model` names a model or an adapter."""
     api_key, limits = options.api_key, options
     engines = engines if isinstance(engines, dict) else {model_name: engines}
     default = next(iter(engines))
+    loras: dict[str, tuple[str, LoRARequest]] = {}  # adapter name -> (its base model, request)
+    for i, (name, path) in enumerate((adapters or {}).items(), start=1):
+        if not engines[default].lora_enabled:
+            raise ValueError("LoRA adapters need enable_lora (--enable-lora)")
+        if name in engines:
+            raise ValueError(f"LoRA adapter name {name!r} is a model's name")
+        loras[name] = (default, LoRARequest(name, i, path))
+        engines[default].engine.add_lora(loras[name][1])
+    lora_ids = itertools.count(len(loras) + 1)
     texts = {name: TokenText(e.tokenizer) for name, e in engines.items()}
 
     @asynccontextmanager
@@ -83,18 +97,27 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
     app = FastAPI(title="vkv", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(BodyGuard, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout)
 
-    def pick(model: str | None) -> tuple[str, AsyncEngine]:
+    def base(model: str | None) -> tuple[str, AsyncEngine]:
         """The model a request names (none: the first), or 404."""
         if model is None:
             return default, engines[default]
         if model not in engines:
-            raise HTTPError(404, f"model {model!r} does not exist; this server has {', '.join(map(repr, engines))}",
-                            "model_not_found")
+            raise HTTPError(404, f"model {model!r} does not exist; this server has "
+                                 f"{', '.join(map(repr, [*engines, *loras]))}", "model_not_found")
         return model, engines[model]
+
+    def pick(model: str | None) -> tuple[str, str, AsyncEngine, LoRARequest | None]:
+        """What a generation request's `model` names: (that name, its base model, the base's
+        engine, the LoRA adapter or None); 404 for a name this server does not have."""
+        if model in loras:
+            parent, lora = loras[model]
+            return model, parent, engines[parent], lora
+        name, engine = base(model)
+        return name, name, engine, None
 
     def named(model: str | None) -> dict[str, AsyncEngine]:
         """An admin route's models: the one named, or all."""
-        return dict([pick(model)]) if model is not None else engines
+        return dict([base(model)]) if model is not None else engines
 
     @app.exception_handler(HTTPError)
     async def _http_error(_, exc: HTTPError):
@@ -152,7 +175,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
     async def prepare(engine: AsyncEngine, rid: str, client: str, prompts: list[Prompt], body,
                       max_tokens: int | None, logprobs: int | None, best_of: int | None = None,
                       structured: StructuredOutputsParams | None = None, deltas: bool = False,
-                      prompt_logprobs: int | None = None) -> list[EngineRequest]:
+                      prompt_logprobs: int | None = None, lora: LoRARequest | None = None) -> list[EngineRequest]:
         """Check the request whole before any of it runs (one engine request per prompt, all in
         the client's group: the scheduler shares seats between groups); 400 with the reason if
         bad. deltas: outputs hold what is new (a stream)."""
@@ -170,7 +193,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
                 params = dataclasses.replace(params, prompt_logprobs=prompt_logprobs)
             if deltas and isinstance(params, SamplingParams):
                 params.output_kind = RequestOutputKind.DELTA
-            return [await engine.process(f"{rid}-{i}", prompt, params, client, body.priority)
+            return [await engine.process(f"{rid}-{i}", prompt, params, client, body.priority, lora)
                     for i, prompt in enumerate(prompts)]
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
@@ -246,7 +269,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
     async def set_kv_limits(body: KVLimitRequest):
         if group is None:
             raise HTTPError(404, "this server has one model: it has the whole KV pool", "not_found")
-        pick(body.model)
+        base(body.model)
         try:
             group.set_limits(body.model, parse_limit(body.min), parse_limit(body.max))
         except ValueError as exc:
@@ -255,13 +278,51 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "vkv",
-                                            "max_model_len": e.max_model_len} for name, e in engines.items()]}
+        cards = [{"id": name, "object": "model", "owned_by": "vkv", "root": name, "parent": None,
+                  "max_model_len": e.max_model_len} for name, e in engines.items()]
+        cards += [{"id": name, "object": "model", "owned_by": "vkv", "root": name, "parent": parent,
+                   "max_model_len": engines[parent].max_model_len} for name, (parent, _) in loras.items()]
+        return {"object": "list", "data": cards}
+
+    # vLLM's runtime adapter routes (there behind VLLM_ALLOW_RUNTIME_LORA_UPDATING, here behind
+    # --allow-runtime-lora-updating): they read a directory of the server's file system.
+    def runtime_lora(parent: str) -> AsyncEngine:
+        if not options.allow_runtime_lora_updating:
+            raise HTTPError(404, "loading adapters at run time is off: start the server with "
+                                 "--allow-runtime-lora-updating", "not_found")
+        engine = base(parent)[1]
+        if not engine.lora_enabled:
+            raise HTTPError(400, "LoRA is not enabled: start the server with --enable-lora")
+        return engine
+
+    @app.post("/v1/load_lora_adapter", dependencies=[Depends(authorize)], include_in_schema=False)
+    async def load_lora_adapter(body: LoadLoRARequest):
+        parent = body.model or default
+        engine = runtime_lora(parent)
+        if body.lora_name in loras or body.lora_name in engines:
+            raise HTTPError(400, f"the name {body.lora_name!r} is taken: unload it first")
+        lora = LoRARequest(body.lora_name, next(lora_ids), body.lora_path)
+        try:
+            await engine.add_lora(lora)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc)) from exc
+        loras[body.lora_name] = (parent, lora)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=[Depends(authorize)], include_in_schema=False)
+    async def unload_lora_adapter(body: UnloadLoRARequest):
+        if body.lora_name not in loras:
+            runtime_lora(default)
+            raise HTTPError(404, f"no LoRA adapter named {body.lora_name!r}", "not_found")
+        parent, _ = loras[body.lora_name]
+        runtime_lora(parent).remove_lora(body.lora_name)
+        del loras[body.lora_name]  # requests running with it finish with it
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request):
-        model_name, engine = pick(body.model)
-        tokens = texts[model_name]
+        model_name, parent, engine, lora = pick(body.model)
+        tokens = texts[parent]
         check(engine, body, body.best_of)
         if body.suffix:
             raise HTTPError(400, "suffix is not supported: the model has no fill-in-the-middle mode")
@@ -277,7 +338,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         prompts = salted(await tokenize(engine, raw, client), body, client)
         rid = new_id("cmpl")
         requests = await prepare(engine, rid, client, prompts, body, body.max_tokens, body.logprobs, body.best_of,
-                                 deltas=body.stream, prompt_logprobs=body.logprobs if scored else None)
+                                 deltas=body.stream, prompt_logprobs=body.logprobs if scored else None, lora=lora)
         echoes = [(p.text if p.text is not None else engine.tokenizer.decode(p.token_ids)) if body.echo else ""
                   for p in prompts]
 
@@ -298,8 +359,8 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(body: ChatCompletionRequest, request: Request):
-        model_name, engine = pick(body.model)
-        tokens = texts[model_name]
+        model_name, parent, engine, lora = pick(body.model)
+        tokens = texts[parent]
         check(engine, body)
         if body.top_logprobs is not None and not body.logprobs:
             raise HTTPError(400, "top_logprobs needs logprobs: true")
@@ -321,7 +382,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         rid = new_id("chatcmpl")
         requests = await prepare(engine, rid, client, [prompt], body, max_tokens, logprobs, structured=forced,
-                                 deltas=body.stream and not use.offered)
+                                 deltas=body.stream and not use.offered, lora=lora)
 
         def message(c) -> tuple[dict, str | None]:
             """The completion as an assistant message, its tool calls parsed, and why it ended."""
@@ -497,6 +558,7 @@ def _graceful_server(config: uvicorn.Config, engines: list[AsyncEngine], grace: 
 
 def serve(args) -> None:
     options = ServerOptions.from_cli_args(args)
+    adapters = parse_lora_modules(options.lora_modules)
     models = dict(m.split("=", 1) for m in args.model or [] if "=" in m)
     if models:  # several models, one KV pool
         if len(models) != len(args.model):
@@ -507,7 +569,7 @@ def serve(args) -> None:
         metrics, turns = Metrics(list(models), group.shared), Turns(group.shared_step_tokens)
         async_engines = {name: AsyncEngine(engine, name, metrics, turns, options.idle_sleep_seconds)
                          for name, engine in group.engines.items()}
-        app = build_app(async_engines, options=options, group=group)
+        app = lora_app(async_engines, options, adapters, group)
         what = f"{', '.join(models)} over one {config.kv_layout} KV pool of {group.shared.pool.num_pages} pages"
     else:
         if options.kv_limit or options.idle_sleep_seconds is not None:
@@ -517,8 +579,10 @@ def serve(args) -> None:
         source = (args.model or [None])[-1]
         name = options.served_model_name or (source.rstrip("/").split("/")[-1] if source else "SmolLM2-135M-Instruct")
         async_engines = {name: AsyncEngine(engine)}
-        app = build_app(async_engines, options=options)
+        app = lora_app(async_engines, options, adapters)
         what = f"{name} ({engine.config.kv_layout} KV, {engine.attention.name} attention)"
+    if adapters:
+        what += f", LoRA adapters {', '.join(adapters)}"
     protocol = type("GuardedH11", (GuardedH11Protocol,), {"header_timeout": options.header_timeout, "peers": Counter(),
                                                           "max_per_peer": options.max_connections_per_peer})
     print(f"vkv: serving {what} on http://{options.host}:{options.port}", flush=True)
@@ -535,6 +599,31 @@ def serve(args) -> None:
     finally:  # when uvicorn did not get as far as the app's shutdown
         for async_engine in async_engines.values():
             async_engine.shutdown()
+
+
+def parse_lora_modules(items: tuple[str, ...]) -> dict[str, str]:
+    """--lora-modules NAME=PATH ... (or vLLM's JSON form {"name": ..., "path": ...})."""
+    adapters = {}
+    for item in items:
+        try:
+            spec = json.loads(item) if item.lstrip().startswith("{") else dict(zip(("name", "path"), item.split("=", 1)))
+        except ValueError:
+            spec = {}
+        if not isinstance(spec, dict) or not spec.get("name") or not spec.get("path"):
+            raise SystemExit(f"vkv serve: --lora-modules {item!r}: expected NAME=PATH")
+        adapters[spec["name"]] = spec["path"]
+    return adapters
+
+
+def lora_app(engines: dict[str, AsyncEngine], options: ServerOptions, adapters: dict[str, str],
+             group: MultiLLM | None = None) -> FastAPI:
+    """build_app, with the adapters loaded first: one that does not load stops the server."""
+    try:
+        return build_app(engines, options=options, group=group, adapters=adapters)
+    except ValueError as exc:
+        for engine in engines.values():
+            engine.shutdown()
+        raise SystemExit(f"vkv serve: {exc}") from None
 
 
 def parse_kv_limit(text: str) -> tuple[str, tuple[float | int, float | int]]:

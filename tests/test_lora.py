@@ -1,0 +1,157 @@
+"""LoRA adapters (engine/lora.py): greedy output equals transformers + peft for each adapter;
+a batch mixing adapters and the base model equals each alone; pages are named by adapter;
+max_loras bounds the adapters of a step; what does not fit is refused by name."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, LoRARequest, SamplingParams
+from engine.lora import LoRABatch
+from helpers import PROMPTS, assert_pool_whole, peft_adapter
+
+N = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=N)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """Two adapters: every projection at rank 8; q and v only at rank 4 with rsLoRA scaling.
+    Each with its transformers + peft greedy tokens on the first three prompts."""
+    from engine.models import load_tokenizer
+    tok = load_tokenizer(None)
+    ids = [tok.encode(p) for p in PROMPTS[:3]]
+    root = tmp_path_factory.mktemp("lora")
+    made = {"all": peft_adapter(root / "all", seed=1),
+            "qv": peft_adapter(root / "qv", seed=2, r=4, targets=("q_proj", "v_proj"), rslora=True)}
+    refs = {}
+    with torch.no_grad():
+        for name, model in made.items():
+            refs[name] = [model.generate(input_ids=torch.tensor([i]), max_new_tokens=N, do_sample=False,
+                                         pad_token_id=0)[0, len(i):].tolist() for i in ids]
+            with model.disable_adapter():
+                refs[None] = [model.generate(input_ids=torch.tensor([i]), max_new_tokens=N, do_sample=False,
+                                             pad_token_id=0)[0, len(i):].tolist() for i in ids]
+    requests = {"all": LoRARequest("all", 1, str(root / "all")), "qv": LoRARequest("qv", 2, str(root / "qv")), None: None}
+    return ids, requests, refs, root
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_each_adapter_equals_transformers_peft_and_changes_the_output(adapters):
+    ids, requests, refs, _ = adapters
+    assert refs["all"] != refs[None] and refs["qv"] != refs[None]  # the adapters matter
+    llm = LLM(enable_lora=True, max_loras=2)
+    for name in ("all", "qv", None):
+        assert tokens(llm.generate(ids, GREEDY, use_tqdm=False, lora_request=requests[name])) == refs[name], name
+        one = llm.generate(ids[:1], GREEDY, use_tqdm=False, lora_request=requests[name])  # a step of one row
+        assert tokens(one) == refs[name][:1], name
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("kv_layout", ["per_layer", "paged"])
+def test_a_batch_mixing_adapters_and_the_base_equals_each_alone(adapters, kv_layout):
+    """Six requests over two adapters and the base in one batch, with n=2 forks and chunked
+    prefill (rows of one sequence in two steps), equal the references; the pages of one
+    prompt are cached three times, once per adapter."""
+    ids, requests, refs, _ = adapters
+    llm = LLM(enable_lora=True, max_loras=2, kv_layout=kv_layout, max_num_batched_tokens=24)
+    names = ["all", "qv", None, "qv", "all", None]
+    prompts = [ids[i % 3] for i in range(6)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, n=2), use_tqdm=False,
+                        lora_request=[requests[n] for n in names])
+    for i, (name, out) in enumerate(zip(names, outs)):
+        assert [c.token_ids for c in out.outputs] == [refs[name][i % 3]] * 2, (i, name)
+    assert_pool_whole(llm)
+
+
+def test_pages_are_named_by_adapter(adapters):
+    """A prompt the base model cached is not a hit for an adapter (its K/V differ), and is one
+    for the same adapter again; the output is the adapter's either way."""
+    ids, requests, refs, _ = adapters
+    llm = LLM(enable_lora=True, page_size=4096, kv_cache_memory=16 << 20)
+    long = ids[2] * 4  # a few pages of prompt
+    base = llm.generate([long], GREEDY, use_tqdm=False)
+    kv = llm.engine.kv.prefix_cache
+    before = kv.hits
+    first = llm.generate([long], GREEDY, use_tqdm=False, lora_request=requests["all"])
+    assert kv.hits == before
+    again = llm.generate([long], GREEDY, use_tqdm=False, lora_request=requests["all"])
+    assert kv.hits > before
+    assert tokens(first) == tokens(again) != tokens(base)
+    fresh = LLM(enable_lora=True, enable_prefix_caching=False, page_size=4096, kv_cache_memory=16 << 20)
+    assert tokens(fresh.generate([long], GREEDY, use_tqdm=False, lora_request=requests["all"])) == tokens(first)
+
+
+def test_max_loras_bounds_the_adapters_of_a_step(adapters, monkeypatch):
+    ids, requests, refs, _ = adapters
+    seen = []
+    of = LoRABatch.of
+
+    def spy(loras, starts, lengths):
+        seen.append({a.name for a in loras if a is not None})
+        return of(loras, starts, lengths)
+
+    monkeypatch.setattr(LoRABatch, "of", staticmethod(spy))
+    llm = LLM(enable_lora=True, max_loras=1)
+    names = ["all", "qv", None, "qv", "all", None]
+    outs = llm.generate([ids[i % 3] for i in range(6)], GREEDY, use_tqdm=False,
+                        lora_request=[requests[n] for n in names])
+    assert tokens(outs) == [refs[n][i % 3] for i, n in enumerate(names)]
+    assert max(map(len, seen)) == 1 and len(set().union(*seen)) == 2
+    assert_pool_whole(llm)
+
+
+def test_adapters_in_memory_are_bounded_least_recently_used_first(adapters):
+    ids, requests, refs, _ = adapters
+    llm = LLM(enable_lora=True, max_loras=1, max_cpu_loras=1)
+    for name in ("all", "qv", "all"):
+        assert tokens(llm.generate(ids[:1], GREEDY, use_tqdm=False, lora_request=requests[name])) == refs[name][:1]
+        assert llm.engine.list_loras() == [name]
+    assert llm.engine.loras.loads == 3  # "all" was dropped for "qv", then read again
+
+
+def write_adapter(path, config: dict, tensors: dict) -> str:
+    from safetensors.torch import save_file
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 8, **config}))
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return str(path)
+
+
+def test_what_does_not_fit_is_refused_by_name(adapters, tmp_path):
+    ids, requests, _, root = adapters
+    llm = LLM(enable_lora=True, max_lora_rank=4)
+
+    def refused(lora, match):
+        with pytest.raises(ValueError, match=match):
+            llm.generate(ids[:1], GREEDY, use_tqdm=False, lora_request=lora)
+    refused(requests["all"], "rank 8 .* exceeds max_lora_rank 4")
+    refused(LoRARequest("gone", 3, str(tmp_path / "nowhere")), "'gone'.*no adapter_config.json")
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    shutil.copy(root / "qv" / "adapter_config.json", empty)
+    refused(LoRARequest("empty", 4, str(empty)), "no adapter_model.safetensors")
+    a, b = torch.zeros(4, 576), torch.zeros(576, 4)
+    gpt2 = write_adapter(tmp_path / "gpt2", {"target_modules": ["c_attn"]}, {})
+    refused(LoRARequest("gpt2", 5, gpt2), "target module 'c_attn' is not one this")
+    regex = write_adapter(tmp_path / "regex", {"target_modules": ".*"},
+                          {"base_model.model.model.layers.0.self_attn.c_attn.lora_A.weight": a,
+                           "base_model.model.model.layers.0.self_attn.c_attn.lora_B.weight": b})
+    refused(LoRARequest("regex", 6, regex), "target module 'c_attn' is not one this")
+    other = write_adapter(tmp_path / "other", {"target_modules": ["q_proj"]},
+                          {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 512),
+                           "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b})
+    refused(LoRARequest("other", 7, other), "another base model")
+    dora = write_adapter(tmp_path / "dora", {"use_dora": True}, {})
+    refused(LoRARequest("dora", 8, dora), "DoRA")
+    assert llm.engine.list_loras() == [] and not llm.engine.has_unfinished()
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        LLM().generate(ids[:1], GREEDY, use_tqdm=False, lora_request=requests["qv"])
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("zero", 0, "x")
+    with pytest.raises(ValueError, match="enable_lora with tensor_parallel_size"):
+        LLM(enable_lora=True, tensor_parallel_size=2)
