@@ -5,14 +5,23 @@ happen. Every request that is not aborted must produce exactly what it produces 
 roomy engine, no step may stall, and afterwards the pool is whole again.
 
 The model is `random:tiny` (2 layers, 512 bytes of KV per token; 128 in an fp8 cache), with
-4 KiB host pages.
+4 KiB host pages. Requests run on the base model or one of two LoRA adapters (random, of
+ranks 4 and 2), at most `max_loras` of them in a step: a page cached for one must never serve
+another.
 """
 import functools
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
 
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
-from engine import LLM, BeamSearchParams, SamplingParams
+from engine import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from engine.config import EngineConfig
+from engine.lora import TARGETS, projection_shapes
 from helpers import assert_pool_whole
 
 PAGE = 4096
@@ -32,14 +41,44 @@ def weights() -> tuple:
     return engine.model, engine.tokenizer
 
 
+@functools.cache
+def adapters() -> tuple[LoRARequest, LoRARequest]:
+    """Two random LoRA adapters of random:tiny in PEFT's format: every projection at rank 4,
+    and q/v/down at rank 2."""
+    cfg, root = weights()[0].config, Path(tempfile.mkdtemp(prefix="vkv-lora-"))
+    shapes, made = projection_shapes(cfg), []
+    for i, (rank, modules) in enumerate([(4, list(TARGETS)), (2, ["q_proj", "v_proj", "down_proj"])]):
+        g, tensors = torch.Generator().manual_seed(i), {}
+        for layer in range(cfg.num_layers):
+            for module in modules:
+                fused, part = TARGETS[module]
+                fan_in, outs = shapes[fused]
+                block = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+                key = f"base_model.model.model.layers.{layer}.{block}.{module}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.5
+                tensors[f"{key}.lora_B.weight"] = torch.randn(outs[part], rank, generator=g) * 0.5
+        path = root / f"a{i}"
+        path.mkdir()
+        (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                                              "target_modules": modules}))
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        made.append(LoRARequest(f"a{i}", i + 1, str(path)))
+    return tuple(made)
+
+
+def lora(index: int | None) -> LoRARequest | None:
+    return None if index is None else adapters()[index]
+
+
 def engine_for(layout: str, pages: int, seats: int, caching: bool, swap_pages: int = 0, ahead: int = 0,
-               kv_dtype: str = "auto") -> LLM:
+               kv_dtype: str = "auto", max_loras: int = 2) -> LLM:
     token_bytes = 512 if kv_dtype == "auto" else 128
     kv_memory = pages * (16 * token_bytes if layout == "paged" else PAGE)  # paged: blocks of 16 tokens
     swap = {"preemption_mode": "swap", "swap_space": swap_pages * PAGE / (1 << 30)} if swap_pages else {}
     config = EngineConfig(model="random:tiny", kv_layout=layout, page_size=PAGE, kv_cache_memory=kv_memory,
                           max_num_seqs=seats, enable_prefix_caching=caching, max_num_batched_tokens=32, seed=0,
-                          map_ahead_tokens=ahead, kv_cache_dtype=kv_dtype, **swap)
+                          map_ahead_tokens=ahead, kv_cache_dtype=kv_dtype, enable_lora=True, max_loras=max_loras,
+                          **swap)
     llm = LLM.from_config(config, weights())
     llm.engine.scheduler.swap_min_tokens = 4  # short requests here: swap most preempted ones
     return llm
@@ -51,14 +90,17 @@ def roomy(kv_dtype: str) -> LLM:
 
 
 @functools.cache
-def alone(kind: str, prompt: tuple[int, ...], width: int, max_tokens: int, kv_dtype: str = "auto"):
-    """What the request produces by itself in a roomy engine with the same KV format (its
-    outputs are a function of the request alone, so they are computed once)."""
+def alone(kind: str, prompt: tuple[int, ...], width: int, max_tokens: int, kv_dtype: str = "auto",
+          adapter: int | None = None):
+    """What the request produces by itself in a roomy engine with the same KV format and
+    adapter (its outputs are a function of the request alone, so they are computed once)."""
     roomy_llm = roomy(kv_dtype)
     if kind == "beam":
-        out = roomy_llm.beam_search(list(prompt), BeamSearchParams(width, max_tokens, ignore_eos=True))[0]
+        out = roomy_llm.beam_search(list(prompt), BeamSearchParams(width, max_tokens, ignore_eos=True),
+                                    lora_request=lora(adapter))[0]
         return [s.tokens for s in out.sequences]
-    out = roomy_llm.generate(list(prompt), params(kind, width, max_tokens), use_tqdm=False)[0]
+    out = roomy_llm.generate(list(prompt), params(kind, width, max_tokens), use_tqdm=False,
+                             lora_request=lora(adapter))[0]
     return [o.token_ids for o in out.outputs]
 
 
@@ -75,23 +117,30 @@ request = st.fixed_dictionaries({
     "max_tokens": st.integers(1, MAX_TOKENS),
     "arrive": st.integers(0, 3),
     "abort": st.none() | st.integers(0, 12),
+    "lora": st.sampled_from([None, None, 0, 1]),
 })
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(layout=st.sampled_from(list(PAGES)), tight=st.booleans(), seats=st.integers(3, 5), caching=st.booleans(),
        swap_pages=st.sampled_from([0, 6, 64]), ahead=st.sampled_from([0, 4]), kv_dtype=st.sampled_from(KV_DTYPES),
-       requests=st.lists(request, min_size=3, max_size=8))
+       max_loras=st.integers(1, 2), requests=st.lists(request, min_size=3, max_size=8))
 @example(  # found by this test: an idle beam swapped out and back in sampled another sequence's logits
-    layout="per_layer", tight=False, seats=5, caching=False, swap_pages=6, ahead=4, kv_dtype="auto", requests=[
-        {"kind": "plain", "prompt": (3, 3, 3, 3), "width": 2, "max_tokens": 4, "arrive": 2, "abort": None},
-        {"kind": "beam", "prompt": (3, 3, 3, 3), "width": 3, "max_tokens": 2, "arrive": 2, "abort": None},
+    layout="per_layer", tight=False, seats=5, caching=False, swap_pages=6, ahead=4, kv_dtype="auto", max_loras=2,
+    requests=[
+        {"kind": "plain", "prompt": (3, 3, 3, 3), "width": 2, "max_tokens": 4, "arrive": 2, "abort": None, "lora": None},
+        {"kind": "beam", "prompt": (3, 3, 3, 3), "width": 3, "max_tokens": 2, "arrive": 2, "abort": None, "lora": None},
         {"kind": "beam", "prompt": tuple(SHARED) + (3, 3, 4, 4, 7, 13, 33, 45, 46, 89, 348, 3), "width": 3,
-         "max_tokens": 10, "arrive": 0, "abort": None}])
+         "max_tokens": 10, "arrive": 0, "abort": None, "lora": None}])
+@example(  # the same shared prefix under the base model and both adapters, one adapter at a time
+    layout="interleaved", tight=False, seats=4, caching=True, swap_pages=0, ahead=0, kv_dtype="auto", max_loras=1,
+    requests=[{"kind": "plain", "prompt": tuple(SHARED) + (5, 6, 7, 8), "width": 2, "max_tokens": 6, "arrive": a,
+               "abort": None, "lora": adapter} for a, adapter in ((0, None), (1, 0), (1, 1), (2, 0))])
 def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, seats, caching, swap_pages, ahead,
-                                                              kv_dtype, requests):
+                                                              kv_dtype, max_loras, requests):
     pages = (PAGES if kv_dtype == "auto" else PAGES_FP8)[layout][tight]
-    llm = engine_for(layout, pages, seats, caching, 0 if layout == "paged" else swap_pages, ahead, kv_dtype)
+    llm = engine_for(layout, pages, seats, caching, 0 if layout == "paged" else swap_pages, ahead, kv_dtype,
+                     max_loras)
     engine, done, step = llm.engine, {}, 0
     while step < 2000 and (engine.has_unfinished() or step <= 8):
         for i, r in enumerate(requests):
@@ -108,7 +157,7 @@ def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, sea
         if f"r{i}" in done and r["abort"] is None:
             out = done[f"r{i}"]
             got = [s.tokens for s in out.sequences] if r["kind"] == "beam" else [o.token_ids for o in out.outputs]
-            assert got == alone(r["kind"], r["prompt"], r["width"], r["max_tokens"], kv_dtype), r
+            assert got == alone(r["kind"], r["prompt"], r["width"], r["max_tokens"], kv_dtype, r["lora"]), r
         else:
             assert r["abort"] is not None, f"request {i} never finished"
     assert_pool_whole(llm)
@@ -118,4 +167,4 @@ def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, sea
 def add(engine, request_id: str, r: dict) -> None:
     p = BeamSearchParams(r["width"], r["max_tokens"], ignore_eos=True) if r["kind"] == "beam" \
         else params(r["kind"], r["width"], r["max_tokens"])
-    engine.add_request(request_id, list(r["prompt"]), p)
+    engine.add_request(request_id, list(r["prompt"]), p, lora_request=lora(r["lora"]))

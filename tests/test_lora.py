@@ -155,3 +155,51 @@ def test_what_does_not_fit_is_refused_by_name(adapters, tmp_path):
         LoRARequest("zero", 0, "x")
     with pytest.raises(ValueError, match="enable_lora with tensor_parallel_size"):
         LLM(enable_lora=True, tensor_parallel_size=2)
+
+
+def test_the_server_serves_adapters_by_model_name(adapters):
+    """--lora-modules: /v1/models lists each adapter with its base as parent; a request's
+    `model` picks the adapter (its greedy text is the offline one); the runtime routes answer
+    only when allowed, behind the key, and refuse what does not load."""
+    import httpx
+    from test_server import serving
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.serving.async_engine import AsyncEngine
+    from engine.serving.options import ServerOptions
+    from engine.serving.server import build_app
+
+    ids, requests, refs, root = adapters
+    key, auth = "k", {"Authorization": "Bearer k"}
+    engine = AsyncEngine(LLMEngine(EngineConfig(enable_lora=True, max_loras=2, kv_cache_memory=64 << 20)))
+    text = lambda name: engine.tokenizer.decode(refs[name][0])
+    body = lambda model: {"model": model, "prompt": ids[0], "max_tokens": N, "temperature": 0}
+    try:
+        app = build_app(engine, "base", ServerOptions(api_key=key, allow_runtime_lora_updating=True),
+                        adapters={"all": str(root / "all")})
+        with serving(app) as url, httpx.Client(base_url=url, headers=auth, timeout=60) as http:
+            cards = {c["id"]: c for c in http.get("/v1/models").json()["data"]}
+            assert cards["all"]["parent"] == "base" and cards["base"]["parent"] is None
+            for model, ref in (("all", "all"), ("base", None)):
+                got = http.post("/v1/completions", json=body(model)).json()
+                assert got["model"] == model and got["choices"][0]["text"] == text(ref)
+            assert http.post("/v1/completions", json=body("qv")).status_code == 404
+            load = {"lora_name": "qv", "lora_path": str(root / "qv")}
+            assert httpx.post(url + "/v1/load_lora_adapter", json=load).status_code == 401  # no key
+            assert http.post("/v1/load_lora_adapter", json=load).status_code == 200
+            assert http.post("/v1/load_lora_adapter", json=load).status_code == 400  # taken
+            got = http.post("/v1/chat/completions", json={"model": "qv", "max_tokens": 2,
+                                                          "messages": [{"role": "user", "content": "Hi"}]})
+            assert got.status_code == 200 and got.json()["model"] == "qv"
+            assert http.post("/v1/completions", json=body("qv")).json()["choices"][0]["text"] == text("qv")
+            bad = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(root / "nope")})
+            assert bad.status_code == 400 and "no adapter_config.json" in bad.json()["error"]["message"]
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "qv"}).status_code == 200
+            assert http.post("/v1/completions", json=body("qv")).status_code == 404
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "qv"}).status_code == 404
+        closed = build_app(engine, "base", ServerOptions())
+        with serving(closed) as url:
+            assert httpx.post(url + "/v1/load_lora_adapter", json=load).status_code == 404
+    finally:
+        engine.shutdown()
