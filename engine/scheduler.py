@@ -264,7 +264,8 @@ class Scheduler:
         if self.policy == "priority":
             return
         while self.waiting and self.running:
-            held, waiting = Counter(s.group for s in self.running), {s.group for s in self.waiting}
+            held = Counter(s.group for s in self.running)
+            waiting = {s.group for s in self.waiting if self._adapter_fits(s)}  # (one whose adapter waits cannot run)
             if all(held[g] for g in waiting):  # every waiting client has something running (the usual case)
                 return
             head = self._next_waiting()

@@ -81,3 +81,28 @@ def peft_adapter(path, seed: int, r: int = 8, targets=LORA_TARGETS, alpha: int =
                 p.normal_(0, std)
     model.save_pretrained(str(path))
     return model.eval()
+
+
+def random_adapter(path, cfg, rank: int, targets=LORA_TARGETS, seed: int = 0, std: float = 0.5) -> str:
+    """A random LoRA adapter (A and B ~ N(0, std)) for a model of config cfg, written in PEFT's
+    format at path without peft (for models that are no Hugging Face checkpoint); its path."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from engine.lora import TARGETS, projection_shapes
+    shapes, g, tensors = projection_shapes(cfg), torch.Generator().manual_seed(seed), {}
+    for layer in range(cfg.num_layers):
+        for module in targets:
+            fused, part = TARGETS[module]
+            fan_in, outs = shapes[fused]
+            key = f"base_model.model.model.layers.{layer}.{'self_attn' if fused in ('qkv_proj', 'o_proj') else 'mlp'}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(outs[part], rank, generator=g) * std
+    path = Path(path)
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                                          "target_modules": list(targets)}))
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return str(path)

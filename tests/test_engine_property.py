@@ -10,19 +10,14 @@ ranks 4 and 2), at most `max_loras` of them in a step: a page cached for one mus
 another.
 """
 import functools
-import json
 import tempfile
 from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
 
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
 from engine import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from engine.config import EngineConfig
-from engine.lora import TARGETS, projection_shapes
-from helpers import assert_pool_whole
+from helpers import LORA_TARGETS, assert_pool_whole, random_adapter
 
 PAGE = 4096
 MAX_TOKENS = 16
@@ -43,27 +38,10 @@ def weights() -> tuple:
 
 @functools.cache
 def adapters() -> tuple[LoRARequest, LoRARequest]:
-    """Two random LoRA adapters of random:tiny in PEFT's format: every projection at rank 4,
-    and q/v/down at rank 2."""
+    """Two random LoRA adapters of random:tiny: every projection at rank 4, and q/v/down at rank 2."""
     cfg, root = weights()[0].config, Path(tempfile.mkdtemp(prefix="vkv-lora-"))
-    shapes, made = projection_shapes(cfg), []
-    for i, (rank, modules) in enumerate([(4, list(TARGETS)), (2, ["q_proj", "v_proj", "down_proj"])]):
-        g, tensors = torch.Generator().manual_seed(i), {}
-        for layer in range(cfg.num_layers):
-            for module in modules:
-                fused, part = TARGETS[module]
-                fan_in, outs = shapes[fused]
-                block = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
-                key = f"base_model.model.model.layers.{layer}.{block}.{module}"
-                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.5
-                tensors[f"{key}.lora_B.weight"] = torch.randn(outs[part], rank, generator=g) * 0.5
-        path = root / f"a{i}"
-        path.mkdir()
-        (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                                                              "target_modules": modules}))
-        save_file(tensors, str(path / "adapter_model.safetensors"))
-        made.append(LoRARequest(f"a{i}", i + 1, str(path)))
-    return tuple(made)
+    return (LoRARequest("a0", 1, random_adapter(root / "a0", cfg, 4, LORA_TARGETS, seed=0)),
+            LoRARequest("a1", 2, random_adapter(root / "a1", cfg, 2, ("q_proj", "v_proj", "down_proj"), seed=1)))
 
 
 def lora(index: int | None) -> LoRARequest | None:
@@ -136,6 +114,16 @@ request = st.fixed_dictionaries({
     layout="interleaved", tight=False, seats=4, caching=True, swap_pages=0, ahead=0, kv_dtype="auto", max_loras=1,
     requests=[{"kind": "plain", "prompt": tuple(SHARED) + (5, 6, 7, 8), "width": 2, "max_tokens": 6, "arrive": a,
                "abort": None, "lora": adapter} for a, adapter in ((0, None), (1, 0), (1, 1), (2, 0))])
+@example(  # found by this test: a client waiting only for its adapter's turn made seat sharing preempt forever
+    layout="interleaved", tight=False, seats=4, caching=False, swap_pages=0, ahead=0, kv_dtype="auto", max_loras=1,
+    requests=[{"kind": "beam", "prompt": (43, 445, 204, 264, 54, 230, 79, 128, 256), "width": 3, "max_tokens": 15,
+               "arrive": 0, "abort": None, "lora": None},
+              {"kind": "beam", "prompt": tuple(SHARED) + (43, 445, 204, 264, 54, 230, 79, 128, 256), "width": 3,
+               "max_tokens": 15, "arrive": 0, "abort": None, "lora": 0},
+              {"kind": "beam", "prompt": tuple(SHARED) + (158, 431, 317, 290), "width": 2, "max_tokens": 2,
+               "arrive": 3, "abort": None, "lora": 1},
+              {"kind": "n", "prompt": tuple(SHARED) + (158, 431, 317, 290), "width": 3, "max_tokens": 14,
+               "arrive": 3, "abort": None, "lora": 0}])
 def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, seats, caching, swap_pages, ahead,
                                                               kv_dtype, max_loras, requests):
     pages = (PAGES if kv_dtype == "auto" else PAGES_FP8)[layout][tight]
@@ -150,7 +138,7 @@ def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, sea
                 engine.abort(f"r{i}")
         done |= {out.request_id: out for out in engine.step() if out.finished}
         step += 1
-    assert not engine.has_unfinished(), f"stalled: {llm.stats()}"
+    assert not engine.has_unfinished(), f"stalled: {llm.stats()}; requests: {requests}"
     event(f"preempted: {llm.stats().preemptions > 0}")
     event(f"swapped in: {llm.stats().kv.swap_ins > 0}")
     for i, r in enumerate(requests):
