@@ -70,7 +70,7 @@ class LoRARequest:
 
 @dataclass(eq=False)
 class Adapter:
-    """An adapter in memory: per layer, {fused projection: (A^T [in, R], (B * scaling)^T [R, out])}."""
+    """An adapter in memory: per layer, {fused projection: (A [R, in], (B * scaling)^T [R, out])}."""
     name: str
     path: str
     rank: int  # the largest rank of its modules
@@ -151,7 +151,7 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int, device: 
         for offset, b in b_blocks:
             b_all[offset:offset + b.shape[0], col:col + b.shape[1]] = b
             col += b.shape[1]
-        weights[layer][fused] = (a_all.t().to(device, dtype).contiguous(), b_all.t().to(device, dtype).contiguous())
+        weights[layer][fused] = (a_all.to(device, dtype).contiguous(), b_all.t().to(device, dtype).contiguous())
     digest = hashlib.sha256(b"vkv/lora/v1" + len(config_bytes).to_bytes(8, "little") + config_bytes + weight_bytes)
     return Adapter(name, str(path), rank, digest.digest(), weights)
 
@@ -235,13 +235,18 @@ class LoRARegistry:
 
 class LoRABatch:
     """A step's adapted rows: (adapter, first row, end row) per segment; rows of the base model
-    are in none."""
+    are in none. With `native`, fp32 deltas run in the CPU kernels' `lora_segments` (one call
+    per projection: a decode row's delta is a few hundred thousand multiply-adds, less than the
+    overhead of two torch GEMM calls); otherwise, or in another dtype, two torch GEMMs per
+    segment (`reference`)."""
 
-    def __init__(self, segments: list[tuple[Adapter, int, int]]):
-        self.segments = segments
+    def __init__(self, segments: list[tuple[Adapter, int, int]], native: bool = False):
+        self.segments, self.native = segments, native
+        self.calls: dict[tuple[int, str], tuple[list, list, list[int]]] = {}  # per projection, built once a step
 
     @classmethod
-    def of(cls, adapters: list[Adapter | None], starts: list[int], lengths: list[int]) -> LoRABatch | None:
+    def of(cls, adapters: list[Adapter | None], starts: list[int], lengths: list[int],
+           native: bool = False) -> LoRABatch | None:
         """The segments of sequences laid out in order (adjacent rows of one adapter merge);
         None when no row has an adapter."""
         segments: list[tuple[Adapter, int, int]] = []
@@ -252,12 +257,31 @@ class LoRABatch:
                 segments[-1] = (adapter, segments[-1][1], start + n)
             else:
                 segments.append((adapter, start, start + n))
-        return cls(segments) if segments else None
+        return cls(segments, native) if segments else None
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out[rows] += (x[rows] A^T) (B scaling)^T for each segment whose adapter adapts module."""
-        for adapter, start, end in self.segments:
-            ab = adapter.weights[layer].get(module)
-            if ab is not None:
-                out[start:end].addmm_(x[start:end] @ ab[0], ab[1])
+        call = self.calls.get((layer, module))
+        if call is None:
+            call = self.calls[layer, module] = ([], [], [])
+            for adapter, start, end in self.segments:
+                ab = adapter.weights[layer].get(module)
+                if ab is not None:
+                    call[0].append(ab[0])
+                    call[1].append(ab[1])
+                    call[2].extend((start, end))
+        if not call[0]:
+            return out
+        if self.native and x.dtype == out.dtype == torch.float32:
+            torch.ops.vkv.lora_segments(x, out, *call)
+        else:
+            reference(x, out, *call)
         return out
+
+
+def reference(x: torch.Tensor, out: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor],
+              bounds: list[int]) -> None:
+    """What `lora_segments` computes, in torch: out[s:e] += (x[s:e] A^T) B per segment."""
+    for i, (ai, bi) in enumerate(zip(a, b)):
+        start, end = bounds[2 * i], bounds[2 * i + 1]
+        out[start:end].addmm_(x[start:end] @ ai.t(), bi)

@@ -71,7 +71,7 @@ class ModelRunner:
         batch = StepBatch(seqs, starts, q_lens, ctx_lens, tensor(positions, torch.long), tensor(token_seq),
                           tensor(starts), tensor(q_lens), tensor(ctx_lens), tensor([0] + [s + n for s, n in zip(starts, q_lens)]),
                           tensor([t + [0] * (width - len(t)) for t in table]), block_size)
-        lora = LoRABatch.of([seq.lora for seq in seqs], starts, q_lens)
+        lora = LoRABatch.of([seq.lora for seq in seqs], starts, q_lens, native=self.model.native)
         return tensor(input_ids, torch.long), batch, tensor(logits_indices, torch.long), sampling, scoring, lora
 
     def run(self, scheduled: Scheduled) -> tuple[torch.Tensor, list, list]:

@@ -91,9 +91,9 @@ def test_max_loras_bounds_the_adapters_of_a_step(adapters, monkeypatch):
     seen = []
     of = LoRABatch.of
 
-    def spy(loras, starts, lengths):
+    def spy(loras, starts, lengths, native=False):
         seen.append({a.name for a in loras if a is not None})
-        return of(loras, starts, lengths)
+        return of(loras, starts, lengths, native)
 
     monkeypatch.setattr(LoRABatch, "of", staticmethod(spy))
     llm = LLM(enable_lora=True, max_loras=1)
@@ -203,3 +203,25 @@ def test_the_server_serves_adapters_by_model_name(adapters):
             assert httpx.post(url + "/v1/load_lora_adapter", json=load).status_code == 404
     finally:
         engine.shutdown()
+
+
+def test_the_native_segments_kernel_equals_the_torch_reference():
+    """lora_segments: short segments row by row, long ones through torch's GEMM, rows not in any
+    segment untouched; held to engine/lora.py's reference."""
+    import ext
+    from engine.lora import reference
+    if ext.cpu_kernels() is None:
+        pytest.skip(f"no CPU kernels: {ext.cpu_kernels_error()}")
+    g = torch.Generator().manual_seed(0)
+    x, out = torch.randn(40, 96, generator=g), torch.randn(40, 130, generator=g)
+    ranks, bounds = [8, 3, 24, 1], [0, 1, 2, 5, 7, 30, 33, 34]  # rows 1, 5-6 and 34-39 in none
+    a = [torch.randn(r, 96, generator=g) for r in ranks]
+    b = [torch.randn(r, 130, generator=g) for r in ranks]
+    want = out.clone()
+    reference(x, want, a, b, bounds)
+    got = out.clone()
+    torch.ops.vkv.lora_segments(x, got, a, b, bounds)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got[34:], out[34:]) and torch.equal(got[5:7], out[5:7])
+    with pytest.raises(RuntimeError, match="B must be"):
+        torch.ops.vkv.lora_segments(x, got, a[:1], [b[1]], bounds[:2])
