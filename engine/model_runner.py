@@ -79,7 +79,12 @@ class ModelRunner:
         input_ids, batch, logits_indices, sampling, scoring, lora = self.prepare(scheduled)
         if self.workers:  # tensor parallel: the other ranks apply the KV operations and run the same step
             self.workers.send(self.kv.take_ops(), (input_ids, dataclasses.replace(batch, seqs=[]), logits_indices))
-        return self.forward(input_ids, batch, logits_indices, lora), sampling, scoring
+        try:
+            return self.forward(input_ids, batch, logits_indices, lora), sampling, scoring
+        except RuntimeError as error:  # gloo says only "connection closed": say what the worker said
+            if self.workers:
+                self.workers.blame(error)
+            raise
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, logits_indices: torch.Tensor,
                 lora: LoRABatch | None = None) -> torch.Tensor | None:

@@ -70,6 +70,7 @@ class SeqState:
     num_prompt_tokens: int
     cache_salt: str | None
     scores_prompt: bool = False  # prompt_logprobs: admitted without its cached prefix
+    adapter_digest: str | None = None  # names its pages (TP > 1 refuses LoRA today; kept for the names' sake)
     kv: object = None  # the worker's KV cache keeps its handle here, as rank 0's keeps it on the Sequence
 
     def __len__(self) -> int:
@@ -78,7 +79,7 @@ class SeqState:
     @classmethod
     def of(cls, seq: Sequence) -> SeqState:
         return cls(seq.seq_id, list(seq.token_ids), seq.num_computed_tokens, seq.num_prompt_tokens, seq.cache_salt,
-                   seq.scores_prompt)
+                   seq.scores_prompt, seq.adapter_digest)
 
     def live(self, seqs: dict[int, SeqState]) -> SeqState:
         """The worker's one object for this sequence (the caches key their state by seq_id),
@@ -312,6 +313,17 @@ class Workers:
         dead = [w for w in self.procs if w.proc.poll() is not None]
         if dead:
             raise WorkerDied(dead[0].why())
+
+    def blame(self, error: Exception, grace: float = 5.0) -> None:
+        """After a collective failed: WorkerDied with the dead worker's own error (the traceback
+        that says why), if one is gone or goes within `grace` seconds; else nothing."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and all(w.proc.poll() is None for w in self.procs):
+            time.sleep(0.05)
+        try:
+            self.check_alive()
+        except WorkerDied as died:
+            raise died from error
 
     def send(self, ops: list, step: tuple | None) -> None:
         """The KV operations since the last send, and the step to run (None: operations only)."""

@@ -64,6 +64,11 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def adapter_digest(self) -> str | None:
+        """What names its pages apart from the base model's (its adapter's SHA-256), if any."""
+        return self.lora.digest if self.lora is not None else None
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 

@@ -320,8 +320,7 @@ class KVCacheBase(ABC):
     def _extend_names(self, seq: Sequence, names: list[bytes], known: int) -> list[bytes]:
         k = len(names)
         while self.page_end(k) <= known:
-            parent = names[-1] if names else root_name(self.namespace, seq.cache_salt,
-                                                       seq.lora.digest if seq.lora else None)
+            parent = names[-1] if names else root_name(self.namespace, seq.cache_salt, seq.adapter_digest)
             names.append(chain_hash(parent, seq.token_ids[self.page_end(k - 1) if k else 0:self.page_end(k)]))
             k += 1
         return names
