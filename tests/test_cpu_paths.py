@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ext
+from engine import ops
 from engine import LLM, SamplingParams
 from engine.models.linear import Linear
 from helpers import assert_pool_whole
@@ -71,6 +72,7 @@ def test_a_gemm_onednn_refuses_falls_back_instead_of_crashing(monkeypatch):
     want = x @ layer.weight.T
     assert layer.pack().startswith("torch F.linear (oneDNN refused")
     torch.testing.assert_close(layer(x), want)
+    monkeypatch.setattr(ops, "native", lambda device: None)  # no panel GEMM: oneDNN's packing is asked
     llm = LLM(model="random:tiny", kv_cache_memory=1 << 20, page_size=4096, seed=7)  # weights no other test shares
     assert "oneDNN refused" in llm.stats().platform["gemm"]
     assert len(tokens(llm, [[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0]) == 3

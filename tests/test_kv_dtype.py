@@ -28,11 +28,13 @@ def assert_nearly_equal(got: list[list[int]], want: list[list[int]]) -> None:
     """fp8 amplifies last bits: a step computed in another batch shape (another layout's
     kernel, a prefix read from the cache instead of computed, a sequence alone instead of in a
     batch) may differ from the first in fp32's last bit, which may round a K or V to the
-    neighbouring fp8 value and flip a near tie later (prompt 4 has one at token 20). So: all
-    but one prompt agree to the last token, and every one for its first 8 (measured: all or all
-    but one). Exact equality of fp8 KV reuse is checked on random:tiny in test_engine_property."""
+    neighbouring fp8 value and flip a near tie later (prompt 4 has one at token 5: logprobs
+    -1.171 and -1.182 with the native kernel, and sdpa's order of sums tips it). So: all but
+    one prompt agree to the last token, and every one for its first 4 (measured: all, or all
+    but prompt 4 from its token 5). Exact equality of fp8 KV reuse is checked on random:tiny in
+    test_engine_property."""
     agree = [agreed(g, w) for g, w in zip(got, want)]
-    assert sum(a == len(w) for a, w in zip(agree, want)) >= len(want) - 1 and min(agree) >= 8, agree
+    assert sum(a == len(w) for a, w in zip(agree, want)) >= len(want) - 1 and min(agree) >= 4, agree
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +85,13 @@ def test_reused_fp8_pages_give_the_tokens_computing_them_gives(e4m3_tokens):
         computed = greedy(llm, prompts)
         assert_nearly_equal(greedy(llm, prompts), computed)  # now from the prefix cache
         assert llm.stats().kv.prefix_cache_hits > 0
-        forked = llm.generate(prompts, SamplingParams(n=3, max_tokens=24, temperature=0, ignore_eos=True),
+        # Two prompts' siblings (6 <= max_num_seqs) share every step: a step of <= 4 rows runs the rows
+        # kernel, a larger one the panel GEMM, whose roundings differ, and fp8 can tip a token on that.
+        forked = llm.generate(prompts[:2], SamplingParams(n=3, max_tokens=24, temperature=0, ignore_eos=True),
                               use_tqdm=False)
         for r in forked:
             assert len({tuple(o.token_ids) for o in r.outputs}) == 1  # siblings read the same shared pages
-        assert_nearly_equal([r.outputs[0].token_ids for r in forked], computed)
+        assert_nearly_equal([r.outputs[0].token_ids for r in forked], computed[:2])
         assert_pool_whole(llm)
 
 

@@ -15,6 +15,15 @@ arithmetic and the native kernels built, a projection may also keep its weight i
 layout (`rows_weight`, fp32 or the checkpoint's bf16) and run steps of up to ROWS_MAX rows
 through it; larger steps stay on oneDNN, which is faster from 8 rows up. The plain copy costs
 memory: the engine keeps it only while it fits (`LlamaForCausalLM.prepare`).
+
+Steps of more rows (decode batches, prefill) are bound by arithmetic, and there oneDNN's packed
+GEMM reached 35-70 GFLOP/s at 5-32 rows on that EPYC, a third of its FMA peak. With the native
+kernels built and fp32 arithmetic, the weight is instead packed into column panels for vkv's
+register-tiled GEMM (ext: `linear_panels`), which replaces oneDNN's copy (no more memory): on
+the same CPU it measured 1.12-1.95x oneDNN's GFLOP/s at 5-32 rows over SmolLM2's shapes and the
+LM head, 1.04-1.28x at 64-512 rows (`benchmarks/bench_gemm.py`). Panels of bf16 weights stay
+bf16 (widened on load: half the bytes). With fp32 arithmetic unavailable natively (bf16 on a
+CPU that has it, a GPU), oneDNN or torch runs as before.
 """
 from __future__ import annotations
 
@@ -37,6 +46,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.rows_weight: torch.Tensor | None = None  # plain [out, in] for the rows kernel (see above)
+        self.panels: torch.Tensor | None = None  # [ceil(out / width), in, width] for linear_panels (see above)
         self.tied = False
 
     def pack(self) -> str:
@@ -55,6 +65,19 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)  # only the packed copy stays
         return f"oneDNN packed {str(w.dtype).removeprefix('torch.')}"
 
+    def pack_panels(self, dtype: torch.dtype) -> str:
+        """Pack the weight, in dtype, into the column panels of vkv's GEMM (the native kernels
+        must be built; fp32 arithmetic); the plain weight is dropped as `pack` drops it."""
+        w = self.weight.detach()
+        width = torch.ops.vkv.panel_width()
+        count = -(-self.out_features // width)
+        padded = torch.zeros(count * width, self.in_features, dtype=dtype)
+        padded[:self.out_features] = w
+        self.panels = padded.view(count, width, self.in_features).transpose(1, 2).contiguous()
+        if not self.tied:
+            self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+        return f"vkv panel GEMM ({str(dtype).removeprefix('torch.')} weights, float32 arithmetic)"
+
     def keep_rows(self, dtype: torch.dtype) -> None:
         """Keep the weight in the plain layout, in dtype, for steps of a few fp32 rows (no copy
         where the weight already is that)."""
@@ -69,6 +92,11 @@ class Linear(nn.Module):
             out = x.new_empty(x.shape[0], self.rows_weight.shape[0])  # a tensor-parallel shard's rows
             torch.ops.vkv.linear_rows(x, self.rows_weight, self.bias, out)
             return out
+        if self.panels is not None:
+            rows = x.reshape(-1, self.in_features).contiguous()
+            out = rows.new_empty(rows.shape[0], self.out_features)
+            torch.ops.vkv.linear_panels(rows, self.panels, self.out_features, self.bias, out)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -213,7 +213,8 @@ class LlamaForCausalLM(nn.Module):
         if rows:  # the plain copies first: packing drops the weight
             for module in linears:
                 module.keep_rows(dtype)
-        paths = sorted({module.pack() for module in linears})
+        panels = self.native and compute_dtype == torch.float32  # vkv's GEMM (engine/models/linear.py)
+        paths = sorted({module.pack_panels(dtype) if panels else module.pack() for module in linears})
         if rows and not self.config.qk_norm and not self.sharded:
             self.decode = [layer.decode_weights() for layer in self.model.layers]
         self.gemm_path = "; ".join(paths) + (f" (steps of <= {ROWS_MAX} rows: vkv rows kernel, "

@@ -11,6 +11,7 @@
 //                        norm has no residual)
 //   silu_and_mul         silu(gate) * up over a fused [gate | up] projection
 //   linear_rows          x W^T for a few rows, streaming W (fp32 or bf16) at memory bandwidth
+//   linear_panels        x W^T for more rows: register tiles over W packed in column panels
 //   decode_layer         a whole decoder layer of a few-row step, the kernels above in one call
 //   lora_segments        out[rows] += (x[rows] A^T) B for each LoRA adapter's segment of rows
 //
@@ -934,6 +935,122 @@ void linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optio
 
 
 // ---------------------------------------------------------------------------------------------
+// linear_panels: x W^T for steps of more rows than linear_rows takes (decode batches, prefill).
+// oneDNN's packed GEMM reaches a third of this CPU's FMA peak at 32 rows; a register tile does
+// better. The weight is packed once (engine/models/linear.py `Linear.keep_panels`) into panels
+// of kPanel output columns, [ceil(N / kPanel), K, kPanel], zero-padded, so for each k a panel's
+// weights are adjacent. A tile of MR rows x kPanel columns lives in 2 * MR accumulator
+// registers across the whole of K: per k, two weight vectors are loaded and each row's x[m][k]
+// is broadcast into two FMAs. A panel (K x kPanel: 36 KiB at K = 576 in fp32) stays in L2 while
+// every row block of a chunk of rows passes over it; threads split the panels; chunks of
+// kPanelChunk rows keep x in L2 too. bf16 panels are widened on load (half the bytes read).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+constexpr int64_t kPanel = 2 * Vec::W;
+constexpr int kPanelRows = Vec::W == 16 ? 12 : 6;  // 24 of 32 / 12 of 16 registers hold the tile
+constexpr int64_t kPanelChunk = 16 * kPanelRows;
+
+// `ahead`, if not null: the next panel, asked for line by line while this tile computes (the
+// prefetcher alone leaves the first row block of a panel waiting on memory).
+template <typename TW, int MR>
+VKV_INLINE void panel_tile(const float* x, int64_t K, const TW* w, const float* bias, float* out, int64_t N,
+                           int64_t cols, const TW* ahead) {
+  typename Vec::R acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = Vec::set1(0.f);
+  constexpr int64_t kLines = (kPanel * sizeof(TW) + 63) / 64;  // cache lines of one k of a panel
+  for (int64_t k = 0; k < K; ++k) {
+    if (ahead)
+      for (int64_t l = 0; l < kLines; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel) + 64 * l, _MM_HINT_T1);
+    const typename Vec::R w0 = Vec::load(w + k * kPanel), w1 = Vec::load(w + k * kPanel + Vec::W);
+    for (int m = 0; m < MR; ++m) {
+      const typename Vec::R xb = Vec::set1(x[m * K + k]);
+      acc[m][0] = Vec::fmadd(xb, w0, acc[m][0]);
+      acc[m][1] = Vec::fmadd(xb, w1, acc[m][1]);
+    }
+  }
+  alignas(64) float tile[kPanel];
+  for (int m = 0; m < MR; ++m) {
+    Vec::store(tile, acc[m][0]);
+    Vec::store(tile + Vec::W, acc[m][1]);
+    float* o = out + m * N;
+    for (int64_t c = 0; c < cols; ++c) o[c] = bias ? tile[c] + bias[c] : tile[c];
+  }
+}
+
+// Rows [0, rows) of x over one panel, kPanelRows at a time, the last block as wide as is left;
+// the first block fetches the next panel (`ahead`).
+template <typename TW, int MR = kPanelRows>
+VKV_INLINE void panel_rows(const float* x, int64_t rows, int64_t K, const TW* w, const float* bias, float* out,
+                           int64_t N, int64_t cols, const TW* ahead) {
+  if constexpr (MR > 1) {
+    for (; rows >= MR; rows -= MR, x += MR * K, out += MR * N, ahead = nullptr)
+      panel_tile<TW, MR>(x, K, w, bias, out, N, cols, ahead);
+    if (rows > 0) panel_rows<TW, MR - 1>(x, rows, K, w, bias, out, N, cols, ahead);
+  } else {
+    for (; rows > 0; --rows, x += K, out += N, ahead = nullptr) panel_tile<TW, 1>(x, K, w, bias, out, N, cols, ahead);
+  }
+}
+
+template <typename TW>
+void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64_t N, const float* bias, float* out) {
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  for (int64_t m0 = 0; m0 < M; m0 += kPanelChunk) {
+    const int64_t rows = std::min(kPanelChunk, M - m0);
+    at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t p = lo; p < hi; ++p) {
+        const int64_t n0 = p * kPanel;
+        panel_rows<TW>(x + m0 * K, rows, K, w + p * K * kPanel, bias ? bias + n0 : nullptr, out + m0 * N + n0, N,
+                       std::min(kPanel, N - n0), p + 1 < hi ? w + (p + 1) * K * kPanel : nullptr);
+      }
+    });
+  }
+}
+#else
+constexpr int64_t kPanel = 16;
+
+template <typename TW>
+void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64_t N, const float* bias, float* out) {
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
+    float acc[kPanel];
+    for (int64_t p = lo; p < hi; ++p) {
+      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      const TW* wp = w + p * K * kPanel;
+      for (int64_t m = 0; m < M; ++m) {
+        std::fill(acc, acc + kPanel, 0.f);
+        for (int64_t k = 0; k < K; ++k)
+          for (int64_t c = 0; c < kPanel; ++c) acc[c] = std::fma(x[m * K + k], load(wp[k * kPanel + c]), acc[c]);
+        for (int64_t c = 0; c < cols; ++c) out[m * N + n0 + c] = bias ? acc[c] + bias[n0 + c] : acc[c];
+      }
+    }
+  });
+}
+#endif
+
+void linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N, const std::optional<at::Tensor>& bias,
+                   at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be [rows, K] fp32 contiguous");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel && panels.size(1) == K &&
+              panels.size(0) == (N + kPanel - 1) / kPanel,
+              "panels must be [ceil(N / panel_width()), K, panel_width()] contiguous");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == M && out.size(1) == N,
+              "out must be [rows, N] fp32 contiguous");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == N),
+              "bias must be [N] fp32");
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  if (panels.scalar_type() == at::kFloat)
+    linear_panels_impl<float>(x.data_ptr<float>(), M, K, panels.data_ptr<float>(), N, b, out.data_ptr<float>());
+  else if (panels.scalar_type() == at::kBFloat16)
+    linear_panels_impl<c10::BFloat16>(x.data_ptr<float>(), M, K, panels.data_ptr<c10::BFloat16>(), N, b,
+                                      out.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "linear_panels reads fp32 or bf16 panels");
+}
+
+int64_t panel_width() { return kPanel; }
+
+// ---------------------------------------------------------------------------------------------
 // One decoder layer of a decode step of a few rows, in one call: at one row the Python between
 // a layer's nine kernels (and a dispatch for each) costs as much as some of the kernels. The
 // same kernels as the layer-by-layer path, in the same order, so the arithmetic is identical:
@@ -1059,6 +1176,8 @@ TORCH_LIBRARY(vkv, m) {
         "Tensor block_table, int block_size, Tensor token_seq, Tensor q_start, Tensor q_len, Tensor ctx_len, "
         "float scale) -> Tensor");
   m.def("lora_segments(Tensor x, Tensor(a!) out, Tensor[] a, Tensor[] b, int[] bounds) -> ()");
+  m.def("panel_width() -> int", &panel_width);  // output columns per panel of linear_panels' weights
+  m.def("linear_panels(Tensor x, Tensor panels, int n, Tensor? bias, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vkv, CPU, m) {
@@ -1069,4 +1188,5 @@ TORCH_LIBRARY_IMPL(vkv, CPU, m) {
   m.impl("linear_rows", &linear_rows);
   m.impl("decode_layer", &decode_layer);
   m.impl("lora_segments", &lora_segments);
+  m.impl("linear_panels", &linear_panels);
 }
