@@ -46,7 +46,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.rows_weight: torch.Tensor | None = None  # plain [out, in] for the rows kernel (see above)
-        self.panels: torch.Tensor | None = None  # [ceil(out / width), in, width] for linear_panels (see above)
+        self.panels: torch.Tensor | None = None  # [ceil(n / width), k, width] for linear_panels (see above)
+        self.panels_n = 0  # the packed weight's rows (a tensor-parallel shard's n, not out_features)
         self.tied = False
 
     def pack(self) -> str:
@@ -69,11 +70,12 @@ class Linear(nn.Module):
         """Pack the weight, in dtype, into the column panels of vkv's GEMM (the native kernels
         must be built; fp32 arithmetic); the plain weight is dropped as `pack` drops it."""
         w = self.weight.detach()
+        n, k = w.shape  # a tensor-parallel shard's, not in_features x out_features
         width = torch.ops.vkv.panel_width()
-        count = -(-self.out_features // width)
-        padded = torch.zeros(count * width, self.in_features, dtype=dtype)
-        padded[:self.out_features] = w
-        self.panels = padded.view(count, width, self.in_features).transpose(1, 2).contiguous()
+        count = -(-n // width)
+        padded = torch.zeros(count * width, k, dtype=dtype)
+        padded[:n] = w
+        self.panels, self.panels_n = padded.view(count, width, k).transpose(1, 2).contiguous(), n
         if not self.tied:
             self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
         return f"vkv panel GEMM ({str(dtype).removeprefix('torch.')} weights, float32 arithmetic)"
@@ -93,10 +95,10 @@ class Linear(nn.Module):
             torch.ops.vkv.linear_rows(x, self.rows_weight, self.bias, out)
             return out
         if self.panels is not None:
-            rows = x.reshape(-1, self.in_features).contiguous()
-            out = rows.new_empty(rows.shape[0], self.out_features)
-            torch.ops.vkv.linear_panels(rows, self.panels, self.out_features, self.bias, out)
-            return out.view(*x.shape[:-1], self.out_features)
+            rows = x.reshape(-1, self.panels.shape[1]).contiguous()
+            out = rows.new_empty(rows.shape[0], self.panels_n)
+            torch.ops.vkv.linear_panels(rows, self.panels, self.panels_n, self.bias, out)
+            return out.view(*x.shape[:-1], self.panels_n)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
