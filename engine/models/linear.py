@@ -62,8 +62,7 @@ class Linear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT)
         except RuntimeError as exc:  # e.g. bf16 on a CPU without native bf16: never a crash
             return f"torch F.linear (oneDNN refused: {str(exc).splitlines()[0]})"
-        if not self.tied:
-            self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)  # only the packed copy stays
+        self._drop_plain()
         return f"oneDNN packed {str(w.dtype).removeprefix('torch.')}"
 
     def pack_panels(self, dtype: torch.dtype) -> str:
@@ -76,9 +75,13 @@ class Linear(nn.Module):
         padded = torch.zeros(count * width, k, dtype=dtype)
         padded[:n] = w
         self.panels, self.panels_n = padded.view(count, width, k).transpose(1, 2).contiguous(), n
-        if not self.tied:
-            self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+        self._drop_plain()
         return f"vkv panel GEMM ({str(dtype).removeprefix('torch.')} weights, float32 arithmetic)"
+
+    def _drop_plain(self) -> None:
+        """Once packed, only the packed copy stays (a tied embedding's weight is not ours to drop)."""
+        if not self.tied:
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def keep_rows(self, dtype: torch.dtype) -> None:
         """Keep the weight in the plain layout, in dtype, for steps of a few fp32 rows (no copy
@@ -97,7 +100,7 @@ class Linear(nn.Module):
         if self.panels is not None:
             rows = x.reshape(-1, self.panels.shape[1]).contiguous()
             out = rows.new_empty(rows.shape[0], self.panels_n)
-            torch.ops.vkv.linear_panels(rows, self.panels, self.panels_n, self.bias, out)
+            torch.ops.vkv.linear_panels(rows, self.panels, self.bias, out)
             return out.view(*x.shape[:-1], self.panels_n)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -937,7 +937,7 @@ void linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optio
 // ---------------------------------------------------------------------------------------------
 // linear_panels: x W^T for steps of more rows than linear_rows takes (decode batches, prefill).
 // oneDNN's packed GEMM reaches a third of this CPU's FMA peak at 32 rows; a register tile does
-// better. The weight is packed once (engine/models/linear.py `Linear.keep_panels`) into panels
+// better. The weight is packed once (engine/models/linear.py `Linear.pack_panels`) into panels
 // of kPanel output columns, [ceil(N / kPanel), K, kPanel], zero-padded, so for each k a panel's
 // weights are adjacent. A tile of MR rows x kPanel columns lives in 2 * MR accumulator
 // registers across the whole of K: per k, two weight vectors are loaded and each row's x[m][k]
@@ -1027,14 +1027,15 @@ void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64
 }
 #endif
 
-void linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N, const std::optional<at::Tensor>& bias,
-                   at::Tensor out) {
+// N (the weight's rows before padding) is out's width.
+void linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias, at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be [rows, K] fp32 contiguous");
-  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(out.dim() == 2, "out must be [rows, N]");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel && panels.size(1) == K &&
               panels.size(0) == (N + kPanel - 1) / kPanel,
               "panels must be [ceil(N / panel_width()), K, panel_width()] contiguous");
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == M && out.size(1) == N,
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == M,
               "out must be [rows, N] fp32 contiguous");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == N),
               "bias must be [N] fp32");
@@ -1177,7 +1178,7 @@ TORCH_LIBRARY(vkv, m) {
         "float scale) -> Tensor");
   m.def("lora_segments(Tensor x, Tensor(a!) out, Tensor[] a, Tensor[] b, int[] bounds) -> ()");
   m.def("panel_width() -> int", &panel_width);  // output columns per panel of linear_panels' weights
-  m.def("linear_panels(Tensor x, Tensor panels, int n, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vkv, CPU, m) {
