@@ -12,6 +12,10 @@ The kernels' vector paths come per ISA (`kernel_isa()`): "avx512", "avx2" (AVX2 
 "scalar" (what the compiler vectorizes by itself). The default is the best this CPU runs;
 `VKV_CPU_ISA=avx2` (or `scalar`) builds a narrower one, so one machine builds and tests every
 path below its own. An ISA the CPU lacks is refused with the reason and the best one is used.
+`VKV_CPU_ISA=avx512-emulated` (tests) builds the AVX-512 layer on a CPU without it, each
+AVX-512 intrinsic carried out by SIMDe (the simde-py package) with what the CPU has: slower
+than native, but the same tiles, tails and lane counts, so the AVX-512 path is tested on any
+machine before it meets one.
 """
 from __future__ import annotations
 
@@ -30,7 +34,9 @@ SOURCE = Path(__file__).parent / "cpu" / "kernels.cpp"
 # it links is the one torch already loaded (same soname), so there is one thread pool.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 ISAS = ("avx512", "avx2", "scalar")  # widest first
-ISA_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}  # -mno-avx: no AVX, AVX2, FMA, AVX-512
+EMULATED = "avx512-emulated"  # the AVX-512 layer through SIMDe, on any CPU: for tests
+ISA_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"],  # -mno-avx: no AVX, AVX2, FMA, AVX-512
+             EMULATED: ["-DVKV_EMULATE_AVX512", "-O1"]}  # -O1: SIMDe compiles 40 s faster
 _lock = threading.Lock()
 _loaded: bool | None = None
 _error: str | None = None
@@ -63,11 +69,24 @@ def kernel_isa() -> tuple[str, str]:
     best, asked = native_isa(), os.environ.get("VKV_CPU_ISA", "").strip().lower()
     if not asked or asked == "native":
         return best, f"the widest this CPU ({cpu_model()}) runs"
+    if asked == EMULATED:
+        if simde_include() is None:
+            return best, f"VKV_CPU_ISA={asked} needs SIMDe's headers (pip install simde-py): using {best}"
+        return asked, f"VKV_CPU_ISA={asked}: the AVX-512 layer carried out by SIMDe (slow; for tests)"
     if asked not in ISAS:
-        return best, f"VKV_CPU_ISA={asked!r} is not one of {ISAS}: using {best}"
+        return best, f"VKV_CPU_ISA={asked!r} is not one of {ISAS + (EMULATED,)}: using {best}"
     if ISAS.index(asked) < ISAS.index(best):
         return best, f"VKV_CPU_ISA={asked} asked, but this CPU lacks it: using {best}"
     return asked, f"VKV_CPU_ISA={asked}"
+
+
+def simde_include() -> str | None:
+    """The folder holding SIMDe's headers (simde-py), or None where it is not installed."""
+    try:
+        import simde_py
+    except ImportError:
+        return None
+    return simde_py.get_include()
 
 
 def cpu_kernels_error() -> str | None:
@@ -94,30 +113,65 @@ def _build_and_load() -> None:
     if os.environ.get("VKV_NO_NATIVE"):
         raise RuntimeError("VKV_NO_NATIVE is set")
     isa = kernel_isa()[0]
-    flags = FLAGS + ISA_FLAGS[isa]
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(),
-                                     sys.version.encode(), _cpu_features()])).hexdigest()[:16]
-    root = Path(os.environ.get("VKV_CACHE_DIR", Path.home() / ".cache" / "vkv"))
-    build = root / "ext" / f"cpu-{key}"
-    failed = build / "FAILED"
-    if failed.is_file():  # this source, these flags, this machine: it did not build before
-        raise RuntimeError(f"{failed.read_text().strip()} (an earlier build; delete {build} to try again)")
-    build.mkdir(parents=True, exist_ok=True)
-    _ninja_on_path()  # not a build failure: installing ninja fixes it
-    try:
-        from torch.utils import cpp_extension
-
-        if not (build / f"vkv_cpu_{key}.so").exists():
-            print(f"vkv: compiling the CPU kernels ({isa}) once for this machine (about 20 s) ...",
-                  file=sys.stderr, flush=True)
-        cpp_extension.load(name=f"vkv_cpu_{key}", sources=[str(SOURCE)], build_directory=str(build),
-                           extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    except Exception as exc:
-        failed.write_text(f"{type(exc).__name__}: {exc}".strip()[:2000])
-        raise
+    build = build_dir()
+    if not (build / "BUILT").is_file():
+        _build(build, isa, _flags(isa))
+    torch.ops.load_library(str(build / f"{_library(build)}.so"))
     built = torch.ops.vkv.isa()
     if built != isa:
         raise RuntimeError(f"the kernels were built for {built!r}, not {isa!r}")
+
+
+def _flags(isa: str) -> list[str]:
+    return FLAGS + ISA_FLAGS[isa] + ([f"-I{simde_include()}"] if isa == EMULATED else [])
+
+
+def build_dir() -> Path:
+    """Where the kernels for this source, ISA, compiler flags, torch, Python and CPU are built:
+    $VKV_CACHE_DIR/ext/cpu-KEY."""
+    flags = _flags(kernel_isa()[0])
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(),
+                                     sys.version.encode(), _cpu_features()])).hexdigest()[:16]
+    root = Path(os.environ.get("VKV_CACHE_DIR", Path.home() / ".cache" / "vkv"))
+    return root / "ext" / f"cpu-{key}"
+
+
+def _library(build: Path) -> str:
+    return "vkv_" + build.name.replace("-", "_")  # vkv_cpu_KEY: a C identifier (TORCH_EXTENSION_NAME)
+
+
+def _build(build: Path, isa: str, flags: list[str]) -> None:
+    """Compile into `build`, one process at a time, and mark it BUILT.
+
+    Processes that start together (pytest workers, tensor-parallel ranks, servers) wait on one
+    flock: the kernel releases it when its holder dies, however it dies. torch's own lock is a
+    file that a killed builder leaves behind, after which every later start waits forever on it;
+    so it is only ever taken under the flock, and a stale one is removed. A build interrupted
+    before BUILT is done again by the next process."""
+    import fcntl
+
+    build.mkdir(parents=True, exist_ok=True)
+    with open(build / "flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if (build / "BUILT").is_file():  # built by the process we waited for
+            return
+        failed = build / "FAILED"
+        if failed.is_file():  # this source, these flags, this machine: it did not build before
+            raise RuntimeError(f"{failed.read_text().strip()} (an earlier build; delete {build} to try again)")
+        (build / "lock").unlink(missing_ok=True)  # torch's, left by a builder that died
+        _ninja_on_path()  # not a build failure: installing ninja fixes it
+        print(f"vkv: compiling the CPU kernels ({isa}) once for this machine (about 20 s) ...",
+              file=sys.stderr, flush=True)
+        try:
+            from torch.utils import cpp_extension
+
+            cpp_extension.load(name=_library(build), sources=[str(SOURCE)], build_directory=str(build),
+                               extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
+                               verbose=False)
+        except Exception as exc:
+            (build / "FAILED").write_text(f"{type(exc).__name__}: {exc}".strip()[:2000])
+            raise
+        (build / "BUILT").touch()
 
 
 def _ninja_on_path() -> None:

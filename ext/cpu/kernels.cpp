@@ -33,6 +33,32 @@
 #include <dlfcn.h>
 #include <immintrin.h>
 
+// The vector layer's ISA (`Vec` below): AVX-512 where the compiler may use it, else AVX2 + FMA,
+// else none. VKV_EMULATE_AVX512 (tests only, ext/__init__.py: VKV_CPU_ISA=avx512-emulated)
+// builds the AVX-512 layer on a CPU without it: SIMDe implements each AVX-512 intrinsic with
+// the ISA the CPU has, so the AVX-512 tiles, tails and lane counts run, and are tested, anywhere.
+#if defined(VKV_EMULATE_AVX512)
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#define VKV_AVX512 1
+// The three intrinsics used below that SIMDe 0.8 lacks, from ones it has (same results).
+#define _mm512_cvtepu8_epi32(a) _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(a))
+#define _mm512_cmplt_epi32_mask(a, b) _mm512_cmpgt_epi32_mask((b), (a))
+#define _mm512_reduce_add_ps(x) vkv_reduce_add_ps(x)
+inline float vkv_reduce_add_ps(__m512 x) {  // halves added pairwise, as the native one does
+  alignas(64) float t[16];
+  _mm512_store_ps(t, x);
+  for (int w = 8; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] += t[i + w];
+  return t[0];
+}
+#elif defined(__AVX512F__)
+#define VKV_AVX512 1
+#endif
+#if defined(VKV_AVX512) || (defined(__AVX2__) && defined(__FMA__))
+#define VKV_VEC 1
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -254,8 +280,12 @@ constexpr int64_t kFewRows = 8;
 // are written once over `Vec`; a build for a narrower ISA (ext/__init__.py: VKV_CPU_ISA) swaps
 // this layer alone. kChunk vectors of a row are held at once (D wider than that goes in chunks);
 // kScoreRows / kWeighRows: query rows per pass for chunks of 4 and 8 vectors, by register count.
-#if defined(__AVX512F__)
+#if defined(VKV_AVX512)
+#if defined(VKV_EMULATE_AVX512)
+#define VKV_ISA "avx512-emulated"
+#else
 #define VKV_ISA "avx512"
+#endif
 struct Vec {
   using R = __m512;
   static constexpr int W = 16;
@@ -318,7 +348,7 @@ constexpr int kScoreRows[2] = {2, 1}, kWeighRows[2] = {3, 1};  // 16 registers
 #define VKV_ISA "scalar"
 #endif
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(VKV_VEC)
 constexpr int kChunk = 8;
 
 // Rows far apart (the interleaved layout's stride is a whole token of every layer) defeat the
@@ -803,8 +833,8 @@ constexpr int64_t kLinearRows = 4;  // rows of x per block; more rows read W aga
 // fp32 and a mask the odd ones. x is permuted to match once per call (`xe`: per block of 2W,
 // its even elements then its odd ones), so each weight costs one load, one shift or mask, and
 // one FMA per row.
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#if defined(__AVX512F__)
+#if defined(VKV_VEC)
+#if defined(VKV_AVX512)
 VKV_INLINE void load_pairs(const c10::BFloat16* p, __m512& even, __m512& odd) {
   const __m512i raw = _mm512_loadu_si512(p);
   even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
@@ -828,7 +858,7 @@ template <typename TW, int MB, int NB>
 VKV_INLINE void linear_block(const float* x, const float* xe, int64_t K, const TW* w, const float* bias, float* out,
                              int64_t N) {
   int64_t k = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(VKV_VEC)
   typename Vec::R acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = Vec::set1(0.0f);
@@ -944,7 +974,7 @@ void linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optio
 // is broadcast into two FMAs. A panel (K x kPanel: 36 KiB at K = 576 in fp32) stays in L2 while
 // every row block of a chunk of rows passes over it; threads split the panels; chunks of
 // kPanelChunk rows keep x in L2 too. bf16 panels are widened on load (half the bytes read).
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(VKV_VEC)
 constexpr int64_t kPanel = 2 * Vec::W;
 constexpr int kPanelRows = Vec::W == 16 ? 12 : 6;  // 24 of 32 / 12 of 16 registers hold the tile
 constexpr int64_t kPanelChunk = 16 * kPanelRows;
