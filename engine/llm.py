@@ -79,14 +79,14 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list:
         done = {}
         bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm, dynamic_ncols=True)
-        start, generated = time.perf_counter(), self.engine.num_generation_tokens
+        start, generated = time.perf_counter(), self.engine.counters.generation_tokens
         try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)
-                tokens = self.engine.num_generation_tokens - generated
+                tokens = self.engine.counters.generation_tokens - generated
                 bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.1f} tok/s")
         except BaseException:
             for request_id in ids:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 
-import ext
 import vmm
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
@@ -23,19 +22,17 @@ from engine.kv.build import attach_tiers
 from engine.lora import LoRARegistry, LoRARequest
 from engine.map_ahead import MapAhead
 from engine.model_runner import ModelRunner
-from engine.models import load_config, load_tokenizer
+from engine.models import load_tokenizer
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.parallel import RecordedKV, Workers
+from engine.parallel import RecordedKV, start_ranks
 from engine.processor import EngineRequest, InputProcessor
-from engine.rank import build_rank, check_divisible
 from engine.sample_step import sample_step
-from engine.sampler import score
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.spec_decode import NgramProposer, SpeculativeConfig
-from engine.stats import EngineStats
+from engine.stats import Counters, EngineStats
 from engine.structured import Grammars
 
 log = logging.getLogger("vkv.engine")
@@ -53,22 +50,8 @@ class LLMEngine:
         config.kv_cache_memory is then ignored. With tensor_parallel_size N > 1, ranks 1..N-1
         run in processes of their own (engine/parallel.py)."""
         self.config = c = config
-        tp = c.tensor_parallel_size
-        if tp > 1 and loaded is not None:
-            raise ValueError("an engine with tensor_parallel_size > 1 loads its own weight shards")
-        if pool is not None and (tp > 1 or c.kv_layout == "paged"):
-            raise ValueError("a shared KV pool needs a virtual kv_layout (interleaved or per_layer) and "
-                             "tensor_parallel_size 1")
-        if tp > 1:
-            check_divisible(load_config(c.model), tp)
-        self.workers = Workers(c, tp) if tp > 1 else None
-        try:
-            rank = build_rank(c, 0, loaded[0] if loaded else None, pool)
-        except BaseException:
-            if self.workers:
-                self.workers.close()
-            raise
-        self.model_config, self.max_model_len = rank.model_config, rank.max_model_len
+        rank, self.workers = start_ranks(c, loaded[0] if loaded else None, pool)
+        self.rank, self.model_config, self.max_model_len = rank, rank.model_config, rank.max_model_len
         self.model, self.attention, self.kv = rank.model, rank.attention, rank.kv
         self.tokenizer = loaded[1] if loaded else load_tokenizer(c.model)
         self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
@@ -92,18 +75,12 @@ class LLMEngine:
         self.map_ahead = MapAhead(self.kv, c.map_ahead_tokens, self.scheduler.headroom_pages) \
             if c.map_ahead_tokens else None
         self.closed = False
-        self.num_prompt_tokens = self.num_generation_tokens = self.num_finished = self.num_failed = 0
-        self.num_drafts = self.num_drafted = self.num_accepted = 0
+        self.counters = Counters()
         log.info("vkv: %s", "; ".join(f"{k}: {v}" for k, v in self.platform().items()))
 
     def platform(self) -> dict[str, str]:
-        """Which paths run on this machine, and why: arithmetic, GEMMs, attention, kernel ISA."""
-        compute, why = self.config.arithmetic()
-        isa, isa_why = ext.kernel_isa()
-        return {"compute_dtype": str(compute).removeprefix("torch."), "compute_reason": why,
-                "kv_dtype": str(self.config.kv_dtype).removeprefix("torch."), "gemm": self.model.gemm_path,
-                "attention": self.attention.name,
-                "kernel_isa": f"{isa} ({isa_why})" if self.model.native else f"none ({ext.cpu_kernels_error()})"}
+        """Which paths run on this machine, and why (engine/rank.py)."""
+        return self.rank.platform(self.config)
 
     # -- requests -------------------------------------------------------------------------
     def process_inputs(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams, *,
@@ -142,7 +119,7 @@ class LLMEngine:
         first = self.processor.sequence(request, time.monotonic())
         self.output_processor.add(request.request_id, request.prompt, first.params, first.beam)
         self.scheduler.add(first)
-        self.num_prompt_tokens += len(first)
+        self.counters.prompt_tokens += len(first)
 
     def abort(self, request_id: str) -> None:
         if self.output_processor.abort(request_id):
@@ -201,13 +178,8 @@ class LLMEngine:
         finally:
             if self.map_ahead:
                 self.map_ahead.wait()
-        for seq, first, position, n in scoring:  # prompt_logprobs: row i guesses prompt token position + 1 + i
-            self.output_processor.score_prompt(seq.request_id, position + 1, score(
-                logits[first:first + n], seq.token_ids[position + 1:position + 1 + n], seq.params.prompt_logprobs))
+        self.output_processor.score_prompts(logits, scoring)
         sampled = sample_step(logits, rows, out, self.grammars, self.eos_ids)
-        self.num_drafts += sampled.drafts
-        self.num_drafted += sampled.drafted
-        self.num_accepted += sampled.accepted
         seq_outputs = self.scheduler.update_from_output(out, sampled.results)
         outputs, stopped, failed = self.output_processor.process(seq_outputs)
         for seq in stopped:
@@ -215,11 +187,8 @@ class LLMEngine:
         for request_id in failed:
             self.scheduler.fail_request(request_id, "failed in output processing")
         self._forget([o.seq for o in seq_outputs if o.seq.is_finished] + stopped)
-        self.num_generation_tokens += sum(len(o.new) for o in seq_outputs)
-        for o in outputs:
-            if o.finished:
-                self.num_failed += bool(o.error)
-                self.num_finished += not o.error
+        self.counters.count_step(sampled.drafts, sampled.drafted, sampled.accepted,
+                                 sum(len(o.new) for o in seq_outputs), outputs)
         return outputs
 
     def _forget(self, seqs: list[Sequence]) -> None:
@@ -233,15 +202,13 @@ class LLMEngine:
         running = self.scheduler.running
         token_bytes = sum(s.num_computed_tokens for s in running) * self.kv.token_bytes
         mapped_bytes = (kv.pages_in_use + kv.pages_idle) * kv.page_size
-        return EngineStats(kv=kv, attention_backend=self.attention.name, platform=self.platform(), num_running=len(running),
-                           num_waiting=len(self.scheduler.waiting) + len(self.scheduler.swapped), preemptions=self.scheduler.num_preemptions,
+        return EngineStats(kv=kv, attention_backend=self.attention.name, platform=self.platform(),
+                           num_running=len(running), preemptions=self.scheduler.num_preemptions,
+                           num_waiting=len(self.scheduler.waiting) + len(self.scheduler.swapped),
                            kv_utilization=token_bytes / mapped_bytes if mapped_bytes else 0.0,
-                           prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generation_tokens,
-                           requests_finished=self.num_finished, requests_failed=self.num_failed,
-                           spec_drafts=self.num_drafts, spec_draft_tokens=self.num_drafted,
-                           spec_accepted_tokens=self.num_accepted,
                            map_ahead_seconds=self.map_ahead.seconds if self.map_ahead else 0.0,
-                           map_ahead_wait_seconds=self.map_ahead.wait_seconds if self.map_ahead else 0.0)
+                           map_ahead_wait_seconds=self.map_ahead.wait_seconds if self.map_ahead else 0.0,
+                           **self.counters.totals())
 
     def close(self) -> None:
         """Give everything back (idempotent)."""

@@ -49,7 +49,8 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.rank import build_rank
+from engine.models import load_config
+from engine.rank import Rank, build_rank, check_divisible
 from engine.sequence import Sequence
 
 log = logging.getLogger("vkv.parallel")
@@ -359,6 +360,28 @@ class Workers:
             except subprocess.TimeoutExpired:
                 w.proc.terminate()
                 w.proc.wait(timeout=10)
+
+
+def start_ranks(c: EngineConfig, model=None, pool=None) -> tuple[Rank, Workers | None]:
+    """Rank 0, in this process (over `model` when its weights are already loaded; in `pool`, a
+    share of a physical pool several models draw from, when given), and with
+    tensor_parallel_size N > 1 the Workers running ranks 1..N-1. On failure nothing is left
+    running."""
+    tp = c.tensor_parallel_size
+    if tp > 1 and model is not None:
+        raise ValueError("an engine with tensor_parallel_size > 1 loads its own weight shards")
+    if pool is not None and (tp > 1 or c.kv_layout == "paged"):
+        raise ValueError("a shared KV pool needs a virtual kv_layout (interleaved or per_layer) and "
+                         "tensor_parallel_size 1")
+    if tp > 1:
+        check_divisible(load_config(c.model), tp)
+    workers = Workers(c, tp) if tp > 1 else None
+    try:
+        return build_rank(c, 0, model, pool), workers
+    except BaseException:
+        if workers:
+            workers.close()
+        raise
 
 
 def worker_main(config: EngineConfig, rank: int, world: int, init: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import ext
 import vmm
 from engine.attention import AttentionBackend, pick_attention
 from engine.config import EngineConfig
@@ -24,6 +25,15 @@ class Rank:
     model: object
     attention: AttentionBackend
     kv: object  # VirtualKVCache | PagedKVCache
+
+    def platform(self, c: EngineConfig) -> dict[str, str]:
+        """Which paths run on this machine, and why: arithmetic, GEMMs, attention, kernel ISA."""
+        compute, why = c.arithmetic()
+        isa, isa_why = ext.kernel_isa()
+        return {"compute_dtype": str(compute).removeprefix("torch."), "compute_reason": why,
+                "kv_dtype": str(c.kv_dtype).removeprefix("torch."), "gemm": self.model.gemm_path,
+                "attention": self.attention.name,
+                "kernel_isa": f"{isa} ({isa_why})" if self.model.native else f"none ({ext.cpu_kernels_error()})"}
 
 
 def check_divisible(cfg: ModelConfig, world: int) -> None:

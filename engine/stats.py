@@ -1,7 +1,7 @@
 """What the engine reports about itself: typed snapshots, taken between steps."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +44,32 @@ class KVStats:
     tiers: tuple[TierStats, ...] = ()  # the KV tiers below the pool, fastest first (engine/kv/tiers.py)
     tier_restore_seconds: float = 0.0  # admitting: looking up and copying entries back from the tiers
     tier_offload_seconds: float = 0.0  # evicting: copying entries into the tiers (disk: into its queue)
+
+
+@dataclass(slots=True)
+class Counters:
+    """An engine's totals since it started; the engine loop is their one writer."""
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: int = 0
+    requests_failed: int = 0
+    spec_drafts: int = 0  # speculative proposals verified (one per sequence and step)
+    spec_draft_tokens: int = 0  # tokens they proposed
+    spec_accepted_tokens: int = 0  # of which the model kept
+
+    def count_step(self, drafts: int, drafted: int, accepted: int, new_tokens: int, outputs) -> None:
+        """One step: its verified drafts, the tokens it appended, and the requests it ended."""
+        self.spec_drafts += drafts
+        self.spec_draft_tokens += drafted
+        self.spec_accepted_tokens += accepted
+        self.generation_tokens += new_tokens
+        for o in outputs:
+            if o.finished:
+                self.requests_failed += bool(o.error)
+                self.requests_finished += not o.error
+
+    def totals(self) -> dict[str, int]:
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
