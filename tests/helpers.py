@@ -1,7 +1,11 @@
 """Shared by the engine tests: the bundled model, Hugging Face references, prompts."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import socket
+import threading
+import time
 
 import torch
 
@@ -106,3 +110,37 @@ def random_adapter(path, cfg, rank: int, targets=LORA_TARGETS, seed: int = 0, st
                                                           "target_modules": list(targets)}))
     save_file(tensors, str(path / "adapter_model.safetensors"))
     return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(app, **config):
+    """The app on a free loopback port, in a thread (uvicorn.Config's `config` added): yields its
+    base URL. A port that another process took between the choice and the bind is given up for
+    another; a server that does not start within a minute fails the test instead of hanging it."""
+    import uvicorn
+
+    for _ in range(5):
+        port = free_port()
+        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
+        thread = threading.Thread(target=srv.run, daemon=True)  # a failed bind ends the thread
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not srv.started and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if srv.started:
+            break
+        srv.should_exit = True
+        thread.join(timeout=10)
+    else:
+        raise RuntimeError("the test server did not start on any of 5 free ports")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)

@@ -162,7 +162,7 @@ def test_the_server_serves_adapters_by_model_name(adapters):
     `model` picks the adapter (its greedy text is the offline one); the runtime routes answer
     only when allowed, behind the key, and refuse what does not load."""
     import httpx
-    from test_server import serving
+    from helpers import serving
 
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine

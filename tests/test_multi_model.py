@@ -19,12 +19,19 @@ PROMPTS = [f"Story {i}: " + " ".join(f"w{i}x{j}" for j in range(60)) for i in ra
 MODELS = {"smol": None, "other": "random:smollm2-135m"}
 
 
-@pytest.mark.parametrize("layout", ["per_layer", "interleaved"])
-def test_each_model_served_together_computes_what_it_computes_alone(layout):
-    alone = {}
+@pytest.fixture(scope="module")
+def alone() -> dict:
+    """Each model's greedy tokens served alone (the default layout; the layouts agree to the
+    token, test_engine_vs_hf)."""
+    got = {}
     for name, source in MODELS.items():
-        with LLM(model=source, kv_layout=layout, kv_cache_memory=48 << 20) as llm:
-            alone[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        with LLM(model=source, kv_cache_memory=48 << 20) as llm:
+            got[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    return got
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "interleaved"])
+def test_each_model_served_together_computes_what_it_computes_alone(layout, alone):
     with MultiLLM(MODELS, kv_layout=layout, kv_cache_memory=48 << 20) as llms:
         peak = {}
         for _ in range(2):  # each model in turn takes most of the pool, then gives it back

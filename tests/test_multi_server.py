@@ -4,7 +4,7 @@ import time
 
 import httpx
 import pytest
-from test_server import serving
+from helpers import serving
 
 from engine import LLM, SamplingParams
 from engine.multi import MultiLLM

@@ -1,50 +1,26 @@
 """The OpenAI-compatible server on loopback, with the official `openai` client and raw HTTP."""
 import asyncio
-import contextlib
 import json
 import random
 import re
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from engine.serving.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.serving.options import ServerOptions
 from engine.serving.server import build_app
+from helpers import free_port, serving
 
 KEY = "sk-test-key"
 MODEL = "smollm2"
 PROMPTS = ["The capital of France is", "Water boils at", "1, 2, 3, 4,", "The opposite of hot is",
            "My favourite fruit is", "Once upon a time", "def add(a, b):", "The sky is"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(app):
-    """The app on a free loopback port, in a thread: yields its base URL."""
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,11 @@ works, and the server goes on serving. Runs on `random:tiny` with small limits, 
 import asyncio
 import json
 import socket
-import threading
 import time
 from collections import Counter
 
 import httpx
 import pytest
-import uvicorn
 from uvicorn.protocols.http import h11_impl
 
 from engine import LLM, SamplingParams
@@ -21,15 +19,9 @@ from engine.serving import http
 from engine.serving.http import GuardedH11Protocol
 from engine.serving.options import ServerOptions
 from engine.serving.server import build_app
-from helpers import assert_pool_whole
+from helpers import assert_pool_whole, serving
 
 OPTIONS = ServerOptions(max_body_bytes=4 << 20, body_timeout=1.5, max_prompts_per_request=16)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PER_PEER = 16  # connections one address may hold open
@@ -40,16 +32,9 @@ def server():
     engine = AsyncEngine(LLMEngine(EngineConfig(model="random:tiny", max_num_seqs=4, kv_cache_memory=16 << 20,
                                                 page_size=4096, max_model_len=256)))
     app = build_app(engine, "tiny", OPTIONS)
-    port = free_port()
     protocol = type("H", (GuardedH11Protocol,), {"header_timeout": 1.0, "max_per_peer": PER_PEER, "peers": Counter()})
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=protocol))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine, port
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serving(app, http=protocol) as base:
+        yield base, engine, int(base.rsplit(":", 1)[1])
     engine.shutdown()
 
 
