@@ -275,6 +275,24 @@ def test_metrics_are_fresh_after_an_abort_and_count_exactly(server):
     assert m["vkv:pages_free"] + m["vkv:pages_idle"] + m["vkv:pages_cached"] == m["vkv:pages_total"]
 
 
+def test_stream_usage_counts_tokens_whose_text_is_held_back(server):
+    """Tokens whose text is empty (a special token skipped, part of a UTF-8 character not
+    complete yet; here a random model's greedy token): the stream sends no chunk for them, but
+    usage counts them, as the non-streamed answer does. It once counted only tokens sent."""
+    base, _, _ = server
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 24, "ignore_eos": True, "temperature": 0}  # text "" throughout
+    whole = post(base, "/v1/completions", body).json()
+    events = []
+    with httpx.stream("POST", base + "/v1/completions", timeout=30,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    chunks = sum(1 for e in events if e["choices"])
+    assert chunks < 24  # some tokens sent no chunk (the case this guards)
+    assert events[-1]["usage"] == whole["usage"] == {"prompt_tokens": 4, "completion_tokens": 24,
+                                                      "total_tokens": 28}
+
+
 def test_a_request_of_many_prompts_does_not_starve_a_small_one(server):
     base, engine, _ = server
     # Two clients at one address: OpenAI's `user` field tells them apart (as the API key would).

@@ -500,7 +500,7 @@ async def _stream(engine: AsyncEngine, rid: str, requests: list[EngineRequest], 
         await queue.put((i, None))
 
     tasks = [asyncio.ensure_future(pump(i)) for i in range(len(requests))]
-    sent: dict[tuple[int, int], int] = {}  # (prompt, completion) -> tokens sent
+    sent: dict[tuple[int, int], int] = {}  # (prompt, completion) -> tokens generated so far
     ended: set[tuple[int, int]] = set()  # completions whose finish_reason was sent
     try:
         running = len(tasks)
@@ -518,9 +518,10 @@ async def _stream(engine: AsyncEngine, rid: str, requests: list[EngineRequest], 
                 key = (i, c.index)
                 if key in ended:
                     continue
-                if key not in sent or c.text or c.finish_reason or c.logprobs:
-                    choices.append(choice(i, c, key not in sent))
-                    sent[key] = sent.get(key, 0) + len(c.token_ids)
+                first = key not in sent
+                if first or c.text or c.finish_reason or c.logprobs:
+                    choices.append(choice(i, c, first))
+                sent[key] = sent.get(key, 0) + len(c.token_ids)  # usage counts tokens whose text is not out yet too
                 if c.finish_reason:
                     ended.add(key)
             if choices:
