@@ -46,6 +46,7 @@ can run, they step aside (newest first, to the back of the queue) until it fits.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ from engine.kv.base import KVCacheBase
 from engine.sampler import Sampled
 from engine.sequence import Sequence, SequenceStatus
 from engine.structured import consume
+
+log = logging.getLogger("vkv.scheduler")
 
 SWAP_MIN_TOKENS = 16  # below this, recompute (see the note on preemption above)
 LPM_MAX_QUEUE = 128  # SGLang's threshold: longer queues are served FCFS
@@ -325,6 +328,10 @@ class Scheduler:
             if seq is None or not self._fits(seq, budget):
                 break
             seq.num_computed_tokens = self.kv.admit(seq)  # a cached prefix counts as computed
+            if seq.num_pending_tokens <= 0:  # never expected: a step over no rows would fail the engine
+                log.warning("admitting %s (%d tokens) found %d computed: its last token is computed again",
+                            seq.request_id, len(seq), seq.num_computed_tokens)
+                seq.num_computed_tokens = len(seq) - 1  # its logits sample the next token
             n = min(seq.num_pending_tokens, budget)
             if not self.kv.ensure_mapped(seq, seq.num_computed_tokens + n):
                 self.kv.release(seq, keep_pages=False)

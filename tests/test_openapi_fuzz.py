@@ -33,12 +33,16 @@ def test_no_generated_request_gets_a_server_error(api_schema, tiny_engine, mode)
     @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
     @given(case=api_schema.as_strategy(generation_mode=mode))
     def check(case):
+        assert tiny_engine.dead is None, ("the engine died after these requests:", sent[-12:])
         response = case.call()
+        sent.append((case.method, case.path, case.body, response.status_code))
         assert response.status_code < 500, (case.method, case.path, case.body, response.status_code,
                                             response.text[:300])
         if response.status_code >= 400:
             assert response.json()["error"]["message"], response.text[:300]
-        assert tiny_engine.dead is None
+        assert tiny_engine.dead is None, ("the engine died after these requests:", sent[-12:])
+
+    sent = []  # every request of the run, in order: the engine lives across them
 
     check()
     assert not tiny_engine.streams
