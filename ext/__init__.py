@@ -114,9 +114,16 @@ def _build_and_load() -> None:
         raise RuntimeError("VKV_NO_NATIVE is set")
     isa = kernel_isa()[0]
     build = build_dir()
+    library = build / f"{_library(build)}.so"
     if not (build / "BUILT").is_file():
         _build(build, isa, _flags(isa))
-    torch.ops.load_library(str(build / f"{_library(build)}.so"))
+    try:
+        torch.ops.load_library(str(library))
+    except OSError:  # marked BUILT, but the library is gone or damaged (a cache cleaned by hand): once more
+        (build / "BUILT").unlink(missing_ok=True)
+        library.unlink(missing_ok=True)
+        _build(build, isa, _flags(isa))
+        torch.ops.load_library(str(library))
     built = torch.ops.vkv.isa()
     if built != isa:
         raise RuntimeError(f"the kernels were built for {built!r}, not {isa!r}")

@@ -186,7 +186,7 @@ def test_every_other_isa_builds_and_equals_the_references(isa):
     if isa == ext.EMULATED and ext.simde_include() is None:
         pytest.skip("SIMDe's headers are not installed (pip install simde-py)")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "not other_isa and not without_the_native and not builder_died"],
+                           "-k", "not other_isa and not without_the_native and not builder_died and not is_gone"],
                           capture_output=True, text=True, env={**os.environ, "VKV_CPU_ISA": isa},
                           cwd=__file__.rsplit("/", 2)[0])
     assert done.returncode == 0, (isa, done.stdout[-3000:], done.stderr[-2000:])
@@ -210,6 +210,22 @@ def test_a_start_after_a_builder_died_neither_hangs_nor_starts_over(tmp_path):
                           env={**__import__("os").environ, "VKV_CACHE_DIR": str(tmp_path)})
     assert done.returncode == 0 and done.stdout.split() == [ext.kernel_isa()[0]], done.stderr[-2000:]
     assert "compiling" in done.stderr and (left / "BUILT").is_file() and not (left / "lock").exists()
+
+
+def test_a_built_library_that_is_gone_is_built_again(tmp_path):
+    """A cache marked BUILT whose library was deleted (a cache cleaned by hand) is built again
+    at the next start, instead of every start running the references from then on."""
+    import shutil
+    if ext.cpu_kernels() is None:
+        pytest.skip(ext.cpu_kernels_error())
+    left = tmp_path / "ext" / ext.build_dir().name
+    shutil.copytree(ext.build_dir(), left)
+    next(left.glob("*.so")).unlink()
+    done = subprocess.run([sys.executable, "-c", "import ext; k = ext.cpu_kernels(); print(k.isa() if k else None)"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "VKV_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0 and done.stdout.split() == [ext.kernel_isa()[0]], done.stderr[-2000:]
+    assert (left / "BUILT").is_file() and any(left.glob("*.so"))
 
 
 def test_the_kernels_say_which_isa_they_were_built_for():

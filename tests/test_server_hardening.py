@@ -282,7 +282,6 @@ def test_stream_usage_counts_tokens_whose_text_is_held_back(server):
     base, _, _ = server
     body = {"prompt": [1, 2, 3, 4], "max_tokens": 24, "ignore_eos": True, "temperature": 0}  # text "" throughout
     whole = post(base, "/v1/completions", body).json()
-    events = []
     with httpx.stream("POST", base + "/v1/completions", timeout=30,
                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
         events = [json.loads(line[6:]) for line in response.iter_lines()
