@@ -1,14 +1,14 @@
-"""The engine loop: requests in, one `step()` at a time, outputs back. Data goes one way:
+"""The engine: requests in, one `step()` at a time, outputs back (vLLM v1's LLMEngine). Data
+goes one way:
 
-    drafts (spec_decode) -> Scheduler.schedule -> ModelRunner.run -> sample_step (sampler,
-    spec_decode, beam rows) -> Scheduler.update_from_output -> OutputProcessor.process
+    InputProcessor (a request checked, its sequences) -> EngineCore.step (schedule, run,
+    sample, update) -> OutputProcessor (text, stop strings, outputs) -> EngineCore.finish
 
-The scheduler writes every sequence's schedule state; the output processor turns tokens into
-text and outputs, and hands back the sequences a stop string ended, which the loop finishes
-in the scheduler before the next step. A failure while sampling or processing one request
-fails that request alone (finish reason "error", the message in its output) and the step goes
-on for the others. A failure of the batch as a whole (the forward pass, the KV cache)
-propagates: the engine is then broken.
+The core (engine/core.py) knows sequences and tokens; the processors know requests and text.
+The sequences a stop string ended go back to the core, which finishes them before the next
+step. A failure while sampling or processing one request fails that request alone (finish
+reason "error", the message in its output) and the step goes on for the others; a failure of
+the batch as a whole propagates: the engine is then broken.
 """
 from __future__ import annotations
 
@@ -18,20 +18,15 @@ import time
 import vmm
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
+from engine.core import EngineCore
 from engine.kv.build import attach_tiers
 from engine.lora import LoRARegistry, LoRARequest
-from engine.map_ahead import MapAhead
-from engine.model_runner import ModelRunner
 from engine.models import load_tokenizer
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.parallel import RecordedKV, start_ranks
 from engine.processor import EngineRequest, InputProcessor
-from engine.sample_step import sample_step
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.spec_decode import NgramProposer, SpeculativeConfig
 from engine.stats import Counters, EngineStats
 from engine.structured import Grammars
 
@@ -59,21 +54,15 @@ class LLMEngine:
             attach_tiers(self.kv, c)
         if self.workers:
             self.kv = RecordedKV(self.kv)
-        self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, policy=c.scheduling_policy,
-                                   preemption_mode=c.preemption_mode, eos_ids=self.eos_ids,
-                                   max_model_len=self.max_model_len, max_loras=c.max_loras if c.enable_lora else None)
-        self.runner = ModelRunner(self.model, self.kv, self.attention, self.max_model_len, c.device, c.compute_dtype,
-                                  self.workers)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.core = EngineCore(c, self.kv, self.model, self.attention, self.max_model_len, self.eos_ids,
+                               self.grammars, self.workers)
+        self.scheduler = self.core.scheduler
         self.loras = LoRARegistry(self.model_config, c.max_lora_rank, c.max_cpu_loras or c.max_loras, c.device,
                                   c.compute_dtype) if c.enable_lora else None
         self.processor = InputProcessor(c, self.model_config, self.max_model_len, self.tokenizer, self.eos_ids,
                                         self.grammars, self.kv.pages_for, self.kv.pool, self.loras)
         self.output_processor = OutputProcessor(self.tokenizer)
-        spec = c.speculative_config
-        self.proposer = NgramProposer(SpeculativeConfig.from_dict(spec)) if spec else None
-        self.map_ahead = MapAhead(self.kv, c.map_ahead_tokens, self.scheduler.headroom_pages) \
-            if c.map_ahead_tokens else None
         self.closed = False
         self.counters = Counters()
         log.info("vkv: %s", "; ".join(f"{k}: {v}" for k, v in self.platform().items()))
@@ -118,21 +107,20 @@ class LLMEngine:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         first = self.processor.sequence(request, time.monotonic())
         self.output_processor.add(request.request_id, request.prompt, first.params, first.beam)
-        self.scheduler.add(first)
+        self.core.add(first)
         self.counters.prompt_tokens += len(first)
 
     def abort(self, request_id: str) -> None:
         if self.output_processor.abort(request_id):
-            self._forget(self.scheduler.finish_request(request_id, "abort"))
+            self.core.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.core.has_unfinished()
 
     @property
     def map_seconds(self) -> float:
-        """Time spent mapping and copying KV pages so far on the step's critical path (waiting
-        for the map-ahead worker included)."""
-        return self.kv.map_seconds + (self.map_ahead.wait_seconds if self.map_ahead else 0.0)
+        """Time spent mapping and copying KV pages so far on the step's critical path."""
+        return self.core.map_seconds
 
     # -- sleep (vLLM's sleep mode) ---------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
@@ -167,38 +155,19 @@ class LLMEngine:
         """One forward pass over the scheduled batch; outputs of the requests it advanced.
         token_budget: at most this many tokens this step (below max_num_batched_tokens), so
         other models sharing the machine wait at most one short step (engine/multi.py)."""
-        drafts = self.proposer.propose_all(self.scheduler.running, self.max_model_len) if self.proposer else None
-        out = self.scheduler.schedule(token_budget, drafts)
-        if not out:
+        done = self.core.step(token_budget)
+        if done is None:
             return []
-        if self.map_ahead:
-            self.map_ahead.start(out.scheduled)
-        try:
-            logits, rows, scoring = self.runner.run(out.scheduled)
-        finally:
-            if self.map_ahead:
-                self.map_ahead.wait()
-        self.output_processor.score_prompts(logits, scoring)
-        sampled = sample_step(logits, rows, out, self.grammars, self.eos_ids)
-        seq_outputs = self.scheduler.update_from_output(out, sampled.results)
-        outputs, stopped, failed = self.output_processor.process(seq_outputs)
-        for seq in stopped:
-            self.scheduler.finish(seq, "stop")
-        for request_id in failed:
-            self.scheduler.fail_request(request_id, "failed in output processing")
-        self._forget([o.seq for o in seq_outputs if o.seq.is_finished] + stopped)
-        self.counters.count_step(sampled.drafts, sampled.drafted, sampled.accepted,
-                                 sum(len(o.new) for o in seq_outputs), outputs)
+        self.output_processor.add_prompt_scores(done.prompt_scores)
+        outputs, stopped, failed = self.output_processor.process(done.seqs)
+        self.core.finish(stopped, failed)
+        self.counters.count_step(done.sampled.drafts, done.sampled.drafted, done.sampled.accepted,
+                                 sum(len(o.new) for o in done.seqs), outputs)
         return outputs
-
-    def _forget(self, seqs: list[Sequence]) -> None:
-        if self.proposer:
-            for seq in seqs:
-                self.proposer.forget(seq)
 
     # -- numbers --------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        kv = self.kv.stats()
+        kv, ahead = self.kv.stats(), self.core.map_ahead
         running = self.scheduler.running
         token_bytes = sum(s.num_computed_tokens for s in running) * self.kv.token_bytes
         mapped_bytes = (kv.pages_in_use + kv.pages_idle) * kv.page_size
@@ -206,8 +175,8 @@ class LLMEngine:
                            num_running=len(running), preemptions=self.scheduler.num_preemptions,
                            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.swapped),
                            kv_utilization=token_bytes / mapped_bytes if mapped_bytes else 0.0,
-                           map_ahead_seconds=self.map_ahead.seconds if self.map_ahead else 0.0,
-                           map_ahead_wait_seconds=self.map_ahead.wait_seconds if self.map_ahead else 0.0,
+                           map_ahead_seconds=ahead.seconds if ahead else 0.0,
+                           map_ahead_wait_seconds=ahead.wait_seconds if ahead else 0.0,
                            **self.counters.totals())
 
     def close(self) -> None:
@@ -215,8 +184,7 @@ class LLMEngine:
         if self.closed:
             return
         self.closed = True
-        if self.map_ahead:
-            self.map_ahead.close()
+        self.core.close()
         if self.workers:
             self.workers.close()
         self.kv.close()

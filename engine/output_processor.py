@@ -18,7 +18,7 @@ from engine.beam_search import BeamGroup, BeamSearchOutput
 from engine.detokenizer import IncrementalDetokenizer
 from engine.inputs import Prompt
 from engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind, TokenLogprob
-from engine.sampler import Sampled, score
+from engine.sampler import Sampled
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SeqOutput
 from engine.sequence import Sequence
@@ -65,17 +65,15 @@ class OutputProcessor:
         scored = [None] * len(prompt.token_ids) if params.prompt_logprobs is not None else None
         self.requests[request_id] = RequestState(request_id, prompt, params, completions, beam, prompt_logprobs=scored)
 
-    def score_prompts(self, logits, scoring: list[tuple[Sequence, int, int, int]]) -> None:
-        """prompt_logprobs of a step's prefill chunks: for each (seq, first row, position, n), logits
-        row first + i guesses prompt token position + 1 + i. A sequence computing its prompt
-        again after a preemption writes the same values."""
-        for seq, first, position, n in scoring:
+    def add_prompt_scores(self, scores: list[tuple[Sequence, int, list[Sampled]]]) -> None:
+        """prompt_logprobs a step scored (engine/core.py): per sequence, the position of its first
+        scored prompt token and the scores. A sequence computing its prompt again after a
+        preemption writes the same values."""
+        for seq, position, scored in scores:
             state = self.requests.get(seq.request_id)
             if state is None or state.prompt_logprobs is None:
                 continue
-            scored = score(logits[first:first + n], seq.token_ids[position + 1:position + 1 + n],
-                           seq.params.prompt_logprobs)
-            for i, s in enumerate(scored, position + 1):
+            for i, s in enumerate(scored, position):
                 state.prompt_logprobs[i] = TokenLogprob(s.token_id, s.logprob, s.top)
 
     def abort(self, request_id: str) -> bool:

@@ -9,6 +9,11 @@ import time
 
 import torch
 
+# SmolLM2-135M's KV geometry (its pages, budgets and head splits) on a narrow random model
+# (engine/models/presets.py): for tests of page accounting, which do not need trained weights, at
+# a tenth of the compute. Tests against transformers keep the bundled SmolLM2.
+NARROW = "random:smollm2-kv"
+
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.\n",

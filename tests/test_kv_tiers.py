@@ -3,7 +3,7 @@ come back into the sequence's own pages; a restarted engine finds the disk's; da
 are recomputed, never used; another model or dtype never restores a page."""
 import pytest
 import torch
-from helpers import assert_pool_whole
+from helpers import NARROW, assert_pool_whole
 
 from engine import LLM, SamplingParams
 from engine.kv.paged import PagedKVCache
@@ -13,7 +13,7 @@ from engine.scheduler import LPM_MAX_SKIPS, Scheduler
 from engine.serving.metrics import Metrics
 from engine.sequence import Sequence
 
-# Three prompts of ~260 tokens with nothing in common, and a pool that holds about one of
+# Three prompts of ~260 tokens on SmolLM2's KV geometry (helpers.NARROW) with nothing in common, and a pool that holds about one of
 # them: the second round finds every prompt evicted from the pool.
 PROMPTS = [f"Story {i}: " + " ".join(f"word{i}x{j}" for j in range(52)) for i in range(3)]
 POOL = 20 << 20
@@ -30,7 +30,7 @@ def tier(llm, name):
 
 @pytest.mark.parametrize("layout", ["per_layer", "interleaved", "paged"])
 def test_restored_prefixes_give_the_tokens_that_computing_them_gives(layout):
-    with LLM(kv_layout=layout, kv_cache_memory=POOL, max_num_seqs=1, kv_offloading_size=0.25) as llm:
+    with LLM(model=NARROW, kv_layout=layout, kv_cache_memory=POOL, max_num_seqs=1, kv_offloading_size=0.25) as llm:
         computed, restored = rounds(llm)
         host = tier(llm, "host")
         assert llm.stats().kv.evictions > 0 and host.tokens_restored >= len(PROMPTS) * 85, host
@@ -42,7 +42,7 @@ def test_restored_prefixes_give_the_tokens_that_computing_them_gives(layout):
 
 
 def test_a_restarted_engine_restores_from_disk_and_damage_is_recomputed(tmp_path):
-    opts = dict(kv_cache_memory=POOL, max_num_seqs=1, kv_offloading_path=str(tmp_path))
+    opts = dict(model=NARROW, kv_cache_memory=POOL, max_num_seqs=1, kv_offloading_path=str(tmp_path))
     with LLM(**opts) as llm:  # closing writes the pool's cached entries to disk too
         (cold,) = rounds(llm, 1)
     files = sorted(tmp_path.glob("*/*.kv"))
@@ -74,13 +74,13 @@ def test_a_restarted_engine_restores_from_disk_and_damage_is_recomputed(tmp_path
 
 
 def test_another_dtype_or_model_never_restores_a_page(tmp_path):
-    opts = dict(kv_cache_memory=POOL, max_num_seqs=1, kv_offloading_path=str(tmp_path))
+    opts = dict(model=NARROW, kv_cache_memory=POOL, max_num_seqs=1, kv_offloading_path=str(tmp_path))
     with LLM(**opts) as llm:
         rounds(llm, 1)
     (fp32_dir,) = tmp_path.iterdir()
     before = {f.name: f.read_bytes() for f in fp32_dir.glob("*.kv")}
     for other in (dict(dtype="bfloat16"), dict(kv_cache_dtype="fp8"), dict(model="random:tiny")):
-        with LLM(**opts, **other) as llm:
+        with LLM(**opts | other) as llm:
             rounds(llm, 1)
             assert tier(llm, "disk").tokens_restored == 0, other
     assert len(list(tmp_path.iterdir())) == 4  # a directory per namespace

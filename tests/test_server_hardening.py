@@ -277,10 +277,11 @@ def test_metrics_are_fresh_after_an_abort_and_count_exactly(server):
 
 def test_stream_usage_counts_tokens_whose_text_is_held_back(server):
     """Tokens whose text is empty (a special token skipped, part of a UTF-8 character not
-    complete yet; here a random model's greedy token): the stream sends no chunk for them, but
+    complete yet; here <|im_start|>, forced by logit_bias): the stream sends no chunk for them, but
     usage counts them, as the non-streamed answer does. It once counted only tokens sent."""
     base, _, _ = server
-    body = {"prompt": [1, 2, 3, 4], "max_tokens": 24, "ignore_eos": True, "temperature": 0}  # text "" throughout
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 24, "ignore_eos": True, "temperature": 0,
+            "logit_bias": {"1": 100}}  # a special token, skipped: text "" throughout
     whole = post(base, "/v1/completions", body).json()
     with httpx.stream("POST", base + "/v1/completions", timeout=30,
                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:

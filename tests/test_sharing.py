@@ -1,9 +1,10 @@
-"""Prefix caching, parallel sampling and copy-on-write on the real model."""
+"""Prefix caching, parallel sampling, beam search and copy-on-write: page accounting on SmolLM2's
+KV geometry (helpers.NARROW), beam search against transformers on SmolLM2 itself."""
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from helpers import assert_pool_whole
+from helpers import NARROW, assert_pool_whole
 
 SYSTEM = ("You are a meticulous assistant for a railway company. Answer questions about timetables, "
           "tickets, delays, refunds, luggage and accessibility. Be brief and exact. ") * 8
@@ -16,7 +17,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 def test_shared_prefix_maps_fewer_pages_and_changes_nothing(kv_layout):
     results = {}
     for caching in (False, True):
-        llm = LLM(kv_layout=kv_layout, enable_prefix_caching=caching, max_num_seqs=8,
+        llm = LLM(model=NARROW, kv_layout=kv_layout, enable_prefix_caching=caching, max_num_seqs=8,
                   max_num_batched_tokens=2048)
         llm.generate(SYSTEM + QUESTIONS[0], GREEDY, use_tqdm=False)  # warms the cache when on
         outs = llm.generate([SYSTEM + q for q in QUESTIONS[1:]], GREEDY, use_tqdm=False)
@@ -31,7 +32,7 @@ def test_shared_prefix_maps_fewer_pages_and_changes_nothing(kv_layout):
 
 
 def test_parallel_samples_share_the_prompt_and_copy_its_last_page():
-    llm = LLM(kv_layout="interleaved", enable_prefix_caching=False)
+    llm = LLM(model=NARROW, kv_layout="interleaved", enable_prefix_caching=False)
     prompt = SYSTEM + QUESTIONS[0]
     one = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
     many = llm.generate(prompt, SamplingParams(n=4, temperature=0, max_tokens=6), use_tqdm=False)[0]
@@ -50,7 +51,7 @@ def test_parallel_sampling_peak_pages_below_independent_sequences(kv_layout):
     prompt = SYSTEM + QUESTIONS[2]
     peaks = {}
     for shared in (True, False):
-        llm = LLM(kv_layout=kv_layout, enable_prefix_caching=False)
+        llm = LLM(model=NARROW, kv_layout=kv_layout, enable_prefix_caching=False)
         params = SamplingParams(n=4, temperature=0.8, seed=1, max_tokens=4)
         if shared:
             llm.generate(prompt, params, use_tqdm=False)
@@ -108,13 +109,13 @@ def test_beam_search_matches_transformers_and_releases_every_page(kv_layout, len
 def test_beams_and_plain_requests_under_memory_pressure_change_nothing():
     from engine import BeamSearchParams
 
-    roomy = LLM(kv_layout="interleaved")
+    roomy = LLM(model=NARROW, kv_layout="interleaved")
     prompts = [chat_prompt_ids(roomy.tokenizer, q) for q in ("Say hi.", "Tell me a joke.", "What is rain?")]
     beam, greedy = BeamSearchParams(beam_width=3, max_tokens=12), SamplingParams(temperature=0, max_tokens=12)
     want_beams = roomy.beam_search(prompts[:2], beam)
     want_plain = roomy.generate(prompts, greedy, use_tqdm=False)
     # 118 pages of 64 KiB and three seats: one beam group at a time, beams preempted and requeued.
-    tight = LLM(kv_layout="interleaved", kv_cache_memory=118 * 65536, max_num_seqs=3)
+    tight = LLM(model=NARROW, kv_layout="interleaved", kv_cache_memory=118 * 65536, max_num_seqs=3)
     engine, done = tight.engine, {}
     engine.add_request("beam-0", prompts[0], beam)
     for i, prompt in enumerate(prompts):
@@ -135,9 +136,9 @@ def test_beams_share_the_prompt_pages():
     from engine import BeamSearchParams
 
     prompt = SYSTEM + QUESTIONS[3]
-    beams = LLM(kv_layout="interleaved", enable_prefix_caching=False)
+    beams = LLM(model=NARROW, kv_layout="interleaved", enable_prefix_caching=False)
     beams.beam_search(prompt, BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True))
-    alone = LLM(kv_layout="interleaved", enable_prefix_caching=False)
+    alone = LLM(model=NARROW, kv_layout="interleaved", enable_prefix_caching=False)
     alone.generate([prompt] * 4, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert beams.stats().kv.peak_pages_mapped < 0.5 * alone.stats().kv.peak_pages_mapped
     assert_pool_whole(beams)
@@ -146,7 +147,7 @@ def test_beams_share_the_prompt_pages():
 def test_beam_search_refuses_what_it_cannot_run():
     from engine import BeamSearchParams
 
-    llm = LLM(max_num_seqs=4)
+    llm = LLM(model=NARROW, max_num_seqs=4)
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(ValueError, match="exceeds max_num_seqs"):

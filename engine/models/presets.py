@@ -24,6 +24,12 @@ PRESETS: dict[str, dict] = {
                         num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
                         rope_theta=1000000.0, max_position_embeddings=8192, rms_norm_eps=1e-6,
                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+    # SmolLM2-135M's KV geometry (30 layers, 9 query heads, 3 KV heads of 64: the same pages,
+    # budgets and tensor-parallel splits) on a model 64 wide: page accounting at a tenth of the cost.
+    "smollm2-kv": dict(model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=192,
+                       num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                       rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
     "tiny": dict(model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,

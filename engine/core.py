@@ -1,0 +1,103 @@
+"""The engine's core: one step over the scheduled batch (vLLM v1's EngineCore).
+
+    drafts (spec_decode) -> Scheduler.schedule -> ModelRunner.run -> sample_step (sampler,
+    spec_decode, beam rows) -> Scheduler.update_from_output
+
+The core knows sequences and token ids, never text: the LLMEngine (engine/llm_engine.py) makes
+a request's sequences before a step and turns what they did into outputs after it. The
+scheduler writes every sequence's schedule state. A row whose sampling raises ends as that
+exception, failing its request alone; a failure of the batch as a whole (the forward pass, the
+KV cache) propagates, and the engine is then broken.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.kv.base import KVCacheBase
+from engine.map_ahead import MapAhead
+from engine.model_runner import ModelRunner
+from engine.sample_step import StepSample, sample_step
+from engine.sampler import Sampled, score
+from engine.scheduler import Scheduler, SeqOutput
+from engine.sequence import Sequence
+from engine.spec_decode import NgramProposer, SpeculativeConfig
+from engine.structured import Grammars
+
+
+@dataclass
+class CoreOutput:
+    """What one step did: each sequence that moved (its new tokens, why it finished), the
+    prompt tokens it scored (prompt_logprobs: a sequence, the position of its first scored
+    token, the scores), and its sampling counts (speculative drafts verified and accepted)."""
+    seqs: list[SeqOutput]
+    prompt_scores: list[tuple[Sequence, int, list[Sampled]]]
+    sampled: StepSample
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, kv: KVCacheBase, model, attention, max_model_len: int,
+                 eos_ids: tuple[int, ...], grammars: Grammars, workers=None):
+        c = config
+        self.kv, self.max_model_len, self.eos_ids, self.grammars = kv, max_model_len, eos_ids, grammars
+        self.scheduler = Scheduler(kv, c.max_num_seqs, c.max_num_batched_tokens, policy=c.scheduling_policy,
+                                   preemption_mode=c.preemption_mode, eos_ids=eos_ids, max_model_len=max_model_len,
+                                   max_loras=c.max_loras if c.enable_lora else None)
+        self.runner = ModelRunner(model, kv, attention, max_model_len, c.device, c.compute_dtype, workers)
+        spec = c.speculative_config
+        self.proposer = NgramProposer(SpeculativeConfig.from_dict(spec)) if spec else None
+        self.map_ahead = MapAhead(kv, c.map_ahead_tokens, self.scheduler.headroom_pages) if c.map_ahead_tokens else None
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        self._forget(self.scheduler.finish_request(request_id, "abort"))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self, token_budget: int | None = None) -> CoreOutput | None:
+        """One forward pass over what the scheduler picks (at most token_budget tokens); None
+        when nothing was scheduled."""
+        drafts = self.proposer.propose_all(self.scheduler.running, self.max_model_len) if self.proposer else None
+        out = self.scheduler.schedule(token_budget, drafts)
+        if not out:
+            return None
+        if self.map_ahead:
+            self.map_ahead.start(out.scheduled)
+        try:
+            logits, rows, scoring = self.runner.run(out.scheduled)
+        finally:
+            if self.map_ahead:
+                self.map_ahead.wait()
+        scores = [(seq, position + 1, score(logits[first:first + n], seq.token_ids[position + 1:position + 1 + n],
+                                            seq.params.prompt_logprobs)) for seq, first, position, n in scoring]
+        sampled = sample_step(logits, rows, out, self.grammars, self.eos_ids)
+        seqs = self.scheduler.update_from_output(out, sampled.results)
+        self._forget([o.seq for o in seqs if o.seq.is_finished])
+        return CoreOutput(seqs, scores, sampled)
+
+    def finish(self, stopped: list[Sequence], failed: list[str]) -> None:
+        """After output processing: the sequences a stop string ended, the requests whose
+        processing raised."""
+        for seq in stopped:
+            self.scheduler.finish(seq, "stop")
+        for request_id in failed:
+            self.scheduler.fail_request(request_id, "failed in output processing")
+        self._forget(stopped)
+
+    def _forget(self, seqs: list[Sequence]) -> None:
+        if self.proposer:
+            for seq in seqs:
+                self.proposer.forget(seq)
+
+    @property
+    def map_seconds(self) -> float:
+        """Time spent mapping and copying KV pages so far on the step's critical path (waiting
+        for the map-ahead worker included)."""
+        return self.kv.map_seconds + (self.map_ahead.wait_seconds if self.map_ahead else 0.0)
+
+    def close(self) -> None:
+        if self.map_ahead:
+            self.map_ahead.close()
