@@ -20,10 +20,11 @@ run: setup
 	$(BIN)/vkv generate --chat "$(PROMPT)"
 
 # One pytest worker per core, each on one thread (two workers of two threads each on two
-# cores spin against each other): 8m22s -> 6m27s on 2 cores. The slowest tests are listed at the
-# end; a test that hangs is stopped at pyproject's timeout with its threads' stacks.
+# cores spin against each other): 8m22s -> 6m27s on 2 cores. A worker that runs out of tests
+# takes the other's (worksteal: no idle core behind a slow last test). The slowest tests are
+# listed at the end; a test that hangs is stopped at pyproject's timeout with its threads' stacks.
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n auto --durations=12
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n auto --dist worksteal --durations=12
 
 clean:
 	rm -rf $(VENV)

@@ -48,7 +48,7 @@ def test_no_drafts_once_the_batch_reaches_disable_by_batch_size():
 @pytest.mark.parametrize("layout", ["interleaved", "per_layer", "paged"])
 def test_greedy_output_is_identical_with_speculation(layout):
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    roomy = LLM(kv_layout=layout)
+    roomy = LLM(kv_layout=layout, kv_cache_memory=128 << 20)
     want = [o.outputs[0].token_ids for o in roomy.generate(PROMPTS, greedy, use_tqdm=False)]
     kv = roomy.engine.kv
     need = [kv.pages_for(len(roomy.tokenizer.encode(p)) + 48) for p in PROMPTS]
