@@ -64,6 +64,8 @@ class EngineCore:
         out = self.scheduler.schedule(token_budget, drafts)
         if not out:
             return None
+        if not out.scheduled:  # only requests failed while scheduling
+            return CoreOutput(self.scheduler.update_from_output(out, {}), [], StepSample({}))
         if self.map_ahead:
             self.map_ahead.start(out.scheduled)
         try:

@@ -70,17 +70,6 @@ Scheduled = list[tuple[Sequence, int]]  # (sequence, number of its tokens comput
 RowResult = list[Sampled] | torch.Tensor | Exception
 
 
-@dataclass
-class SchedulerOutput:
-    """One step: what each sequence computes, and the siblings that fork from a sequence whose
-    prompt this step completes (they sample from its row)."""
-    scheduled: Scheduled = field(default_factory=list)
-    forks: dict[Sequence, list[Sequence]] = field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return bool(self.scheduled)
-
-
 @dataclass(slots=True)
 class SeqOutput:
     """What one sequence did in a step (vLLM's EngineCoreOutput): the tokens it took, and why
@@ -89,6 +78,18 @@ class SeqOutput:
     new: list[Sampled]
     finish_reason: str | None = None
     error: str | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: what each sequence computes, and the siblings that fork from a sequence whose
+    prompt this step completes (they sample from its row)."""
+    scheduled: Scheduled = field(default_factory=list)
+    forks: dict[Sequence, list[Sequence]] = field(default_factory=dict)
+    failed: list[SeqOutput] = field(default_factory=list)  # requests failed while scheduling (see _checked)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled or self.failed)
 
 
 class Scheduler:
@@ -145,7 +146,22 @@ class Scheduler:
                 self._requeue(self.swapped.pop(), to_front=True)
             self._unblock(budget)
             scheduled = self._admit_waiting(budget)
-        return SchedulerOutput(scheduled, self._plan_forks(scheduled))
+        scheduled, failed = self._checked(scheduled)
+        return SchedulerOutput(scheduled, self._plan_forks(scheduled), failed)
+
+    def _checked(self, scheduled: Scheduled) -> tuple[Scheduled, list[SeqOutput]]:
+        """Every scheduled sequence has a token left to compute, and computes at least one and
+        none past what it knows (its tokens and drafts). One that breaks this (a bug: never
+        expected) would fail the whole batch in the forward pass, read another's logits, or
+        wait forever; its request fails alone instead, the numbers logged."""
+        failed = []
+        for seq, n in scheduled:
+            pending = seq.num_pending_tokens
+            if not seq.is_finished and not (pending >= 1 and 1 <= n <= pending + len(seq.draft)):
+                log.error("scheduling %s: %d tokens at %d computed of %d (+%d drafted): its request fails",
+                          seq.request_id, n, seq.num_computed_tokens, len(seq), len(seq.draft))
+                failed += self.fail_request(seq.request_id, "internal error while scheduling this request")
+        return [(seq, n) for seq, n in scheduled if not seq.is_finished], failed
 
     def _plan_forks(self, scheduled: Scheduled) -> dict[Sequence, list[Sequence]]:
         """Siblings of a sequence whose prompt this step completes fork from it after the step,
@@ -165,7 +181,7 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput, results: dict[Sequence, RowResult]) -> list[SeqOutput]:
         """Apply what the step produced; a SeqOutput for each sequence that took tokens,
-        finished or failed."""
+        finished or failed (those failed while scheduling first)."""
         for seq, n in out.scheduled:  # computed: all it was given, less the drafts refused
             if seq.status is SequenceStatus.RUNNING:
                 result = results.get(seq)
@@ -177,7 +193,7 @@ class Scheduler:
             for child in children:
                 if not self.fork(parent, child):  # queued instead: it samples after its own prompt
                     results.pop(child, None)
-        outputs, groups = [], []
+        outputs, groups = list(out.failed), []
         for seq, result in results.items():
             if seq.is_finished:  # its request failed earlier in this step
                 continue
@@ -285,11 +301,11 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_pending_tokens + len(seq.draft), budget)
             seq.draft = seq.draft[:max(0, n - seq.num_pending_tokens)]  # drafts the budget leaves room for
-            if n == 0:  # idle: a beam waiting for its siblings
+            if n == 0 and seq.beam:  # idle: a beam waiting for its siblings
                 i += 1
-            elif self._map_or_preempt(seq, seq.num_computed_tokens + n, i):
+            elif n <= 0 or self._map_or_preempt(seq, seq.num_computed_tokens + n, i):  # (n <= 0: see _checked)
                 scheduled.append((seq, n))
-                budget -= n
+                budget -= max(n, 0)
                 i += 1
         return scheduled
 

@@ -176,3 +176,30 @@ def test_a_client_with_nothing_running_gets_a_seat_from_the_one_holding_them_all
         assert engine.scheduler.num_preemptions >= 1
         assert [done[f"a{i}"].outputs[0].token_ids for i in range(12)] == want
         assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("corrupt", [0, 3])
+def test_a_sequence_scheduled_past_its_tokens_fails_its_request_alone(corrupt, caplog):
+    """A running sequence with nothing left to compute (it would wait forever), or with more
+    computed than it has (a step over negative rows: one such step once killed a test server's
+    engine) is a bug, never expected: its own request fails with a plain message, the others'
+    tokens do not change, and the pool is whole."""
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = {"victim": [5, 6, 7, 8, 9], "other": [11, 12, 13]}
+    with LLM(model="random:tiny", kv_cache_memory=1 << 20, page_size=4096) as llm:
+        want = llm.generate([prompts["other"]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        engine = llm.engine
+        for request_id, prompt in prompts.items():
+            engine.add_request(request_id, prompt, greedy)
+        done = {o.request_id: o for o in engine.step() if o.finished}
+        victim = next(s for s in engine.scheduler.running if s.request_id == "victim")
+        victim.num_computed_tokens = len(victim) + corrupt
+        for _ in range(20):
+            done |= {o.request_id: o for o in engine.step() if o.finished}
+            if not engine.has_unfinished():
+                break
+        assert done["victim"].outputs[0].finish_reason == "error"
+        assert done["victim"].error == "internal error while scheduling this request"
+        assert done["other"].outputs[0].token_ids == want
+        assert "scheduling victim" in caplog.text
+        assert_pool_whole(llm)
