@@ -66,7 +66,7 @@ class SamplingParams:
 
         checks = [
             (integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (self.best_of is None or (integer(self.best_of) and self.best_of >= self.n),
+            (self.best_of is None or (integer(self.best_of) and integer(self.n) and self.best_of >= self.n),
              f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}"),
             (real(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
              f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"),
@@ -76,7 +76,7 @@ class SamplingParams:
             (self.seed is None or (integer(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
              f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}"),
             (integer(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens!r}"),
-            (integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            (integer(self.min_tokens) and integer(self.max_tokens) and 0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}"),
             (self.logprobs is None or (integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
