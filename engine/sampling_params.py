@@ -27,7 +27,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as fit under max_model_len after the prompt (vLLM's)
     min_tokens: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -75,8 +75,10 @@ class SamplingParams:
             (real(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
             (self.seed is None or (integer(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
              f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}"),
-            (integer(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens!r}"),
-            (integer(self.min_tokens) and integer(self.max_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            (self.max_tokens is None or (integer(self.max_tokens) and self.max_tokens >= 1),
+             f"max_tokens must be >= 1 or None, got {self.max_tokens!r}"),
+            (integer(self.min_tokens) and self.min_tokens >= 0 and
+             (self.max_tokens is None or (integer(self.max_tokens) and self.min_tokens <= self.max_tokens)),
              f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}"),
             (self.logprobs is None or (integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),

@@ -203,3 +203,17 @@ def test_a_sequence_scheduled_past_its_tokens_fails_its_request_alone(corrupt, c
         assert done["other"].outputs[0].token_ids == want
         assert "scheduling victim" in caplog.text
         assert_pool_whole(llm)
+
+
+def test_max_tokens_none_generates_as_many_as_fit():
+    """vLLM's max_tokens=None: up to max_model_len after the prompt; a prompt that leaves no room
+    is refused by name."""
+    with LLM(model="random:tiny", kv_cache_memory=1 << 20, page_size=4096, max_model_len=24) as llm:
+        out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=None, ignore_eos=True, n=2), use_tqdm=False)[0]
+        assert [len(c.token_ids) for c in out.outputs] == [20, 20]
+        assert {c.finish_reason for c in out.outputs} == {"length"}
+        with pytest.raises(ValueError, match="leaves no room"):
+            llm.generate([list(range(5, 29))], SamplingParams(max_tokens=None), use_tqdm=False)
+        with pytest.raises(ValueError, match="min_tokens"):
+            llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=None, min_tokens=21), use_tqdm=False)
+        assert_pool_whole(llm)
