@@ -65,7 +65,9 @@ class EngineCore:
         if not out:
             return None
         if not out.scheduled:  # only requests failed while scheduling
-            return CoreOutput(self.scheduler.update_from_output(out, {}), [], StepSample({}))
+            seqs = self.scheduler.update_from_output(out, {})
+            self._forget([o.seq for o in seqs])
+            return CoreOutput(seqs, [], StepSample({}))
         if self.map_ahead:
             self.map_ahead.start(out.scheduled)
         try:
@@ -85,9 +87,10 @@ class EngineCore:
         processing raised."""
         for seq in stopped:
             self.scheduler.finish(seq, "stop")
+        gone = list(stopped)
         for request_id in failed:
-            self.scheduler.fail_request(request_id, "failed in output processing")
-        self._forget(stopped)
+            gone += [o.seq for o in self.scheduler.fail_request(request_id, "failed in output processing")]
+        self._forget(gone)
 
     def _forget(self, seqs: list[Sequence]) -> None:
         if self.proposer:

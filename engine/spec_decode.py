@@ -111,8 +111,8 @@ class NgramProposer:
         if limit is not None and len(running) >= limit:
             return {}
         drafts = {}
-        for seq in running:
-            if seq.num_pending_tokens == 1 and speculates(seq) and seq.beam is None:
+        for seq in running:  # (not while n > 1 siblings wait to fork from its next row, which drafts would move)
+            if seq.num_pending_tokens == 1 and speculates(seq) and seq.beam is None and not seq.siblings:
                 room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - len(seq))
                 drafts[seq] = self.propose(seq, room - 1)
         return drafts

@@ -115,3 +115,19 @@ def test_priority_serves_urgent_requests_first_and_changes_no_output():
     assert [done[f"r{i}"] for i in range(8)] == alone
     assert order == sorted(order)  # two seats: the most urgent pairs finish first
     assert_pool_whole(tight)
+
+
+def test_n_siblings_fork_from_a_parent_whose_prompt_ends_in_a_small_chunk():
+    """n = 2 under speculation, the prompt's last chunk one token long: the parent must not take
+    drafts that step, since its siblings fork from its first row (once they forked with the
+    drafted count computed and a token fewer than that: a request failed or the batch broke)."""
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]  # 17 tokens: "5 6" was followed by 7 8 9
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2)
+    options = dict(model="random:tiny", kv_cache_memory=1 << 20, page_size=4096, max_num_batched_tokens=16)
+    with LLM(**options) as plain:
+        want = [c.token_ids for c in plain.generate([prompt], greedy, use_tqdm=False)[0].outputs]
+    with LLM(**options, speculative_config=SPEC) as spec:
+        out = spec.generate([prompt], greedy, use_tqdm=False)[0]
+        assert out.error is None and [c.token_ids for c in out.outputs] == want
+        assert spec.stats().spec_drafts > 0  # (the siblings, once forked, do take drafts)
+        assert_pool_whole(spec)
