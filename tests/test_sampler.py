@@ -112,7 +112,8 @@ FIELDS = {
 
 @pytest.fixture(scope="module")
 def tiny():
-    llm = LLM(model="random:tiny", max_num_seqs=8, kv_cache_memory=16 << 20, page_size=4096)
+    llm = LLM(model="random:tiny", max_num_seqs=8, kv_cache_memory=16 << 20, page_size=4096,
+              max_model_len=64)  # max_tokens=None: up to 61 tokens
     yield llm
     llm.engine.close()
 
