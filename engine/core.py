@@ -19,7 +19,7 @@ from engine.map_ahead import MapAhead
 from engine.model_runner import ModelRunner
 from engine.sample_step import StepSample, sample_step
 from engine.sampler import Sampled, score
-from engine.scheduler import Scheduler, SeqOutput
+from engine.scheduler import Scheduler, SchedulerOutput, SeqOutput
 from engine.sequence import Sequence
 from engine.spec_decode import NgramProposer, SpeculativeConfig
 from engine.structured import Grammars
@@ -64,10 +64,14 @@ class EngineCore:
         out = self.scheduler.schedule(token_budget, drafts)
         if not out:
             return None
-        if not out.scheduled:  # only requests failed while scheduling
-            seqs = self.scheduler.update_from_output(out, {})
-            self._forget([o.seq for o in seqs])
-            return CoreOutput(seqs, [], StepSample({}))
+        # (with nothing scheduled, only requests failed while scheduling: nothing runs)
+        scores, sampled = self._run(out) if out.scheduled else ([], StepSample({}))
+        seqs = self.scheduler.update_from_output(out, sampled.results)
+        self._forget([o.seq for o in seqs if o.seq.is_finished])
+        return CoreOutput(seqs, scores, sampled)
+
+    def _run(self, out: SchedulerOutput) -> tuple[list[tuple[Sequence, int, list[Sampled]]], StepSample]:
+        """The forward pass, then the prompt tokens it scored and each row's sampled tokens."""
         if self.map_ahead:
             self.map_ahead.start(out.scheduled)
         try:
@@ -77,10 +81,7 @@ class EngineCore:
                 self.map_ahead.wait()
         scores = [(seq, position + 1, score(logits[first:first + n], seq.token_ids[position + 1:position + 1 + n],
                                             seq.params.prompt_logprobs)) for seq, first, position, n in scoring]
-        sampled = sample_step(logits, rows, out, self.grammars, self.eos_ids)
-        seqs = self.scheduler.update_from_output(out, sampled.results)
-        self._forget([o.seq for o in seqs if o.seq.is_finished])
-        return CoreOutput(seqs, scores, sampled)
+        return scores, sample_step(logits, rows, out, self.grammars, self.eos_ids)
 
     def finish(self, stopped: list[Sequence], failed: list[str]) -> None:
         """After output processing: the sequences a stop string ended, the requests whose
