@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import socket
 import threading
 import time
 
 import torch
+
+from engine.parallel import free_port
 
 # SmolLM2-135M's KV geometry (its pages, budgets and head splits) on a narrow random model
 # (engine/models/presets.py): for tests of page accounting, which do not need trained weights, at
@@ -115,12 +116,6 @@ def random_adapter(path, cfg, rank: int, targets=LORA_TARGETS, seed: int = 0, st
                                                           "target_modules": list(targets)}))
     save_file(tensors, str(path / "adapter_model.safetensors"))
     return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
