@@ -43,6 +43,15 @@ def pages_of(limit: float | int, total: int, page_size: int) -> int:
     return limit // page_size
 
 
+def check_shareable(config: EngineConfig, who: str) -> None:
+    """Only a virtual layout on one rank draws its pages from the shared pool (a paged cache's
+    blocks and a tensor-parallel rank's pages are their own): refuse the others by name."""
+    if config.kv_layout == "paged" or config.tensor_parallel_size > 1:
+        raise ValueError(f"{who}: several models share one pool on a virtual kv_layout (interleaved or per_layer) "
+                         f"with tensor_parallel_size 1, not kv_layout={config.kv_layout!r}, "
+                         f"tensor_parallel_size={config.tensor_parallel_size}")
+
+
 class MultiLLM:
     def __init__(self, models: dict[str, str | None | dict], kv_cache_memory: int | None = None,
                  kv_limits: dict[str, tuple[float | int, float | int]] | None = None, **engine_options):
@@ -63,9 +72,7 @@ class MultiLLM:
     def _build(self, models: dict[str, str | None], config: EngineConfig, kv_limits: dict | None) -> None:
         if not models:
             raise ValueError("MultiLLM needs at least one model")
-        if config.kv_layout == "paged" or config.tensor_parallel_size > 1:
-            raise ValueError("several models share one pool on a virtual kv_layout (interleaved or per_layer) "
-                             "with tensor_parallel_size 1")
+        check_shareable(config, "MultiLLM")
         for name in kv_limits or {}:
             if name not in models:
                 raise ValueError(f"unknown model {name!r} in a KV limit: the models are {sorted(models)}")
@@ -87,8 +94,10 @@ class MultiLLM:
                 if shared_only:
                     raise ValueError(f"model {name!r}: {', '.join(shared_only)} belong to the shared pool, "
                                      f"not to one model")
+                own_config = dataclasses.replace(config, kv_cache_memory=None, **own)
+                check_shareable(own_config, f"model {name!r}")
                 try:
-                    engine = LLMEngine(dataclasses.replace(config, kv_cache_memory=None, **own), pool=share)
+                    engine = LLMEngine(own_config, pool=share)
                 except Exception as exc:
                     raise ValueError(f"model {name!r} ({own.get('model') or 'bundled'}) failed to load: {exc}") from exc
                 share.spare, share.give_back = engine.kv.spare_pages, engine.kv.give_back

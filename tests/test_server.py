@@ -503,3 +503,13 @@ def test_auto_tool_calls_are_parsed_from_hermes_blocks():
         tool_use([WEATHER], {"type": "function", "function": {"name": "nope"}}, None)
     with pytest.raises(ValueError, match="needs tools"):
         tool_use(None, "required", None)
+    two = text + '\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    assert len(calls_in(two, use)[1]) == 2
+    content, calls = calls_in(two, tool_use([WEATHER], "auto", False))  # parallel_tool_calls: false
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Rome"] and content == "Let me check."
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    with pytest.raises(ValueError, match="strict function 'get_weather'.*under \"auto\""):
+        tool_use([strict], None, None)
+    assert tool_use([strict], "required", None).functions[0].strict  # enforced by the schema there
+    with pytest.raises(ValueError, match="strict must be true or false"):
+        tool_use([{"type": "function", "function": {**WEATHER["function"], "strict": "yes"}}], "required", None)

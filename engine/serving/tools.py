@@ -9,12 +9,15 @@ come as user turns inside <tool_response></tool_response>.
 The answer, by `tool_choice`:
   "none"      the tools are not offered and nothing is parsed
   "auto"      (the default with tools) the model may call: every <tool_call> block of its text
-              that parses as a call to an offered function becomes a tool call, the rest stays
-              content
+              that parses as a call to an offered function becomes a tool call (the first only,
+              if parallel_tool_calls is false, as vLLM does), the rest stays content; a `strict`
+              function is refused here (free text cannot be held to its schema)
   "required"  the output is constrained (structured outputs) to a JSON array of one or more
               calls (one object if parallel_tool_calls is false), each one function's name and
               arguments valid for its `parameters` schema
   a function  the output is constrained to that function's arguments
+With "required" or a named function every call's arguments follow its schema, so `strict: true`
+holds there as OpenAI defines it.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ class Function:
     name: str
     description: str
     parameters: dict
+    strict: bool = False  # OpenAI's: arguments must follow `parameters`; enforced where the output is constrained
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,9 @@ def tool_use(tools: list | None, tool_choice, parallel: bool | None) -> ToolUse:
             raise ValueError(f"tools[{i}].function.name must be 1 to 64 letters, digits, _ or -")
         if not isinstance(params, dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
-        functions.append(Function(name, str(fn.get("description") or ""), params))
+        if fn.get("strict") not in (None, True, False):
+            raise ValueError(f"tools[{i}].function.strict must be true or false")
+        functions.append(Function(name, str(fn.get("description") or ""), params, fn.get("strict") is True))
     names = [f.name for f in functions]
     if len(set(names)) != len(names):
         raise ValueError("tools name the same function twice")
@@ -84,6 +90,11 @@ def tool_use(tools: list | None, tool_choice, parallel: bool | None) -> ToolUse:
         raise ValueError(f"tool_choice names {named!r}, which is not among the tools")
     if parallel is not None and not functions:
         raise ValueError("parallel_tool_calls needs tools")
+    strict = [f.name for f in functions if f.strict]
+    if strict and choice == "auto":
+        raise ValueError(f"strict function {strict[0]!r}: its arguments are enforced by its schema under tool_choice "
+                         f"\"required\" or naming a function; under \"auto\" calls are parsed from free text, "
+                         f"so strict cannot hold (drop strict, or choose required)")
     return ToolUse(tuple(functions), choice, named, parallel is not False)
 
 
@@ -149,7 +160,7 @@ def calls_in(text: str, use: ToolUse) -> tuple[str | None, list[dict]]:
         calls.append(_call(found["name"], found.get("arguments", {})))
         return ""
     content = CALL.sub(take, text).strip()
-    return (content or None) if calls else text, calls
+    return (content or None) if calls else text, calls[:None if use.parallel else 1]
 
 
 def _call(name: str, arguments: dict) -> dict:
