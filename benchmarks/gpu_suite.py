@@ -1,10 +1,11 @@
-"""Everything vkv measures on a GPU, in one call (under 9 minutes on an H100).
+"""Everything vkv measures on a GPU, in one call (never run on a GPU yet: no time is claimed).
 
     python benchmarks/gpu_suite.py --out benchmarks/results/<gpu-name>
 
   1. tests     the CUDA tests on the real driver: `pytest -m "cuda_emulated or gpu or contracts"`
                (the tests that run against the driver emulator elsewhere, and the attention
-               contracts, which then run against the real kernels too)
+               contracts, whose test_the_real_kernels_on_cuda_give_what_sdpa_gives calls the
+               real kernels on CUDA tensors there and skips elsewhere)
   2. mapping   page-mapping latency of the CUDA backend (create, map, set-access, unmap,
                release; batched runs) at 1, 2, 4 and 8 x the granularity: mapping.json / .png
   3. attention FlashAttention over virtual KV: decode and prefill, SmolLM2 and Llama-3-8B head

@@ -3,7 +3,14 @@ replaced by a pure-torch model of its documented contract, fed the exact argumen
 builds for every layout and for mixed prefill/decode batches, and must give what the sdpa
 reference gives. FlashAttention-4's contract also loads whole 128-row tiles past each
 sequence's length, which must be mapped and finite. The built-in op's schema is checked on
-meta tensors, so a torch upgrade that changes it fails here first."""
+meta tensors, so a torch upgrade that changes it fails here first.
+
+On a machine with CUDA (benchmarks/gpu_suite.py runs these there), the same batches also run
+through the real kernels on CUDA tensors (test_the_real_kernels_on_cuda_give_what_sdpa_gives):
+PyTorch's built-in flash op, and flash-attn and flash-attn-4 where installed. A kernel that is
+installed and fails is a failure, not a skip; only a missing GPU, a missing package, or a GPU
+the library itself does not support (flash-attn-4 before Hopper) skips, with the reason.
+(FlexAttention is no backend of the engine's, so no call of it is checked.)"""
 import subprocess
 import sys
 import textwrap
@@ -16,7 +23,7 @@ from engine.attention import StepAttention
 from engine.ops import rope_table
 from helpers import make_batch
 
-pytestmark = pytest.mark.contracts  # benchmarks/gpu_suite.py runs these on a GPU too
+pytestmark = pytest.mark.contracts  # benchmarks/gpu_suite.py runs these on a GPU, the real kernels too
 HQ, HKV, D = 6, 2, 64
 COS_SIN = rope_table(1.0 / 10000 ** (torch.arange(0, D, 2).float() / D), 1024, torch.float32, "cpu")
 
@@ -108,6 +115,35 @@ def test_the_engine_calls_each_library_as_its_contract_says(monkeypatch, kernel,
     want = StepAttention("sdpa", *reference, batch, COS_SIN, paged=layout == "paged")(0, q.clone(), k.clone(), v.clone())
     got = StepAttention(kernel, k_caches, v_caches, batch, COS_SIN, paged=layout == "paged")(0, q, k, v)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seqs", BATCHES)
+@pytest.mark.parametrize("kernel, layout", [("flash", "interleaved"), ("flash", "per_layer"),
+                                            ("flash-attn-4", "interleaved"), ("flash-attn-4", "per_layer"),
+                                            ("flash-attn", "interleaved"), ("flash-attn", "per_layer"),
+                                            ("flash-attn", "paged")])
+def test_the_real_kernels_on_cuda_give_what_sdpa_gives(kernel, layout, seqs):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU: the contracts above stand in for the kernels")
+    if kernel != "flash" and attention.library(kernel) is None:
+        pytest.skip(f"{kernel} is not installed")
+    if kernel == "flash-attn-4" and attention.fa4_support(D, torch.cuda.get_device_capability())[0] == 0:
+        pytest.skip(f"flash-attn-4 does not run here: {attention.fa4_support(D, torch.cuda.get_device_capability())[1]}")
+    block_size = 256 if layout == "paged" else 0
+    k_caches, v_caches, table, rows = caches(layout, seqs, block_size)
+    if kernel == "flash-attn-4":
+        for cache in k_caches + v_caches:
+            cache[:, max(c for _, c in seqs):] = 0
+    cuda = dict(device="cuda", dtype=torch.bfloat16)
+    k_caches, v_caches = [c.to(**cuda) for c in k_caches], [c.to(**cuda) for c in v_caches]
+    batch = make_batch(seqs, table, rows, device="cuda")
+    tokens = sum(q for q, _ in seqs)
+    q, k, v = (torch.randn(tokens, h, D, **cuda) for h in (HQ, HKV, HKV))
+    cos_sin = COS_SIN.to(**cuda)
+    reference = ([c.clone() for c in k_caches], [c.clone() for c in v_caches])
+    want = StepAttention("sdpa", *reference, batch, cos_sin, paged=layout == "paged")(0, q.clone(), k.clone(), v.clone())
+    got = StepAttention(kernel, k_caches, v_caches, batch, cos_sin, paged=layout == "paged")(0, q, k, v)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)  # bf16: 2^-8 per value, summed
 
 
 def test_flash_attention_4_tiles_are_mapped_and_zeroed_by_the_kv_cache():
