@@ -137,7 +137,7 @@ def main() -> None:
         results[fmt] = row
         print(f"[bench] {fmt}: {row}", flush=True)
     result = {"benchmark": "kv_dtype", "command": "python " + " ".join(sys.argv), "machine": machine_info(),
-              "model": "bundled SmolLM2-135M-Instruct, fp32 weights and arithmetic",
+              "model": "bundled SmolLM2-135M-Instruct: Q4_1 GGUF weights dequantized to fp32, fp32 arithmetic",
               "prompts": f"{args.prompts} ShareGPT prompts (seed 0, <= 512 tokens), 128 greedy tokens each",
               "held_out": f"{len(texts)} first replies of ShareGPT conversations from the dataset's end, "
                           f"not among the prompts, <= 512 tokens each ({sum(map(len, texts))} tokens)",

@@ -72,7 +72,7 @@ def main() -> None:
             results[name] = max(run(llm, prompts, loras, args.max_tokens) for _ in range(args.repeat))
         print(f"[bench] {name}: {results[name]:.1f} tok/s ({results[name] / results['base']:.2f}x base)", flush=True)
     result = {"benchmark": "lora", "command": "python " + " ".join(sys.argv), "machine": machine_info(),
-              "model": "bundled SmolLM2-135M-Instruct, fp32",
+              "model": "bundled SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)",
               "workload": f"{args.prompts} ShareGPT prompts (seed 0, <= 512 tokens), {args.max_tokens} greedy tokens "
                           f"each, 32 seats; adapters random rank {args.rank} on q/k/v/o/gate/up/down, requests "
                           f"spread round-robin, max_loras = the number of adapters; best of {args.repeat}",

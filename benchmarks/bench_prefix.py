@@ -166,7 +166,7 @@ def main() -> None:
     for r in runs:
         del r["outputs"]
     result = {"benchmark": "prefix_sharing", "command": " ".join(["python"] + sys.argv),
-              "model": "SmolLM2-135M-Instruct fp32", "system_prompt_tokens": len(system),
+              "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)", "system_prompt_tokens": len(system),
               "num_questions": len(prompts), "question_tokens_mean": float(np.mean([len(p) - len(system) for p in prompts])),
               "max_tokens": args.max_tokens, "kv_memory_bytes": kv_memory, "outputs_identical": identical,
               "machine": machine_info(), "shared_prompt": runs, "parallel_sampling": sampling}

@@ -198,7 +198,7 @@ def main() -> None:
     runs = [measure_rate(args.server_args.split(), requests, float(rate), args.seed)
             for rate in tqdm(args.rates.split(","), desc="rates")]
     result = {"benchmark": "serving", "command": " ".join(["python"] + sys.argv), "server_args": args.server_args,
-              "model": "SmolLM2-135M-Instruct (bundled)", "num_requests": len(requests),
+              "model": "SmolLM2-135M-Instruct (bundled: Q4_1 GGUF dequantized to fp32)", "num_requests": len(requests),
               "mean_prompt_len": float(np.mean([len(r.prompt_ids) for r in requests])),
               "mean_output_len": float(np.mean([r.output_len for r in requests])),
               "machine": machine_info(), "runs": runs}

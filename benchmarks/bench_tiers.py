@@ -4,8 +4,9 @@
    whole conversation so far (the recorded replies, so the next turn extends the last prompt),
    its output length the recorded reply's, capped. All conversations are open at once, each
    sending its next turn when its last one is answered, and together they need several times
-   the KV pool. Configurations: no tier; a host tier smaller than the conversations; that host
-   tier plus a disk tier; the same with `--scheduling-policy lpm`. Reported: TTFT p50/p99 of
+   the KV pool. Configurations: no tier; no tier with the host tier's memory added to the pool
+   (the baseline with the same total memory); a host tier smaller than the conversations; that
+   host tier plus a disk tier; the same with `--scheduling-policy lpm`. Reported: TTFT p50/p99 of
    the turns after the first, wall time, output tokens/s, tokens the model computed (every
    scheduled token: prefills, recomputation after preemption, decodes), tokens found in the
    pool and restored from each tier, preemptions. Greedy outputs must match across
@@ -120,7 +121,10 @@ def replay(llm: LLM, chats: list[list[tuple]]) -> dict:
 
 
 def multi_turn(chats, kv_memory: int, host_gib: float, seed_dir: str) -> list[dict]:
-    configs = [("no tier", {}), (f"host {host_gib:g} GiB", {"kv_offloading_size": host_gib}),
+    host_bytes = int(host_gib * (1 << 30))
+    # the tiers' host memory given to the pool instead: the baseline with the same total memory
+    configs = [("no tier", {}), (f"no tier, pool + {host_gib:g} GiB", {"kv_cache_memory": kv_memory + host_bytes}),
+               (f"host {host_gib:g} GiB", {"kv_offloading_size": host_gib}),
                (f"host {host_gib:g} GiB + disk", {"kv_offloading_size": host_gib, "kv_offloading_path": None}),
                (f"host {host_gib:g} GiB + disk, lpm", {"kv_offloading_size": host_gib, "kv_offloading_path": None,
                                                        "scheduling_policy": "lpm"})]
@@ -128,7 +132,7 @@ def multi_turn(chats, kv_memory: int, host_gib: float, seed_dir: str) -> list[di
     for name, options in tqdm(configs, desc="multi-turn chat"):
         if "kv_offloading_path" in options:  # an empty directory each: no warm start here
             options["kv_offloading_path"] = tempfile.mkdtemp(dir=seed_dir)
-        with LLM(kv_cache_memory=kv_memory, max_num_seqs=len(chats), **options) as llm:
+        with LLM(**{"kv_cache_memory": kv_memory, **options}, max_num_seqs=len(chats)) as llm:
             runs.append({"config": name, **replay(llm, chats)})
     return runs
 
@@ -264,7 +268,7 @@ def main() -> None:
         del r["outputs"]
     context = [sum(len(p) for p, _ in chat[-1:]) for chat in chats]
     result = {"benchmark": "kv_tiers", "command": " ".join(["python"] + sys.argv),
-              "model": "SmolLM2-135M-Instruct fp32", "kv_layout": "per_layer (CPU default)",
+              "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)", "kv_layout": "per_layer (CPU default)",
               "conversations": len(chats), "turns": args.turns, "kv_memory_bytes": args.kv_memory_mib << 20,
               "last_turn_context_tokens_total": int(sum(context)), "host_tier_gib": args.host_gib,
               "system_prompt_tokens": len(system), "outputs_identical": identical,

@@ -16,6 +16,24 @@ GREEDY_BELOW = 1e-5
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 MAX_TEMPERATURE = 1e4  # logits / temperature in fp32: far beyond this every token is equally likely anyway
 MAX_LOGPROBS = 20
+# Each bounded number's range, (low, high, low excluded): checked here, and written from this one
+# table into the server's OpenAPI schema (engine/serving/protocol.py), so a client sees the bounds.
+RANGES: dict[str, tuple[float, float | None, bool]] = {
+    "n": (1, None, False), "temperature": (0, MAX_TEMPERATURE, False), "top_p": (0, 1, True),
+    "top_k": (-1, None, False), "min_p": (0, 1, False), "seed": (*SEED_RANGE, False), "min_tokens": (0, None, False),
+    "repetition_penalty": (0.01, 100, False), "presence_penalty": (-2, 2, False), "frequency_penalty": (-2, 2, False),
+    "logprobs": (0, MAX_LOGPROBS, False), "prompt_logprobs": (0, MAX_LOGPROBS, False)}
+
+
+def in_range(name: str, value) -> bool:
+    low, high, open_low = RANGES[name]
+    return (value > low if open_low else value >= low) and (high is None or value <= high)
+
+
+def range_text(name: str) -> str:
+    low, high, open_low = RANGES[name]
+    number = lambda x: str(x) if isinstance(x, int) else f"{x:g}"
+    return f"{'(' if open_low else '['}{number(low)}, {'inf)' if high is None else number(high) + ']'}"
 
 
 @dataclass
@@ -64,32 +82,24 @@ class SamplingParams:
         def integer(x) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
+        def ranged(name: str, integral: bool = False, optional: bool = False) -> tuple[bool, str]:
+            value = getattr(self, name)
+            ok = (optional and value is None) or ((integer(value) if integral else real(value)) and in_range(name, value))
+            return ok, f"{name} must be {'an integer' if integral else 'a number'} in {range_text(name)}, got {value!r}"
+
         checks = [
-            (integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+            ranged("n", integral=True),
             (self.best_of is None or (integer(self.best_of) and integer(self.n) and self.best_of >= self.n),
              f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}"),
-            (real(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
-             f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"),
-            (real(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
-            (integer(self.top_k) and self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k!r}"),
-            (real(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (self.seed is None or (integer(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
-             f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}"),
+            ranged("temperature"), ranged("top_p"), ranged("top_k", integral=True), ranged("min_p"),
+            ranged("seed", integral=True, optional=True),
             (self.max_tokens is None or (integer(self.max_tokens) and self.max_tokens >= 1),
              f"max_tokens must be >= 1 or None, got {self.max_tokens!r}"),
             (integer(self.min_tokens) and self.min_tokens >= 0 and
              (self.max_tokens is None or (integer(self.max_tokens) and self.min_tokens <= self.max_tokens)),
              f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}"),
-            (self.logprobs is None or (integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
-            (self.prompt_logprobs is None or (integer(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
-             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"),
-            (real(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
-             f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}"),
-            (real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
-            (real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+            ranged("logprobs", integral=True, optional=True), ranged("prompt_logprobs", integral=True, optional=True),
+            ranged("repetition_penalty"), ranged("presence_penalty"), ranged("frequency_penalty"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (all(integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids >= 0"),
             (all(integer(t) and t >= 0 for t in self.logit_bias), "logit_bias keys must be token ids >= 0"),

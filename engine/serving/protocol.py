@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from engine.beam_search import BeamSearchParams
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RANGES, SamplingParams
 from engine.structured import StructuredOutputsParams
 
 SHARED_WITH_SAMPLING_PARAMS = (
@@ -28,13 +28,26 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 
 
 def _sampling_fields() -> dict:
+    """The fields shared with SamplingParams, with its types, defaults and ranges (RANGES: in
+    the OpenAPI schema as minimum / exclusiveMinimum / maximum)."""
     hints = typing.get_type_hints(SamplingParams)
     fields = {}
     for f in dataclasses.fields(SamplingParams):
         if f.name in SHARED_WITH_SAMPLING_PARAMS:
-            default = f.default if f.default is not dataclasses.MISSING else Field(default_factory=f.default_factory)
-            fields[f.name] = (hints[f.name], default)
+            bounds = _bounds(f.name)
+            if f.default is not dataclasses.MISSING:
+                fields[f.name] = (hints[f.name], Field(f.default, **bounds))
+            else:
+                fields[f.name] = (hints[f.name], Field(default_factory=f.default_factory, **bounds))
     return fields
+
+
+def _bounds(name: str) -> dict:
+    """Field()'s bounds for a number SamplingParams ranges (RANGES), else none."""
+    if name not in RANGES:
+        return {}
+    low, high, open_low = RANGES[name]
+    return {"gt" if open_low else "ge": low, **({"le": high} if high is not None else {})}
 
 
 def _sampling_defaults() -> dict:
@@ -179,7 +192,7 @@ def _is_unicode(text: str) -> bool:
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, **_bounds("logprobs"))
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -198,45 +211,79 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    """Participant names and non-text parts are refused: the model and its chat template have
-    no place for them. Tool results (role "tool") and an assistant's earlier tool calls are
-    written into the conversation by engine/serving/tools.py."""
+class _Message(BaseModel):
+    """A chat message, one class per role as OpenAI's schema has them, so the OpenAPI schema says
+    which fields each role takes. Participant names and non-text parts are refused: the model
+    and its chat template have no place for them. Tool results (role "tool") and an assistant's
+    earlier tool calls are written into the conversation by engine/serving/tools.py."""
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer is OpenAI's new name for system
-    content: str | list[ContentPart] | None = None
-    tool_calls: list[dict] | None = None  # an assistant's calls, in OpenAI's shape
-    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def to_dict(self, i: int) -> dict:
-        """{"role", "content"} (and an assistant's "tool_calls" as {"name", "arguments"}) for
-        the chat template; ValueError naming what is refused."""
-        where = f"messages[{i}]"
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError(f"{where}: only an assistant message has tool_calls")
-        if (self.tool_call_id is not None) != (self.role == "tool"):
-            raise ValueError(f"{where}: a tool message, and only a tool message, has a tool_call_id")
-        if self.content is None and not self.tool_calls:
-            raise ValueError(f"{where}.content is required")
-        if self.tool_calls:
-            return {"role": "assistant", "content": self._text(i) if self.content is not None else "",
-                    "tool_calls": [_call_of(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(self.tool_calls)]}
-        return {"role": CHAT_ROLES[self.role], "content": self._text(i)}
+        """{"role", "content"} for the chat template; ValueError naming what is refused."""
+        return {"role": CHAT_ROLES[self.role], "content": _text(self.content, i)}
 
-    def _text(self, i: int) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
-        for j, part in enumerate(self.content):
-            where = f"messages[{i}].content[{j}]"
-            if part.type != "text":
-                raise ValueError(f"{where}: parts of type {part.type!r} are not supported (the model reads text only)")
-            if part.text is None:
-                raise ValueError(f"{where}.text is required")
-            if part.model_extra:
-                raise ValueError(f"{where}: unknown field {next(iter(part.model_extra))!r}")
-            texts.append(part.text)
-        return "".join(texts)
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]  # developer is OpenAI's new name for system
+    content: str | list[ContentPart]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: str | list[ContentPart]
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: str | list[ContentPart]
+    tool_call_id: str  # the call it answers
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[dict] | None = None  # its calls, in OpenAI's shape
+
+    def to_dict(self, i: int) -> dict:
+        """With "tool_calls" as {"name", "arguments"} when it made calls."""
+        where = f"messages[{i}]"
+        if self.content is None and not self.tool_calls:
+            raise ValueError(f"{where}: an assistant message has content, tool_calls or both")
+        if not self.tool_calls:
+            return super().to_dict(i)
+        return {"role": "assistant", "content": _text(self.content, i) if self.content is not None else "",
+                "tool_calls": [_call_of(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(self.tool_calls)]}
+
+
+ChatMessage = typing.Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+def _text(content: str | list[ContentPart], i: int) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        if part.type != "text":
+            raise ValueError(f"{where}: parts of type {part.type!r} are not supported (the model reads text only)")
+        if part.text is None:
+            raise ValueError(f"{where}.text is required")
+        if part.model_extra:
+            raise ValueError(f"{where}: unknown field {next(iter(part.model_extra))!r}")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+class FunctionName(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming one function: {"type": "function", "function": {"name": ...}}."""
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionName
 
 
 def _call_of(call, where: str) -> dict:
@@ -257,9 +304,9 @@ class ChatCompletionRequest(_Request):
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, **_bounds("logprobs"))
     tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
     def conversation(self) -> list[dict]:

@@ -50,6 +50,7 @@ from engine.serving.options import ServerOptions
 from engine.serving.tools import calls_in, guide, render, tool_use
 from engine.structured import StructuredOutputsParams
 from engine.serving.protocol import (ChatCompletionRequest, CompletionRequest, KVLimitRequest, LoadLoRARequest,
+                                     NamedToolChoice,
                                      TokenText, UnloadLoRARequest, envelope, error_body, new_id, parse_limit, usage)
 
 log = logging.getLogger("vkv.server")
@@ -297,7 +298,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
 
     @app.post("/v1/load_lora_adapter", dependencies=[Depends(authorize)], include_in_schema=False)
     async def load_lora_adapter(body: LoadLoRARequest):
-        parent = body.model or default
+        parent = body.model if body.model is not None else default  # "" names no model: 404, as elsewhere
         engine = runtime_lora(parent)
         if body.lora_name in loras or body.lora_name in engines:
             raise HTTPError(400, f"the name {body.lora_name!r} is taken: unload it first")
@@ -365,7 +366,8 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         if body.top_logprobs is not None and not body.logprobs:
             raise HTTPError(400, "top_logprobs needs logprobs: true")
         try:
-            use = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls)
+            choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+            use = tool_use(body.tools, choice, body.parallel_tool_calls)
             forced = guide(use)
             if forced and (body.structured() is not None or body.use_beam_search):
                 raise ValueError("a forced tool call is a structured output: give tool_choice or a structured output "
