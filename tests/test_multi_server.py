@@ -1,5 +1,6 @@
 """`vkv serve` with several models over one KV pool: routing by the `model` field, per-model
 metrics, limits at run time through the admin route, idle sleep, and `vkv top`."""
+import re
 import time
 
 import httpx
@@ -12,7 +13,7 @@ from engine.serving.async_engine import AsyncEngine, Turns
 from engine.serving.metrics import Metrics
 from engine.serving.options import ServerOptions
 from engine.serving.server import build_app, parse_kv_limit
-from engine.top import render, scrape
+from engine.top import COLUMNS, render, scrape
 
 KEY = "sk-multi"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -60,6 +61,30 @@ def test_metrics_label_each_model_and_not_the_pool(server):
     assert 'vkv:time_to_first_token_seconds_count{model="tiny"}' in text
     view = render(scrape(base, KEY), base)  # vkv top
     assert "tiny" in view and "qwen" in view and f"pool: {group.shared.pool.num_pages} pages" in view
+
+
+def test_vkv_top_shows_the_numbers_metrics_and_the_engines_have(server):
+    """Each number of `vkv top`'s screen against /metrics read by another parser (a regex over
+    the text) and against the engines themselves, with pages cached on both models."""
+    base, group = server
+    for model in ("tiny", "qwen"):
+        assert complete(base, model, prompt=[1 + i % 50 for i in range(300)]).status_code == 200
+    text = httpx.get(base + "/metrics", headers=AUTH).text
+    view = render(scrape(base, KEY), base).splitlines()
+
+    def metric(name: str, model: str | None = None) -> int:
+        labels = "" if model is None else f'{{model="{model}"}}'
+        return int(float(re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M).group(1)))
+
+    total, free = metric("vkv:pages_total"), metric("vkv:pages_free")
+    assert total == group.shared.pool.num_pages and view[1].startswith(f"pool: {total} pages, {free} free")
+    rows = {line.split()[0]: [int(cell) for cell in line.split()[1:]] for line in view[4:]}
+    assert set(rows) == {"tiny", "qwen"}
+    for model in rows:
+        assert rows[model] == [metric(name, model) for _, name in COLUMNS], (model, rows[model])
+        kv = group.engines[model].stats().kv
+        assert rows[model][:4] == [kv.pages_in_use, kv.pages_cached, kv.pages_idle, kv.pages_shared], model
+    assert rows["tiny"][1] + rows["tiny"][2] > 0  # its prompt cached or idle: not all zeros (qwen sleeps when idle)
 
 
 def test_limits_change_at_run_time_and_bad_ones_are_refused_by_name(server):

@@ -1,4 +1,5 @@
-"""Every `vkv` command the README shows exists and answers --help; `vkv profile-mapping` runs."""
+"""Every `vkv` command the READMEs show exists and answers --help, and every benchmark command they
+show names a script that exists and flags it takes; `vkv profile-mapping` runs."""
 import json
 import re
 import subprocess
@@ -8,8 +9,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = sorted(set(re.findall(r"(?:^[ \t]+|`)(?:\.venv/bin/)?vkv ([a-z][a-z-]+)", (ROOT / "README.md").read_text(),
-                                 re.MULTILINE)))
+DOCS = [ROOT / "README.md", ROOT / "engine" / "README.md", ROOT / "benchmarks" / "README.md"]
+TEXT = "\n".join(doc.read_text() for doc in DOCS)
+COMMANDS = sorted(set(re.findall(r"(?:^[ \t]+|`)(?:\.venv/bin/)?vkv ([a-z][a-z-]+)", TEXT, re.MULTILINE)))
+# `python benchmarks/NAME.py --flag ...` as the docs show them (a command may wrap across lines)
+BENCHMARKS = re.findall(r"python (benchmarks/\w+\.py)((?:\s+--?[\w-]+(?:\s+[^\s`-][^\s`]*)*)*)", TEXT)
 
 
 def vkv(*args: str) -> subprocess.CompletedProcess:
@@ -37,3 +41,11 @@ def test_profile_mapping_sweeps_page_sizes_and_writes_json_and_plot(tmp_path):
     assert (tmp_path / "m.png").stat().st_size > 10_000
     bad = vkv("profile-mapping", "--page-sizes", "4k")
     assert bad.returncode == 2 and "--page-sizes" in bad.stderr
+
+
+def test_each_benchmark_command_shown_names_a_script_and_its_flags():
+    assert len(BENCHMARKS) >= 15, BENCHMARKS
+    for script, args in BENCHMARKS:
+        source = (ROOT / script).read_text()
+        for flag in re.findall(r"(--[\w-]+)", args):
+            assert f'"{flag}"' in source, (script, flag)
