@@ -1,17 +1,23 @@
 """What an 8-bit KV cache costs in accuracy and buys in capacity and speed, on the bundled model.
 
-Formats: "auto" (the model's fp32: the reference), vLLM's fp8_e4m3 and fp8_e5m2 (unscaled), and
-a simulated int8 with one scale per token and head (absmax / 127) -- simulated: K and V are
-rounded to what such a cache would hold and kept in fp32, through the sdpa kernel, to decide
-whether building that format would be worth it. It is not an option of the engine. Because it
-runs on sdpa, "auto-sdpa" (the fp32 cache on sdpa) measures what the kernel change alone moves:
-greedy tokens flip on near ties at fp32's last bit, so that is the floor of its agreement.
+Formats: "auto" (the model's fp32: the reference), vLLM's fp8_e4m3 and fp8_e5m2 (unscaled, as
+vLLM's default scale of 1.0), and two simulated ones: e4m3 with a scale per layer for K and one
+for V (vLLM's calculate_kv_scales: absmax of the first batch / 200 for K, / 100 for V; the first
+batch here is the first prompt's prefill), and an int8 with one scale per token and head
+(absmax / 127). Simulated: K and V are rounded to what such a cache would hold and kept in fp32,
+through the sdpa kernel, to decide whether building that format would be worth it; neither is an
+option of the engine. Because they run on sdpa, "auto-sdpa" (the fp32 cache on sdpa) measures
+what the kernel change alone moves: greedy tokens flip on near ties at fp32's last bit, so that
+is the floor of their agreement.
 
   accuracy    greedy agreement with the reference over ShareGPT prompts: the share of prompts
-              whose first 32 and first 128 generated tokens are all the same, and the mean
-              length of the agreeing start; and the perplexity of held-out text: the first
-              replies of ShareGPT conversations not among the prompts, up to 512 tokens each
-              (prompt_logprobs, every token after the first, one prefill per text)
+              whose first token, first 32 and first 128 generated tokens are all the same, and
+              the mean length of the agreeing start; under teacher forcing (the reference's
+              continuations scored by each format, so a tipped tie does not change what later
+              tokens are compared on): the share of positions whose top token is the
+              reference's, and the mean |logprob difference| of the reference's token; and the
+              perplexity of held-out text: the first replies of ShareGPT conversations not among
+              the prompts, up to 512 tokens each (prompt_logprobs, every token after the first)
   capacity    the most sequences running at once under a fixed KV budget (64 ShareGPT requests,
               64 seats, 4 KiB pages so that a page's granularity does not blur the count), and
               that run's output throughput
@@ -38,14 +44,34 @@ import engine.attention  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models import load_tokenizer  # noqa: E402
 
-FORMATS = ("auto", "fp8_e4m3", "fp8_e5m2", "int8-simulated", "auto-sdpa")
-SDPA = ("int8-simulated", "auto-sdpa")  # on the sdpa kernel over an fp32 cache: accuracy only
+FORMATS = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3-scaled-simulated", "int8-simulated", "auto-sdpa")
+SIMULATED = ("fp8_e4m3-scaled-simulated", "int8-simulated")
+SDPA = (*SIMULATED, "auto-sdpa")  # on the sdpa kernel over an fp32 cache: accuracy only
+K_RANGE, V_RANGE = 200.0, 100.0  # vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT
 
 
 def int8_rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x [tokens, heads, D] as an int8 cache with a scale per token and head would give it back."""
     scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
     return ((x / scale).round().clamp(-127, 127) * scale).to(dtype)
+
+
+class LayerScaledE4M3:
+    """x as an e4m3 cache with one scale per layer for K and one for V would give it back. The
+    sdpa step stores K then V for each layer in turn, so the n-th call is layer n // 2 % layers;
+    the first `layers` pairs of calls (the first batch) set the scales, as vLLM's do."""
+
+    def __init__(self, layers: int):
+        self.layers, self.calls, self.scales = layers, 0, {}
+
+    def __call__(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = (self.calls // 2 % self.layers, self.calls % 2)  # (layer, 0 for K or 1 for V)
+        self.calls += 1
+        if key not in self.scales:
+            self.scales[key] = max(x.abs().max().item(), 1e-12) / (K_RANGE if key[1] == 0 else V_RANGE)
+        scale = self.scales[key]
+        top = torch.finfo(torch.float8_e4m3fn).max
+        return ((x / scale).clamp(-top, top).to(torch.float8_e4m3fn).float() * scale).to(dtype)
 
 
 def engine_for(fmt: str, **options) -> LLM:
@@ -55,14 +81,15 @@ def engine_for(fmt: str, **options) -> LLM:
 
 
 class Simulated:
-    """While active, the sdpa kernel stores K and V rounded as the int8 format would."""
+    """While active, the sdpa kernel stores K and V rounded as a simulated format would."""
 
-    def __init__(self, fmt: str):
-        self.on, self.saved = fmt == "int8-simulated", engine.attention.narrow
+    def __init__(self, fmt: str, layers: int):
+        self.saved = engine.attention.narrow
+        self.rounding = {"int8-simulated": int8_rounded, "fp8_e4m3-scaled-simulated": LayerScaledE4M3(layers)}.get(fmt)
 
     def __enter__(self):
-        if self.on:
-            engine.attention.narrow = int8_rounded
+        if self.rounding:
+            engine.attention.narrow = self.rounding
 
     def __exit__(self, *exc):
         engine.attention.narrow = self.saved
@@ -70,9 +97,26 @@ class Simulated:
 
 def agreement(got: list[list[int]], want: list[list[int]]) -> dict:
     starts = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want)]
-    return {"same_first_32": sum(s >= 32 for s in starts) / len(starts),
+    return {"same_first_token": sum(s >= 1 for s in starts) / len(starts),
+            "same_first_32": sum(s >= 32 for s in starts) / len(starts),
             "same_first_128": sum(s >= 128 for s in starts) / len(starts),
             "mean_agreeing_tokens": sum(starts) / len(starts)}
+
+
+def forced(llm: LLM, sequences: list[list[int]], first: list[int]) -> list[list[tuple[float, int]]]:
+    """Each sequence scored from position `first` on: (the sequence's token's logprob, the top
+    token), four sequences a step (each scored token costs a row of logits)."""
+    scored = []
+    for i in range(0, len(sequences), 4):
+        outs = llm.generate(sequences[i:i + 4], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        scored += [[(r.logprob, r.top[0][0]) for r in o.prompt_logprobs[start:]] for o, start in zip(outs, first[i:i + 4])]
+    return scored
+
+
+def teacher_forced_agreement(got: list[list[tuple[float, int]]], want: list[list[tuple[float, int]]]) -> dict:
+    pairs = [(g, w) for gs, ws in zip(got, want) for g, w in zip(gs, ws)]
+    return {"forced_top1": sum(g[1] == w[1] for g, w in pairs) / len(pairs),
+            "forced_mean_abs_dlogprob": sum(abs(g[0] - w[0]) for g, w in pairs) / len(pairs)}
 
 
 def perplexity(llm: LLM, texts: list[list[int]]) -> float:
@@ -110,21 +154,28 @@ def main() -> None:
              if prompt not in used and len(tok.encode(reply)) >= 64][:args.texts]
     capacity_requests = sample_requests(tok, 64, seed=1, max_prompt=512, max_output=256)
     greedy = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-    results, reference = {}, None
+    results, reference, reference_forced = {}, None, None
     for fmt in args.formats:
         print(f"[bench] {fmt}", flush=True)
         row = {}
-        with Simulated(fmt):
+        with engine_for("auto", max_num_seqs=1, kv_cache_memory=1 << 20, page_size=4096) as probe:
+            layers = probe.engine.model_config.num_layers
+        with Simulated(fmt, layers):
             with engine_for(fmt, max_num_seqs=32) as llm:
                 full, head_dim = llm.engine.kv.token_bytes, llm.engine.model_config.head_dim
-                # int8 simulated: a byte per value and an fp32 scale per head (of head_dim values)
-                row["kv_bytes_per_token"] = full // 4 + full // head_dim if fmt == "int8-simulated" else full
+                # simulated: a byte per value, and for int8 an fp32 scale per head (of head_dim values)
+                row["kv_bytes_per_token"] = {"int8-simulated": full // 4 + full // head_dim,
+                                             "fp8_e4m3-scaled-simulated": full // 4}.get(fmt, full)
                 start = time.perf_counter()
                 outs = llm.generate([r.prompt_ids for r in prompts], greedy, use_tqdm=False)
                 row["batch_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
                 tokens = [o.outputs[0].token_ids for o in outs]
                 reference = reference or tokens
                 row.update(agreement(tokens, reference))
+                sequences = [r.prompt_ids + t for r, t in zip(prompts, reference)]
+                scored = forced(llm, sequences, [len(r.prompt_ids) for r in prompts])
+                reference_forced = reference_forced or scored
+                row.update(teacher_forced_agreement(scored, reference_forced))
                 row["perplexity"] = perplexity(llm, texts)
         if fmt not in SDPA:  # an fp32 cache on sdpa: nothing to measure
             params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
@@ -153,7 +204,8 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     r, names = result["results"], list(result["results"])
     fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
-    panels = [("same first 32 / 128 greedy tokens", ("same_first_32", "same_first_128")),
+    panels = [("same first token / 32 / 128 greedy tokens;\nteacher-forced top-1",
+               ("same_first_token", "same_first_32", "same_first_128", "forced_top1")),
               ("held-out perplexity (lower is better)", ("perplexity",)),
               (f"most sequences running at once\n({result['capacity_run']})", ("peak_running",)),
               ("output tok/s (batch of 32; capacity run)", ("batch_tok_s", "capacity_tok_s"))]
