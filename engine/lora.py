@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import threading
 from collections import OrderedDict
@@ -46,6 +47,7 @@ import torch
 from engine.models.config import ModelConfig
 
 # PEFT's module name -> (the model's fused projection, which part of it)
+MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes; PEFT's largest are a few KiB
 TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
            "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
            "down_proj": ("down_proj", 0)}
@@ -95,18 +97,26 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int, device: 
     """The PEFT checkpoint at request.lora_path, checked against the model; ValueError naming
     what does not fit (a missing file, a rank above max_rank, a module the model lacks, a
     shape from another base model, a PEFT feature vkv does not run)."""
-    name, path = request.lora_name, Path(request.lora_path).expanduser()
-    what = f"LoRA adapter {name!r} ({path})"
-    config_file = path / "adapter_config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{what}: no adapter_config.json there")
-    config_bytes = config_file.read_bytes()
+    name = request.lora_name
     try:
-        config = json.loads(config_bytes)
-    except ValueError as exc:
-        raise ValueError(f"{what}: adapter_config.json is not JSON ({exc})") from None
-    _check_config(what, config)
-    tensors, weight_bytes = _read_weights(what, path)
+        path = Path(request.lora_path).expanduser()
+    except RuntimeError:  # "~user" of no user
+        raise ValueError(f"LoRA adapter {name!r}: lora_path {request.lora_path!r} names no home directory") from None
+    what = f"LoRA adapter {name!r} ({path})"
+    try:
+        config_bytes = _read_bounded(path / "adapter_config.json", MAX_CONFIG_BYTES)
+        if config_bytes is None:
+            raise ValueError(f"{what}: no adapter_config.json there")
+        if len(config_bytes) > MAX_CONFIG_BYTES:
+            raise ValueError(f"{what}: adapter_config.json is over {MAX_CONFIG_BYTES} bytes")
+        try:
+            config = json.loads(config_bytes)
+        except ValueError as exc:
+            raise ValueError(f"{what}: adapter_config.json is not JSON ({exc})") from None
+        _check_config(what, config)
+        tensors, weight_bytes = _read_weights(what, path)
+    except OSError as exc:  # a directory that cannot be read, a name too long, ...
+        raise ValueError(f"{what}: cannot be read ({exc.strerror or exc})") from None
     alpha, rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
     parts: dict[tuple[int, str], dict[int, dict[str, torch.Tensor]]] = {}
     for key, tensor in tensors.items():
@@ -135,6 +145,8 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int, device: 
             if set(ab) != {"A", "B"}:
                 raise ValueError(f"{what}: {where} has lora_{''.join(ab)} without its pair")
             a, b = ab["A"], ab["B"]
+            if not (a.is_floating_point() and b.is_floating_point() and torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise ValueError(f"{what}: {where} holds values that are not finite floats")
             r = a.shape[0]
             if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (outs[part], r):
                 raise ValueError(f"{what}: {where} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; this model's "
@@ -152,11 +164,38 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int, device: 
             b_all[offset:offset + b.shape[0], col:col + b.shape[1]] = b
             col += b.shape[1]
         weights[layer][fused] = (a_all.to(device, dtype).contiguous(), b_all.t().to(device, dtype).contiguous())
+    if config.get("r", 8) > max_rank:
+        raise ValueError(f"{what}: rank {config['r']} (adapter_config.json's r) exceeds max_lora_rank {max_rank}")
     digest = hashlib.sha256(b"vkv/lora/v1" + len(config_bytes).to_bytes(8, "little") + config_bytes + weight_bytes)
     return Adapter(name, str(path), rank, digest.digest(), weights)
 
 
-def _check_config(what: str, config: dict) -> None:
+def _read_bounded(path: Path, limit: int) -> bytes | None:
+    """A regular file's bytes, at most limit + 1 of them (None when it is not there)."""
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        return f.read(limit + 1)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_config(what: str, config) -> None:
+    """adapter_config.json against PEFT's LoraConfig: an object; r an integer >= 1 (at most
+    max_lora_rank: checked with the weights' own ranks); lora_alpha a finite number > 0;
+    use_rslora a boolean; and no PEFT feature vkv does not run. Anything else is refused by name."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{what}: adapter_config.json must be a JSON object, not {type(config).__name__}")
+    r, alpha = config.get("r", 8), config.get("lora_alpha", 8)
+    checks = [(isinstance(r, int) and not isinstance(r, bool) and r >= 1, f"r must be an integer >= 1, got {r!r}"),
+              (_number(alpha) and alpha > 0, f"lora_alpha must be a finite number > 0, got {alpha!r}"),
+              (isinstance(config.get("use_rslora", False), bool), "use_rslora must be true or false"),
+              (isinstance(config.get("target_modules", []), (str, list)), "target_modules must be a string or a list")]
+    for ok, why in checks:
+        if not ok:
+            raise ValueError(f"{what}: {why}")
     refusals = [(config.get("peft_type", "LORA") != "LORA", f"peft_type {config.get('peft_type')!r} is not LORA"),
                 (config.get("use_dora"), "DoRA (use_dora) is not supported"),
                 (config.get("bias", "none") != "none", f"bias {config.get('bias')!r} is not supported (only 'none')"),
@@ -172,7 +211,7 @@ def _check_config(what: str, config: dict) -> None:
             raise ValueError(f"{what}: {why}")
     targets = config.get("target_modules")
     if isinstance(targets, list):  # a string is a regex or "all-linear": the tensors' names decide
-        unknown = [t for t in targets if t not in TARGETS]
+        unknown = [t for t in targets if not isinstance(t, str) or t not in TARGETS]
         if unknown:
             raise ValueError(f"{what}: target module {unknown[0]!r} is not one this model has "
                              f"(it has {', '.join(TARGETS)})")

@@ -16,7 +16,9 @@ class TierStats:
     entries_restored: int
     tokens_restored: int = 0  # filled in by the KV cache, which knows the tokens of a page
     dropped: int = 0  # entries let go for room (LRU), or disk writes dropped when it fell behind
-    errors: int = 0  # files found missing, truncated or corrupt: dropped and recomputed
+    errors: int = 0  # OS errors and files found missing, truncated or corrupt: dropped and recomputed
+    errors_by: tuple[tuple[tuple[str, str], int], ...] = ()  # ((operation, errno name), count) of the OS errors
+    off: bool = False  # turned itself off after errors in a row (the engine goes on without it)
 
 
 @dataclass(frozen=True, slots=True)

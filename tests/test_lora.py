@@ -148,6 +148,28 @@ def test_what_does_not_fit_is_refused_by_name(adapters, tmp_path):
     refused(LoRARequest("other", 7, other), "another base model")
     dora = write_adapter(tmp_path / "dora", {"use_dora": True}, {})
     refused(LoRARequest("dora", 8, dora), "DoRA")
+    # configs that are not PEFT's (each loaded before, one of them a 500 on the server, one NaN logits later)
+    weights = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 576),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(576, 2)}
+    for i, (config, words) in enumerate([({"r": 0}, "r must be an integer >= 1"), ({"r": -1}, "r must be"),
+                                         ({"r": "8"}, "r must be"), ({"r": 99999999}, "rank 99999999 .* exceeds"),
+                                         ({"lora_alpha": float("nan")}, "lora_alpha must be a finite number"),
+                                         ({"lora_alpha": -2}, "lora_alpha must be"), ({"use_rslora": "yes"}, "use_rslora"),
+                                         ({"target_modules": [1]}, "target module 1")]):
+        path = write_adapter(tmp_path / f"bad{i}", {"r": 2, **config}, weights)
+        refused(LoRARequest(f"bad{i}", 20 + i, path), words)
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "adapter_config.json").write_text("[1, 2]")
+    refused(LoRARequest("listed", 40, str(listed)), "must be a JSON object, not list")
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    (huge / "adapter_config.json").write_text('{"r": 2, "pad": "' + "x" * (2 << 20) + '"}')
+    refused(LoRARequest("huge", 41, str(huge)), "adapter_config.json is over")
+    nan = write_adapter(tmp_path / "nan", {"r": 2}, {**weights, "base_model.model.model.layers.0.self_attn.q_proj."
+                                                     "lora_B.weight": torch.full((576, 2), float("nan"))})
+    refused(LoRARequest("nan", 42, nan), "not finite")
+    refused(LoRARequest("tilde", 43, "~no-such-user-of-vkv/adapter"), "names no home directory")
     assert llm.engine.list_loras() == [] and not llm.engine.has_unfinished()
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         LLM().generate(ids[:1], GREEDY, use_tqdm=False, lora_request=requests["qv"])

@@ -61,13 +61,13 @@ TIER_GAUGES = {  # per KV tier, labelled tier="host" | "disk"
     "vkv:kv_tier_capacity_bytes": (lambda t: t.capacity_bytes, "Bytes the KV tier may hold."),
     "vkv:kv_tier_used_bytes": (lambda t: t.used_bytes, "Bytes of entries in the KV tier."),
     "vkv:kv_tier_entries": (lambda t: t.entries, "Prefix-cache entries in the KV tier."),
+    "vkv:kv_tier_off": (lambda t: int(t.off), "1 when the KV tier turned itself off after OS errors in a row."),
 }
 TIER_COUNTERS = {
     "vkv:kv_tier_written_bytes": (lambda t: t.bytes_written, "Bytes written to the KV tier."),
     "vkv:kv_tier_read_bytes": (lambda t: t.bytes_read, "Bytes read back from the KV tier."),
     "vkv:kv_tier_restored_tokens": (lambda t: t.tokens_restored, "Prompt tokens restored from the KV tier instead of computed."),
     "vkv:kv_tier_dropped": (lambda t: t.dropped, "Entries the KV tier let go for room, or writes it dropped when behind."),
-    "vkv:kv_tier_errors": (lambda t: t.errors, "Damaged or missing tier files found (dropped and recomputed)."),
 }
 
 
@@ -93,6 +93,14 @@ class _Snapshot:
                 for model, s in stats.items():
                     metric.add_metric([model] if labels else [], read(s))
                 yield metric
+        errors = CounterMetricFamily("vkv:kv_tier_errors", "OS errors at a KV tier's files, and files found damaged "
+                                     "or not regular (each entry dropped and recomputed), by operation and errno.",
+                                     labels=labels + ["tier", "op", "errno"])
+        for model, s in stats.items():
+            for tier in s.kv.tiers:
+                for (op, code), n in tier.errors_by:
+                    errors.add_metric(([model] if labels else []) + [tier.tier, op, code], n)
+        yield errors
         for table, family in ((TIER_GAUGES, GaugeMetricFamily), (TIER_COUNTERS, CounterMetricFamily)):
             for name, (read, doc) in table.items():
                 metric = family(name, doc, labels=labels + ["tier"])

@@ -119,7 +119,7 @@ class _Request(_SamplingFields):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # OpenAI's end-user id: with the API key (or the address), who the client is
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
-    cache_salt: str | None = None  # vLLM's: cached KV is shared only with requests of the same salt
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: cached KV is shared only with requests of the same salt
     use_beam_search: bool = False  # vLLM's: n is the beam width
     length_penalty: float = 1.0
     response_format: ResponseFormat | None = None
@@ -189,9 +189,17 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
+class _NonEmpty:
+    def __class_getitem__(cls, kind):
+        return typing.Annotated[kind, Field(min_length=1)]
+
+
+NonEmpty = _NonEmpty  # NonEmpty[str], NonEmpty[list[int]]: at least one character or item
+
+
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: str | NonEmpty[list[str]] | NonEmpty[list[int]] | NonEmpty[list[NonEmpty[list[int]]]]
+    max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, **_bounds("logprobs"))
     echo: bool = False
     best_of: int | None = None
@@ -204,11 +212,15 @@ class CompletionRequest(_Request):
         return list(p)
 
 
-class ContentPart(BaseModel):
-    """OpenAI's part types; only text is read, the others are refused by name."""
-    model_config = ConfigDict(extra="allow")  # checked by hand, for messages that name the part
-    type: Literal["text", "image_url", "input_audio", "file", "refusal"]
-    text: str | None = None
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+# vkv's models read text: a part of another type (image_url, input_audio, file, refusal) is refused
+# by the schema itself, naming its type ("Input tag 'image_url' ... does not match ... 'text'").
+ContentPart = typing.Annotated[typing.Union[TextPart], Field(discriminator="type")]
 
 
 class _Message(BaseModel):
@@ -220,7 +232,7 @@ class _Message(BaseModel):
 
     def to_dict(self, i: int) -> dict:
         """{"role", "content"} for the chat template; ValueError naming what is refused."""
-        return {"role": CHAT_ROLES[self.role], "content": _text(self.content, i)}
+        return {"role": CHAT_ROLES[self.role], "content": _text(self.content)}
 
 
 class SystemMessage(_Message):
@@ -240,6 +252,10 @@ class ToolMessage(_Message):
 
 
 class AssistantMessage(_Message):
+    # OpenAI's rule, in the schema: content (not null), or at least one tool call
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]})
     role: Literal["assistant"]
     content: str | list[ContentPart] | None = None
     tool_calls: list[dict] | None = None  # its calls, in OpenAI's shape
@@ -251,27 +267,17 @@ class AssistantMessage(_Message):
             raise ValueError(f"{where}: an assistant message has content, tool_calls or both")
         if not self.tool_calls:
             return super().to_dict(i)
-        return {"role": "assistant", "content": _text(self.content, i) if self.content is not None else "",
+        return {"role": "assistant", "content": _text(self.content) if self.content is not None else "",
                 "tool_calls": [_call_of(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(self.tool_calls)]}
 
 
 ChatMessage = typing.Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 
-def _text(content: str | list[ContentPart], i: int) -> str:
+def _text(content: str | list[ContentPart]) -> str:
     if isinstance(content, str):
         return content
-    texts = []
-    for j, part in enumerate(content):
-        where = f"messages[{i}].content[{j}]"
-        if part.type != "text":
-            raise ValueError(f"{where}: parts of type {part.type!r} are not supported (the model reads text only)")
-        if part.text is None:
-            raise ValueError(f"{where}.text is required")
-        if part.model_extra:
-            raise ValueError(f"{where}: unknown field {next(iter(part.model_extra))!r}")
-        texts.append(part.text)
-    return "".join(texts)
+    return "".join(part.text for part in content)
 
 
 class FunctionName(BaseModel):
@@ -301,8 +307,8 @@ def _call_of(call, where: str) -> dict:
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, **_bounds("logprobs"))
     tools: list[dict] | None = None

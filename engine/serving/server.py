@@ -65,6 +65,33 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
     return JSONResponse(error_body(message, kind, status), status_code=status)
 
 
+def _with_limits(schema: dict, app: FastAPI, vocab: int, max_n: int) -> dict:
+    """The OpenAPI schema with this server's own limits written in: token ids in [0, vocab) (a
+    prompt's, stop_token_ids) and n, best_of at most --max-n; cached as FastAPI caches its own."""
+    def token_ids(node) -> None:
+        if isinstance(node, dict):
+            if node.get("type") == "integer":
+                node.update(minimum=0, maximum=vocab - 1)
+            for child in node.values():
+                token_ids(child)
+        elif isinstance(node, list):
+            for child in node:
+                token_ids(child)
+
+    models = schema.get("components", {}).get("schemas", {})
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        properties = models.get(name, {}).get("properties", {})
+        for field in ("prompt", "stop_token_ids"):
+            token_ids(properties.get(field, {}).get("anyOf") or properties.get(field, {}).get("items"))
+        for field in ("n", "best_of"):
+            if field in properties:
+                for branch in properties[field].get("anyOf", [properties[field]]):
+                    if branch.get("type") == "integer":
+                        branch["maximum"] = max_n
+    app.openapi_schema = schema
+    return schema
+
+
 def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | None = None,
               options: ServerOptions = ServerOptions(), group: MultiLLM | None = None,
               adapters: dict[str, str] | None = None) -> FastAPI:
@@ -96,6 +123,8 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         print("vkv: engine stopped, KV memory released", flush=True)
 
     app = FastAPI(title="vkv", docs_url=None, redoc_url=None, lifespan=lifespan)
+    vocab = min(e.engine.model_config.vocab_size for e in engines.values())
+    app.openapi = lambda: app.openapi_schema or _with_limits(FastAPI.openapi(app), app, vocab, limits.max_n)
     app.add_middleware(BodyGuard, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout)
 
     def base(model: str | None) -> tuple[str, AsyncEngine]:
@@ -134,8 +163,13 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        # A union (a message's roles, text or parts) reports an error per branch: the deepest is
+        # the one that says what is wrong; the branches' own labels are left out of its path.
+        errors = exc.errors()
+        first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {}
+        labels = {"str", "int", "float", "bool", "dict", "list", "none", "body"}
+        where = ".".join(str(p) for p in first.get("loc", ())
+                         if isinstance(p, int) or (p not in labels and str(p).isidentifier()))
         return error(400, f"invalid request: {where or 'body'}: {first.get('msg', 'malformed body')}")
 
     @app.exception_handler(StarletteHTTPException)
