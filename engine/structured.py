@@ -23,7 +23,22 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # "fuel", a deterministic bound on the work of building it and of each token's mask). A grammar
 # past it is refused at submission, or fails its request alone while it runs (a 400 either way).
 BUDGET = {"max_grammar_size": 500_000, "initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000,
-          "max_items_in_row": 2000, "step_max_items": 50_000, "max_lexer_states": 250_000}
+          "max_items_in_row": 2100, "step_max_items": 50_000, "max_lexer_states": 250_000}
+MAX_CHOICES = 2000  # a choice of this many strings fits the row limit above (each row holds a few more items)
+
+
+def engine_message(error: str | None, kind: str) -> str:
+    """What a client is told of a grammar-engine error: which limit or what did not parse, never
+    the engine's own text (its parser state, the generated grammar, a caret under it)."""
+    text = (error or "").lower()
+    if "items" in text:
+        return (f"the structured output has more alternatives or repeats in one place than the grammar engine's "
+                f"limits allow (a choice holds at most {MAX_CHOICES:,} options)")
+    if any(word in text for word in ("lexer", "fuel", "expressions", "too large", "size", "states", "limit")):
+        return "the structured output is too large or too complex for the grammar engine's limits"
+    return {"json": "the JSON schema is not one the grammar engine can follow",
+            "regex": "the regex does not parse", "grammar": "the grammar does not parse"}.get(
+        kind, "the structured output is not one the grammar engine can follow")
 
 
 def _limits():
@@ -57,7 +72,9 @@ class StructuredOutputsParams:
                   (self.grammar is None or isinstance(self.grammar, str), "grammar must be a string"),
                   (self.choice is None or (isinstance(self.choice, list) and self.choice
                                            and all(isinstance(c, str) and c for c in self.choice)),
-                   "choice must be a non-empty list of non-empty strings")]
+                   "choice must be a non-empty list of non-empty strings"),
+                  (self.choice is None or len(self.choice) <= MAX_CHOICES,
+                   f"choice holds at most {MAX_CHOICES:,} options, got {len(self.choice or ()):,}")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
@@ -110,40 +127,40 @@ class Grammars:
         with self._lock:
             if key in self._compiled:
                 return self._compiled[key]
+        kind = next(k for k in KINDS if getattr(params, k) not in (None, False))
         try:
             grammar = params.to_llguidance()
         except Exception as exc:  # llguidance raises plain errors for malformed input
-            raise ValueError(f"invalid structured output: {exc}") from exc
+            raise ValueError(f"invalid structured output: {engine_message(str(exc), kind)}") from None
         error = LLMatcher.validate_grammar(grammar, self.tokenizer, limits=_limits())
         if error:
-            raise ValueError(f"invalid structured output: {error.strip()}")
-        self._check(grammar)
+            raise ValueError(f"invalid structured output: {engine_message(error, kind)}")
+        self._check(grammar, kind)
         with self._lock:
             if len(self._compiled) >= self.cache_size:
                 self._compiled.pop(next(iter(self._compiled)))
             self._compiled[key] = grammar
         return grammar
 
-    def matcher(self, grammar: str):
+    def matcher(self, grammar: str, kind: str = "") -> object:
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=_limits())
         if matcher.is_error():
-            raise ValueError(f"invalid structured output: {_first_line(matcher.get_error())}")
+            raise ValueError(f"invalid structured output: {engine_message(matcher.get_error(), kind)}")
         return matcher
 
-    def _check(self, grammar: str) -> None:
+    def _check(self, grammar: str, kind: str) -> None:
         """Refuse, before anything runs, a grammar no text can satisfy (its first mask is an
         error: `{"$ref": "#"}`, `start: start`) or one past the grammar engine's limits at its
         first token (a 2,001-way choice, `a{1000000}`). Deeper failures end the request with a
         GrammarError while it runs."""
-        matcher = self.matcher(grammar)
+        matcher = self.matcher(grammar, kind)
         allowed = self.masks([matcher])[0].nonzero().flatten()
         if matcher.is_error() or not len(allowed):
             raise ValueError("the structured output cannot be satisfied: no text matches it")
         if not matcher.consume_token(int(allowed[0])):
-            raise ValueError(f"the structured output exceeds the grammar engine's limits: "
-                             f"{_first_line(matcher.get_error())}")
+            raise ValueError(f"invalid structured output: {engine_message(matcher.get_error(), kind)}")
 
     def masks(self, matchers: list, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """bool [rows, vocab] on `device` (the logits'): True where a token may come next; None
@@ -164,16 +181,13 @@ class Grammars:
 
 class GrammarError(RuntimeError):
     """A request's grammar failed while generating (a limit of the grammar engine): the
-    client's request, so the server answers 400. The message is the engine's first line only,
-    never its parser state."""
-
-
-def _first_line(error: str | None) -> str:
-    return (error or "unknown error").strip().splitlines()[0][:200]
+    client's request, so the server answers 400, naming the limit (engine_message), never the
+    engine's parser state."""
 
 
 def consume(matcher, token_id: int) -> bool:
     """Advance a matcher by one sampled token; True when its grammar is now complete."""
     if not matcher.consume_token(token_id):
-        raise GrammarError(f"the structured output's grammar failed: {_first_line(matcher.get_error())}")
+        raise GrammarError(f"the structured output's grammar failed while generating: "
+                           f"{engine_message(matcher.get_error(), '')}")
     return matcher.is_stopped()

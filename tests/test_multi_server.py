@@ -98,9 +98,16 @@ def test_limits_change_at_run_time_and_bad_ones_are_refused_by_name(server):
                                 ({"model": "tiny", "min": "60%", "max": "50%"}, 400, "floor"),
                                 ({"model": "tiny", "min": "a lot"}, 400, "percentage"),
                                 ({"model": "qwen", "min": "99%"}, 400, "floors would sum"),
-                                ({"model": "tiny", "ceiling": 1}, 400, "ceiling")]:
+                                ({"model": "tiny", "ceiling": 1}, 400, "ceiling"),
+                                ({"model": "tiny", "max": " 50%"}, 400, "percentage"),  # each read as 50% before
+                                ({"model": "tiny", "max": "\u0665\u0660%"}, 400, "percentage"),
+                                ({"model": "tiny", "max": "50_000_000"}, 400, "percentage"),
+                                ({"model": "tiny", "max": -1}, 400, "max"),
+                                ({"model": "tiny"}, 400, "give min, max or both")]:  # reset the limits before
         response = httpx.post(base + "/kv_limits", json=body, headers=AUTH)
         assert response.status_code == status and words in response.json()["error"]["message"], response.text
+    kept = httpx.post(base + "/kv_limits", json={"model": "tiny", "max": "60%"}, headers=AUTH).json()["tiny"]
+    assert kept["min_pages"] == int(0.05 * total) and kept["max_pages"] == int(0.6 * total)  # min kept
     assert httpx.post(base + "/kv_limits", json={"model": "tiny"}).status_code == 401
     assert complete(base, "tiny").status_code == 200
     assert parse_kv_limit("chat=10%:1073741824") == ("chat", (0.1, 1073741824))

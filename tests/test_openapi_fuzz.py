@@ -43,6 +43,7 @@ REFUSABLE = {
                                                                            r"output|JSON schema|grammar|regex|choice"),
     "tool-calling semantics (a function named twice or not offered, tool_choice without tools, strict under auto)":
         (400, r"tools|tool_choice|function|strict"),
+    "a tool result answering no earlier call (ids are the conversation's own)": (400, r"answers no tool call"),
     "an assistant message with neither content nor tool calls, malformed earlier tool calls":
         (400, r"an assistant message has content|tool_calls\[\d+\] must be"),
     "content parts that are not text (the model reads text only)": (400, r"does not match any of the expected tags"),

@@ -168,6 +168,42 @@ def test_beam_search_through_the_server_matches_the_offline_api(client, server):
     assert wait_idle(server[1]).kv.pages_in_use == 0
 
 
+def test_a_stalled_engine_is_reported_by_health_and_its_step_is_logged(caplog):
+    """A step that does not return (a blocking read, as a FIFO in the tier directory once was):
+    /health answered 200 throughout; now 503 past --health-stall-seconds, and the step that took
+    too long is named in the log when it returns."""
+    engine = AsyncEngine(LLMEngine(EngineConfig(model="random:tiny", max_num_seqs=4, kv_cache_memory=4 << 20,
+                                                page_size=4096)), stall_seconds=0.5)
+    real_step, release = engine.engine.step, threading.Event()
+
+    def stuck_step(*args):
+        release.wait(10)
+        return real_step(*args)
+
+    engine.engine.step = stuck_step
+    app = build_app(engine, MODEL)
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://vkv") as c:
+            healthy = await c.get("/health")
+            pending = asyncio.create_task(c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}))
+            await asyncio.sleep(1.2)
+            stalled = await c.get("/health")
+            release.set()
+            done = await pending
+            await asyncio.sleep(0.2)
+            return healthy, stalled, done, await c.get("/health")
+
+    try:
+        with caplog.at_level("WARNING", logger="vkv.server"):
+            healthy, stalled, done, recovered = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert healthy.status_code == 200 and done.status_code == 200 and recovered.status_code == 200
+    assert stalled.status_code == 503 and "no progress" in stalled.json()["error"]["message"]
+    assert any("an engine step took" in r.getMessage() for r in caplog.records)
+
+
 def test_a_failing_engine_fails_its_requests_and_reports_unhealthy():
     engine = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=4, kv_cache_memory=64 << 20)))
     real_step, calls = engine.engine.step, []
@@ -476,6 +512,11 @@ def test_tool_calls_with_the_openai_client(client):
     assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == \
         [(call.function.name, json.loads(call.function.arguments))]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    scored = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**scored).choices[0].logprobs.content
+    streamed = [t for c in client.chat.completions.create(**scored, stream=True) if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]  # null before, though the unstreamed answer had them
+    assert len(whole) == 8 and [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in whole]
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                      {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}]
     after = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=12,

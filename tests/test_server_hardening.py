@@ -97,6 +97,16 @@ CASES = {  # name: (path, body, status, words the error must contain)
                    400, ("image_url",)),
     "tool message without the call it answers": (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400,
                                                  ("tool_call_id",)),
+    # each accepted before: a result answering no call, a stop that cut the forced call's arguments
+    # into content, a function of a string that looped to the length limit
+    "tool result answering no call": (CHAT, {"messages": HI + [{"role": "tool", "tool_call_id": "nope", "content": "x"}]},
+                                      400, ("tool_call_id 'nope' answers no tool call",)),
+    "stop under a forced tool call": (CHAT, {"messages": HI, "stop": [","],
+                                             "tools": [{"type": "function", "function": {"name": "f"}}],
+                                             "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400,
+                                      ("stop", "forced tool call")),
+    "a function of a string": (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "string"}}}]}, 400, ("parameters must be a JSON schema of type object",)),
     "unknown role": (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, ("role", "user")),
     "message name": (CHAT, {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400, ("name",)),
     "message without content": (CHAT, {"messages": [{"role": "user"}]}, 400, ("content",)),
@@ -131,11 +141,16 @@ CASES = {  # name: (path, body, status, words the error must contain)
     "grammar that never ends": (CHAT, {"messages": HI, "guided_grammar": "start: start"}, 400,
                                 ("cannot be satisfied",)),
     "2,001 choices": (CHAT, {"messages": HI, "guided_choice": [f"c{i}" for i in range(2001)]}, 400,
-                      ("limits", "max is 2000")),
+                      ("choice holds at most 2,000 options",)),
+    "2,000 choices, the limit": (CHAT, {"messages": HI, "max_tokens": 2, "guided_choice": [f"c{i}" for i in range(2000)]},
+                                 200, ()),  # refused before
+    "a regex that does not parse": (CHAT, {"messages": HI, "guided_regex": "(a"}, 400, ("the regex does not parse",)),
+    "a grammar that does not parse": (CHAT, {"messages": HI, "guided_grammar": "start: ::= tools"}, 400,
+                                      ("the grammar does not parse",)),
     "a regex of a million repeats": (CHAT, {"messages": HI, "guided_regex": "a{1000000}"}, 400, ("limits",)),
     "a grammar past the limits after its first token": (CHAT, {"messages": HI, "max_tokens": 8,
                                                               "guided_regex": "(x|y)a{1000000}"}, 400,
-                                                        ("grammar failed", "too many expressions")),
+                                                        ("grammar failed", "limits")),
     "temperature past fp32": ("/v1/completions", {"prompt": "Hi", "temperature": 1e39}, 400, ("temperature",)),
     "cache_salt": ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "cache_salt": "tenant-a"}, 200, ()),
     "cache_salt on chat": (CHAT, {"messages": HI, "max_tokens": 2, "cache_salt": "tenant-a"}, 200, ()),
@@ -168,6 +183,8 @@ def test_bad_and_odd_requests_get_clear_answers_and_hurt_no_one(server, case):
         message = r.json()["error"]["message"]
         assert all(w in message for w in words), message
         assert "<state>" not in message and "compute_time_us" not in message  # no internal parser state
+        assert not any(word in message for word in ("Parser Error", "lexer error", "left-recursive", "^", "%import")), \
+            message  # nor the grammar engine's own words, nor a generated grammar under a caret
     assert_still_serving(base, engine)
 
 

@@ -148,9 +148,10 @@ class FairWorkers:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, model: str | None = None, metrics: Metrics | None = None,
-                 turns: Turns | None = None, idle_sleep: float | None = None):
+                 turns: Turns | None = None, idle_sleep: float | None = None, stall_seconds: float = 30.0):
         """model, metrics, turns: a server of several models names each, and they share the
-        metrics and the turns. idle_sleep: seconds without requests before the model sleeps."""
+        metrics and the turns. idle_sleep: seconds without requests before the model sleeps.
+        stall_seconds: no progress this long and /health says the engine is stalled."""
         self.engine, self.model = engine, model
         self.turns = turns or Turns()
         self.turns.engines.append(engine)
@@ -168,6 +169,10 @@ class AsyncEngine:
         self.running = True  # the loop thread goes on
         self.accepting = True  # new requests are taken
         self.dead: EngineDeadError | None = None
+        # written by the engine thread alone, read by /health: when its loop last went round (it goes
+        # round every 50 ms when idle), and the bound past which a step is logged as slow
+        self.progress_at = time.monotonic()
+        self.stall_seconds = stall_seconds
         self.sleep_waiters: list[asyncio.Future] = []  # sleep once nothing is in flight, then tell them
         self.preprocessor = FairWorkers(PREPROCESS_THREADS, lambda: copy.deepcopy(engine.tokenizer))
         self.thread = threading.Thread(target=self._loop, name="vkv-engine", daemon=True)
@@ -307,6 +312,14 @@ class AsyncEngine:
                 self._put(stream, self.dead)
             self.streams.clear()
 
+    def stalled(self) -> str | None:
+        """Why the engine thread is not moving (for /health), or None: it has made no progress
+        for longer than stall_seconds, stuck in a step or an I/O call that does not return."""
+        idle = time.monotonic() - self.progress_at
+        if self.running and idle > self.stall_seconds:
+            return f"the engine thread has made no progress for {idle:.0f} s (over {self.stall_seconds:g} s)"
+        return None
+
     def _run_steps(self) -> None:
         while self.running:
             if not self.engine.has_unfinished() and self.commands.empty():
@@ -314,6 +327,7 @@ class AsyncEngine:
                 self.wake.clear()
             with self.turns:
                 self._turn()
+            self.progress_at = time.monotonic()
         with self.turns:
             for request_id in list(self.streams):
                 self.engine.abort(request_id)
@@ -332,9 +346,12 @@ class AsyncEngine:
                 self.idle_asleep = True
             return
         self.last_active = time.monotonic()
-        mapped_before = self.engine.map_seconds
+        mapped_before, started = self.engine.map_seconds, time.monotonic()
         outputs = self.engine.step(self.turns.budget(self.engine))
         now = time.monotonic()
+        if now - started > self.stall_seconds:
+            log.warning("vkv: an engine step took %.1f s, over --health-stall-seconds %g (%d requests running)",
+                        now - started, self.stall_seconds, self.engine.stats().num_running)
         self.metrics.observe_step(self.engine.map_seconds - mapped_before, self.model)
         for out in outputs:
             self._deliver(out, now)

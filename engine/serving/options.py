@@ -28,6 +28,7 @@ class ServerOptions:
     idle_sleep_seconds: float | None = None  # several models: a model idle this long gives its KV pages back
     lora_modules: tuple[str, ...] = ()  # NAME=PATH: LoRA adapters served over the model (needs --enable-lora)
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
+    health_stall_seconds: float = 30.0  # /health is 503 when the engine thread has made no progress this long
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -71,6 +72,9 @@ class ServerOptions:
                        help="most sequences (prompts x n) one request may ask for")
         g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                        help="seconds requests in flight get to finish on SIGTERM")
+        g.add_argument("--health-stall-seconds", type=float, default=d.health_stall_seconds,
+                       help="/health answers 503 when an engine thread has made no progress this long (a step or "
+                            "an I/O call that does not return); a step longer than this is logged")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerOptions:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 import typing
 import uuid
@@ -61,11 +62,11 @@ _SamplingFields = create_model("_SamplingFields", __config__=STRICT, **_sampling
 
 class KVLimitRequest(BaseModel):
     """POST /kv_limits: one model's floor and cap of the shared KV pool, each bytes ("1073741824",
-    1073741824) or a share of the pool ("25%")."""
-    model_config = ConfigDict(extra="forbid")
+    1073741824) or a share of the pool ("25%"); one left out keeps its current value."""
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str
-    min: str | int = 0
-    max: str | int = "100%"
+    min: str | typing.Annotated[int, Field(ge=0)] | None = None
+    max: str | typing.Annotated[int, Field(ge=0)] | None = None
 
 
 class LoadLoRARequest(BaseModel):
@@ -84,13 +85,18 @@ class UnloadLoRARequest(BaseModel):
     lora_int_id: int | None = None  # vLLM's clients send it; the name decides
 
 
+LIMIT = re.compile(r"(\d+(?:\.\d+)?)%|(\d+)", re.ASCII)  # ASCII digits only: no " 50%", "٥٠%", "50_000"
+
+
 def parse_limit(value: str | int) -> float | int:
-    """A KV limit: "25%" -> 0.25 of the pool, "1073741824" or 1073741824 -> bytes."""
-    text = str(value).strip()
-    try:
-        return float(text[:-1]) / 100 if text.endswith("%") else int(text)
-    except ValueError:
-        raise ValueError(f"a KV limit is bytes or a percentage such as 25%, got {value!r}") from None
+    """A KV limit: "25%" -> 0.25 of the pool, "1073741824" or 1073741824 -> bytes; anything else
+    (spaces, other scripts' digits, underscores, signs) is refused by name."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    match = LIMIT.fullmatch(value) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(f"a KV limit is bytes or a percentage such as 25%, got {value!r}")
+    return float(match[1]) / 100 if match[1] is not None else int(match[2])
 
 
 class StreamOptions(BaseModel):
@@ -316,6 +322,15 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None
 
     def conversation(self) -> list[dict]:
+        """The messages for the chat template; ValueError naming what is refused, such as a tool
+        result that answers no earlier call (OpenAI's 400)."""
+        called = set()
+        for i, m in enumerate(self.messages):
+            if isinstance(m, AssistantMessage):
+                called |= {c.get("id") for c in m.tool_calls or [] if isinstance(c, dict)}
+            elif isinstance(m, ToolMessage) and m.tool_call_id not in called:
+                raise ValueError(f"messages[{i}]: tool_call_id {m.tool_call_id!r} answers no tool call of an "
+                                 f"earlier assistant message")
         return [m.to_dict(i) for i, m in enumerate(self.messages)]
 
 

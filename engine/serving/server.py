@@ -259,6 +259,9 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         dead = next((e.dead for e in engines.values() if e.dead), None)
         if dead:
             return error(503, str(dead), "engine_dead")
+        stalled = next((why for e in engines.values() if (why := e.stalled())), None)
+        if stalled:
+            return error(503, stalled, "engine_stalled")
         return {"status": "ok"}
 
     # Behind the key when there is one: the prefix-cache counters and prefill timings would let
@@ -306,7 +309,11 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
             raise HTTPError(404, "this server has one model: it has the whole KV pool", "not_found")
         base(body.model)
         try:
-            group.set_limits(body.model, parse_limit(body.min), parse_limit(body.max))
+            if body.min is None and body.max is None:
+                raise ValueError("give min, max or both (one left out keeps its current value)")
+            now = group.limits()[body.model]
+            group.set_limits(body.model, parse_limit(now["min_bytes"] if body.min is None else body.min),
+                             parse_limit(now["max_bytes"] if body.max is None else body.max))
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
         return group.limits()
@@ -406,6 +413,9 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
             if forced and (body.structured() is not None or body.use_beam_search):
                 raise ValueError("a forced tool call is a structured output: give tool_choice or a structured output "
                                  "(or beam search), not both")
+            if forced and (body.stop or body.stop_token_ids):
+                raise ValueError("stop and stop_token_ids cannot be combined with a forced tool call (tool_choice "
+                                 "required or naming a function): they would cut the call's arguments")
             conversation, template_tools = render(body.conversation(), use, engine.template_takes_tools)
             client = client_of(request, body)
             prompt, = salted([await engine.chat_prompt(conversation, client, template_tools)], body, client)
@@ -436,8 +446,8 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
                     "logprobs": tokens.chat_logprobs(c), "finish_reason": c.finish_reason}
 
         if body.stream and use.offered:  # calls are known at the end: one chunk per choice, then [DONE]
-            return StreamingResponse(_tool_stream(engine, rid, requests, body, model_name, message),
-                                     media_type="text/event-stream")
+            return StreamingResponse(_tool_stream(engine, rid, requests, body, model_name, message,
+                                                  tokens.chat_logprobs), media_type="text/event-stream")
         if body.stream:
             chunks = _stream(engine, rid, requests, body, "chat.completion.chunk", model_name, choice)
             return StreamingResponse(chunks, media_type="text/event-stream")
@@ -453,10 +463,10 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
 
 
 async def _tool_stream(engine: AsyncEngine, rid: str, requests: list[EngineRequest], body, model: str,
-                       message) -> AsyncIterator[str]:
+                       message, logprobs) -> AsyncIterator[str]:
     """A stream of a request that may call tools: each choice whole, as one delta (content and
-    `tool_calls` with their indices), then usage if asked, then [DONE]; an error event instead
-    if the request fails."""
+    `tool_calls` with their indices, and its logprobs as the unstreamed answer has them), then
+    usage if asked, then [DONE]; an error event instead if the request fails."""
     kind, outs = "chat.completion.chunk", None
     try:
         async for out in engine.generate(requests[0]):
@@ -472,7 +482,7 @@ async def _tool_stream(engine: AsyncEngine, rid: str, requests: list[EngineReque
         delta = said | {"tool_calls": [call | {"index": i} for i, call in enumerate(said.get("tool_calls", []))]}
         if not delta["tool_calls"]:
             del delta["tool_calls"]
-        yield f"data: {json.dumps(envelope(kind, rid, model, [{'index': c.index, 'delta': delta, 'logprobs': None, 'finish_reason': None}]))}\n\n"
+        yield f"data: {json.dumps(envelope(kind, rid, model, [{'index': c.index, 'delta': delta, 'logprobs': logprobs(c), 'finish_reason': None}]))}\n\n"
         yield f"data: {json.dumps(envelope(kind, rid, model, [{'index': c.index, 'delta': {}, 'logprobs': None, 'finish_reason': reason}]))}\n\n"
     if body.stream_options and body.stream_options.include_usage:
         yield f"data: {json.dumps(envelope(kind, rid, model, [], {'usage': usage([outs])}))}\n\n"
@@ -604,7 +614,8 @@ def serve(args) -> None:
         group = MultiLLM.from_config({name: source or None for name, source in models.items()}, config,
                                      {name: limit for name, limit in map(parse_kv_limit, options.kv_limit)})
         metrics, turns = Metrics(list(models), group.shared), Turns(group.shared_step_tokens)
-        async_engines = {name: AsyncEngine(engine, name, metrics, turns, options.idle_sleep_seconds)
+        async_engines = {name: AsyncEngine(engine, name, metrics, turns, options.idle_sleep_seconds,
+                                           options.health_stall_seconds)
                          for name, engine in group.engines.items()}
         app = lora_app(async_engines, options, adapters, group)
         what = f"{', '.join(models)} over one {config.kv_layout} KV pool of {group.shared.pool.num_pages} pages"
@@ -615,7 +626,7 @@ def serve(args) -> None:
         engine = LLMEngine(EngineConfig.from_cli_args(args))
         source = (args.model or [None])[-1]
         name = options.served_model_name or (source.rstrip("/").split("/")[-1] if source else "SmolLM2-135M-Instruct")
-        async_engines = {name: AsyncEngine(engine)}
+        async_engines = {name: AsyncEngine(engine, stall_seconds=options.health_stall_seconds)}
         app = lora_app(async_engines, options, adapters)
         what = f"{name} ({engine.config.kv_layout} KV, {engine.attention.name} attention)"
     if adapters:

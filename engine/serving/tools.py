@@ -65,8 +65,9 @@ def tool_use(tools: list | None, tool_choice, parallel: bool | None) -> ToolUse:
         name, params = fn.get("name"), fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
             raise ValueError(f"tools[{i}].function.name must be 1 to 64 letters, digits, _ or -")
-        if not isinstance(params, dict):
-            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema of type object (a function "
+                             f"takes named arguments), got {params.get('type') if isinstance(params, dict) else params!r}")
         if fn.get("strict") not in (None, True, False):
             raise ValueError(f"tools[{i}].function.strict must be true or false")
         functions.append(Function(name, str(fn.get("description") or ""), params, fn.get("strict") is True))
