@@ -3,13 +3,15 @@
 Each method of engine.kv.tiers.FileSystem (every OS call the tier makes) fails in turn with each
 errno class, every time it is called or only on its n-th call; then files are swapped for a FIFO,
 a directory or a symlink out of the directory between the scan and the read; and reads come back
-short. After each: no engine death, no hang (the test's timeout), greedy output equal to the
+short; and adapter loading's reads fail the same ways. After each: no engine death, no hang (the test's timeout), greedy output equal to the
 tier-less run, the pool audit whole, and a restarted engine over the same directory starts. The
 count of faults injected and survived is printed."""
 import errno
 import os
+from pathlib import Path
 
 import pytest
+import torch
 from helpers import assert_pool_whole
 
 from engine import LLM, SamplingParams
@@ -151,3 +153,39 @@ def test_namespace_file_is_never_written_through_a_link(tmp_path, reference):
     with LLM(**OPTIONS, kv_offloading_path=str(tmp_path)) as llm:
         assert run(llm) == reference
     assert not target.exists() and meta.is_symlink()
+
+
+def test_adapter_files_that_fail_to_read_are_refused_by_name(tmp_path, monkeypatch):
+    """Adapter loading (engine/lora.py) under the same errno classes: every read of its files
+    failing gives a ValueError naming the adapter (a 400 on the server), never another error."""
+    from safetensors.torch import save_file
+
+    from engine.lora import LoRARequest, load_adapter
+    from engine.models.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=8)
+    path = tmp_path / "adapter"
+    path.mkdir()
+    (path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2, "lora_alpha": 4}')
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 16),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(16, 2)},
+              str(path / "adapter_model.safetensors"))
+    request = LoRARequest("a", 1, str(path))
+    assert load_adapter(request, cfg, 8, torch.device("cpu"), torch.float32).rank == 2
+    injected = 0
+    for target in ("open", "read_bytes"):
+        for code in ERRNOS:
+            def failing(*args, **kwargs):
+                nonlocal injected
+                injected += 1
+                raise OSError(code, os.strerror(code))
+            with monkeypatch.context() as patch:
+                if target == "open":
+                    patch.setattr("builtins.open", failing)
+                else:
+                    patch.setattr(Path, "read_bytes", failing)
+                with pytest.raises(ValueError, match=r"LoRA adapter 'a' .*cannot be read"):
+                    load_adapter(request, cfg, 8, torch.device("cpu"), torch.float32)
+    print(f"adapter loading: {injected} faults injected, each refused by name")
+    assert injected == 2 * len(ERRNOS)
