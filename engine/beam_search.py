@@ -31,14 +31,14 @@ from engine.sequence import Sequence
 @dataclass
 class BeamSearchParams:
     beam_width: int
-    max_tokens: int
+    max_tokens: int | None  # None: as many as fit under max_model_len after the prompt
     ignore_eos: bool = False
     length_penalty: float = 1.0
 
     def __post_init__(self):
         if self.beam_width < 1:
             raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
 

@@ -22,6 +22,14 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.f
 ATTENTION_BACKENDS = ("flash-attn-4", "flash-attn", "flash", "native", "sdpa")  # by preference
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREEMPTION_MODES = ("recompute", "swap")
+
+
+def check_scheduling(policy: str, preemption_mode: str) -> None:
+    """The scheduling policy and preemption mode, checked once for the config and the scheduler."""
+    if policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"unknown scheduling_policy {policy!r}: choose one of {SCHEDULING_POLICIES}")
+    if preemption_mode not in PREEMPTION_MODES:
+        raise ValueError(f"unknown preemption_mode {preemption_mode!r}: choose one of {PREEMPTION_MODES}")
 DEFAULT_HOST_PAGE = 64 << 10  # small pages: the host backend's advantage over 2 MiB GPU pages
 
 
@@ -85,11 +93,7 @@ class EngineConfig:
             self.kv_layout = "interleaved" if self.device.type == "cuda" else "per_layer"
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"unknown kv_layout {self.kv_layout!r}: choose one of {KV_LAYOUTS}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}: "
-                             f"choose one of {SCHEDULING_POLICIES}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}: choose one of {PREEMPTION_MODES}")
+        check_scheduling(self.scheduling_policy, self.preemption_mode)
         if self.preemption_mode == "swap" and self.kv_layout == "paged":
             raise ValueError("preemption_mode='swap' needs a virtual kv_layout (interleaved or per_layer): "
                              "it brings pages back at the same virtual addresses")

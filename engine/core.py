@@ -19,7 +19,8 @@ from engine.map_ahead import MapAhead
 from engine.model_runner import ModelRunner
 from engine.sample_step import StepSample, sample_step
 from engine.sampler import Sampled, score
-from engine.scheduler import Scheduler, SchedulerOutput, SeqOutput
+from engine.scheduler import Scheduler
+from engine.step import SchedulerOutput, SeqOutput
 from engine.sequence import Sequence
 from engine.spec_decode import NgramProposer, SpeculativeConfig
 from engine.structured import Grammars

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine.kv.base import KVCacheBase
-from engine.scheduler import Scheduled
+from engine.step import Scheduled
 
 
 class MapAhead:

@@ -11,7 +11,7 @@ from engine.kv.base import KVCacheBase
 from engine.kv.batch import StepBatch
 from engine.lora import LoRABatch
 from engine.ops import rope_table
-from engine.scheduler import Scheduled
+from engine.step import Scheduled
 
 
 @torch.inference_mode()

@@ -19,7 +19,7 @@ from itertools import count
 
 import vmm
 from engine.config import EngineConfig
-from engine.kv.build import make_backend
+from engine.kv.build import backend_for
 from engine.llm import as_prompt_list
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -28,7 +28,19 @@ from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
 
-SHARED_STEP_TOKENS = 256  # a step's tokens while other models have work (see step())
+SHARED_STEP_TOKENS = 256  # a step's tokens while other models have work (see step_budget())
+
+
+def step_budget(engine: LLMEngine, engines, step_tokens: int | None) -> int | None:
+    """The tokens `engine` may compute this step: step_tokens while another of the models has
+    work (so one model's burst of prefills delays another's next token by one short step), else
+    None (its own limit). MultiLLM.step and the server's model loops both ask this."""
+    return step_tokens if any(e.has_unfinished() for e in engines if e is not engine) else None
+
+
+def idle_long_enough(engine: LLMEngine, last_active: float, idle_seconds: float, now: float) -> bool:
+    """Whether a model should sleep for being idle: awake, no requests, none for idle_seconds."""
+    return not engine.is_sleeping and not engine.has_unfinished() and now - last_active >= idle_seconds
 POOL_SETTINGS = {"kv_cache_memory", "gpu_memory_utilization", "page_size", "device", "tensor_parallel_size"}
 
 
@@ -76,7 +88,7 @@ class MultiLLM:
         for name in kv_limits or {}:
             if name not in models:
                 raise ValueError(f"unknown model {name!r} in a KV limit: the models are {sorted(models)}")
-        backend = make_backend(config)
+        backend = backend_for(config)
         self.shared = vmm.SharedPool(vmm.PagePool(backend, config.kv_budget_bytes() // backend.page_size))
         self.engines: dict[str, LLMEngine] = {}
         self.last_active: dict[str, float] = {}
@@ -152,7 +164,7 @@ class MultiLLM:
         outputs = []
         busy = [name for name, engine in self.engines.items() if engine.has_unfinished()]
         for name in busy:
-            budget = self.shared_step_tokens if len(busy) > 1 else None
+            budget = step_budget(self.engines[name], self.engines.values(), self.shared_step_tokens)
             outputs += [(name, out) for out in self.engines[name].step(budget)]
             self.last_active[name] = time.monotonic()
         return outputs
@@ -176,7 +188,7 @@ class MultiLLM:
         idle_seconds; returns their names. A request wakes a model again."""
         now, slept = time.monotonic(), []
         for name, engine in self.engines.items():
-            if not engine.is_sleeping and not engine.has_unfinished() and now - self.last_active[name] >= idle_seconds:
+            if idle_long_enough(engine, self.last_active[name], idle_seconds, now):
                 engine.sleep(1)
                 slept.append(name)
         return slept

@@ -20,7 +20,7 @@ from engine.inputs import Prompt
 from engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind, TokenLogprob
 from engine.sampler import Sampled
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SeqOutput
+from engine.step import SeqOutput
 from engine.sequence import Sequence
 
 

@@ -65,12 +65,12 @@ class InputProcessor:
                                  f"stop_token_ids (and EOS) name all {vocab}")
             if params.structured_outputs:
                 grammar = self.grammars.compile(params.structured_outputs)
-            if params.max_tokens is None:  # as many as fit
-                room = self.max_model_len - len(prompt.token_ids)
-                if room < 1:
-                    raise ValueError(f"prompt ({len(prompt.token_ids)} tokens) leaves no room for a token under "
-                                     f"max_model_len {self.max_model_len}")
-                params = replace(params, max_tokens=room)
+        if params.max_tokens is None:  # as many as fit after this prompt (vLLM's; the server's default too)
+            room = self.max_model_len - len(prompt.token_ids)
+            if room < 1:
+                raise ValueError(f"prompt ({len(prompt.token_ids)} tokens) leaves no room for a token under "
+                                 f"max_model_len {self.max_model_len}")
+            params = replace(params, max_tokens=room)
         total = len(prompt.token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt.token_ids)} tokens) + max_tokens ({params.max_tokens}) "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampler import sample
-from engine.scheduler import RowResult, SchedulerOutput
+from engine.step import RowResult, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode import verify_rows
 from engine.structured import Grammars

@@ -49,14 +49,14 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import PREEMPTION_MODES, SCHEDULING_POLICIES
+from engine.config import check_scheduling
 from engine.kv.base import KVCacheBase
 from engine.sampler import Sampled
 from engine.sequence import Sequence, SequenceStatus
+from engine.step import RowResult, Scheduled, SchedulerOutput, SeqOutput
 from engine.structured import consume
 
 log = logging.getLogger("vkv.scheduler")
@@ -64,32 +64,6 @@ log = logging.getLogger("vkv.scheduler")
 SWAP_MIN_TOKENS = 16  # below this, recompute (see the note on preemption above)
 LPM_MAX_QUEUE = 128  # SGLang's threshold: longer queues are served FCFS
 LPM_MAX_SKIPS = 8  # times a waiting sequence may be passed over by later ones under lpm
-Scheduled = list[tuple[Sequence, int]]  # (sequence, number of its tokens computed this step)
-# What a step's rows gave a sequence: its tokens (one, or the kept drafts and one more), a beam's
-# logits row (its group chooses), or the exception its row raised.
-RowResult = list[Sampled] | torch.Tensor | Exception
-
-
-@dataclass(slots=True)
-class SeqOutput:
-    """What one sequence did in a step (vLLM's EngineCoreOutput): the tokens it took, and why
-    it finished, if it did (with the error when it failed)."""
-    seq: Sequence
-    new: list[Sampled]
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-@dataclass
-class SchedulerOutput:
-    """One step: what each sequence computes, and the siblings that fork from a sequence whose
-    prompt this step completes (they sample from its row)."""
-    scheduled: Scheduled = field(default_factory=list)
-    forks: dict[Sequence, list[Sequence]] = field(default_factory=dict)
-    failed: list[SeqOutput] = field(default_factory=list)  # requests failed while scheduling (see _checked)
-
-    def __bool__(self) -> bool:
-        return bool(self.scheduled or self.failed)
 
 
 class Scheduler:
@@ -97,10 +71,7 @@ class Scheduler:
                  headroom: float = 0.01, policy: str = "fcfs", preemption_mode: str = "recompute",
                  swap_min_tokens: int = SWAP_MIN_TOKENS, eos_ids: tuple[int, ...] = (),
                  max_model_len: int | None = None, max_loras: int | None = None):
-        if policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"unknown scheduling policy {policy!r}: choose one of {SCHEDULING_POLICIES}")
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"unknown preemption mode {preemption_mode!r}: choose one of {PREEMPTION_MODES}")
+        check_scheduling(policy, preemption_mode)
         self.kv, self.policy, self.preemption_mode = kv, policy, preemption_mode
         self.swap_min_tokens = swap_min_tokens
         self.eos_ids, self.max_model_len = eos_ids, max_model_len

@@ -12,11 +12,12 @@ from engine.models import weights_fingerprint
 from engine.models.config import ModelConfig
 
 
-def make_backend(c: EngineConfig) -> vmm.Backend:
-    """Where a virtual KV cache's physical pages come from: the GPU's VMM or the host's memfd."""
+def backend_for(c: EngineConfig) -> vmm.Backend:
+    """Where a virtual KV cache's physical pages come from (vmm.make_backend): the GPU's VMM, or
+    the host's memfd in the engine's default page size."""
     if c.device.type == "cuda":
-        return vmm.CudaBackend(c.device.index or 0, c.page_size)
-    return vmm.HostBackend(c.page_size or DEFAULT_HOST_PAGE)
+        return vmm.make_backend("cuda", c.page_size, c.device.index or 0)
+    return vmm.make_backend("host", c.page_size or DEFAULT_HOST_PAGE)
 
 
 def make_kv_cache(c: EngineConfig, cfg: ModelConfig, budget: int, max_model_len: int, tile_rows: int,
@@ -34,7 +35,7 @@ def make_kv_cache(c: EngineConfig, cfg: ModelConfig, budget: int, max_model_len:
     if pool is not None:
         backend, num_pages = pool.backend, pool.num_pages
     else:
-        backend = make_backend(c)
+        backend = backend_for(c)
         num_pages = budget // backend.page_size
         if num_pages < 1:
             backend.close()

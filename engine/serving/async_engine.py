@@ -41,6 +41,7 @@ from engine.inputs import Prompt, chat_prompt, tokenize
 from engine.llm_engine import LLMEngine
 from engine.lora import LoRARequest
 from engine.outputs import RequestOutput, RequestOutputKind
+from engine.multi import idle_long_enough, step_budget
 from engine.processor import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.serving.metrics import Metrics
@@ -82,8 +83,7 @@ class Turns:
 
     def budget(self, engine: LLMEngine) -> int | None:
         """Tokens `engine` may compute this step (None: its own limit)."""
-        others_busy = any(e.has_unfinished() for e in self.engines if e is not engine)
-        return self.step_tokens if others_busy else None
+        return step_budget(engine, self.engines, self.step_tokens)
 
     def __enter__(self) -> None:
         with self._cv:
@@ -160,7 +160,6 @@ class AsyncEngine:
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the handlers' own
         self.max_model_len = engine.max_model_len
         self.max_token_bytes = max(len(t.encode("utf-8", "surrogatepass")) for t in self.tokenizer.get_vocab())
-        self.scheduling_policy = engine.config.scheduling_policy
         self.metrics = metrics or Metrics()
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
@@ -340,8 +339,8 @@ class AsyncEngine:
             for future in waiters:
                 _settle(future, self._sleep_now)
         if not self.engine.has_unfinished():
-            if self.idle_sleep is not None and not self.engine.is_sleeping \
-                    and time.monotonic() - self.last_active >= self.idle_sleep:
+            if self.idle_sleep is not None and idle_long_enough(self.engine, self.last_active, self.idle_sleep,
+                                                                time.monotonic()):
                 self.engine.sleep(1)  # its pages go back to the pool the models share
                 self.idle_asleep = True
             return

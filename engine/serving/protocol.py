@@ -159,7 +159,7 @@ class _Request(_SamplingFields):
             raise ValueError(f"{name} takes one of json, json_object, regex, choice, grammar")
         return StructuredOutputsParams(**spec)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None,
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         best_of: int | None = None) -> SamplingParams | BeamSearchParams:
         """Raises ValueError, with the reason, for values out of range or combinations refused."""
         if self.use_beam_search:

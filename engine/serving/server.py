@@ -198,9 +198,6 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
     def check(engine: AsyncEngine, body, best_of: int | None = None) -> None:
         if engine.is_sleeping:
             raise HTTPError(503, SLEEPING, "service_unavailable")
-        if body.priority and engine.scheduling_policy != "priority":
-            raise HTTPError(400, f"priority needs --scheduling-policy priority; under {engine.scheduling_policy!r} "
-                                 f"it would be ignored")
         for name, value in (("n", body.n), ("best_of", best_of)):
             if value is not None and not 1 <= value <= limits.max_n:
                 raise HTTPError(400, f"{name} must be in [1, {limits.max_n}], got {value}")
@@ -219,9 +216,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
             raise HTTPError(400, f"{len(prompts)} prompts x {per_prompt} sequences exceed the "
                                  f"{limits.max_prompts_per_request} one request may ask for")
         try:
-            if max_tokens is None:  # as much as fits after the longest prompt
-                max_tokens = max(1, engine.max_model_len - max(len(p.token_ids) for p in prompts))
-            params = body.sampling_params(max_tokens, logprobs, best_of)
+            params = body.sampling_params(max_tokens, logprobs, best_of)  # max_tokens None: as many as fit
             if structured is not None:  # a forced tool call
                 params.structured_outputs = structured
             if prompt_logprobs is not None:  # echo with logprobs
