@@ -112,8 +112,6 @@ class MultiLLM:
                     engine = LLMEngine(own_config, pool=share)
                 except Exception as exc:
                     raise ValueError(f"model {name!r} ({own.get('model') or 'bundled'}) failed to load: {exc}") from exc
-                share.spare, share.give_back = engine.kv.spare_pages, engine.kv.give_back
-                share.preempt = engine.scheduler.give_up
                 self.engines[name] = engine
                 self.last_active[name] = time.monotonic()
         except BaseException:

@@ -58,6 +58,7 @@ from engine.sampler import Sampled
 from engine.sequence import Sequence, SequenceStatus
 from engine.step import RowResult, Scheduled, SchedulerOutput, SeqOutput
 from engine.structured import consume
+from vmm import PoolShare
 
 log = logging.getLogger("vkv.scheduler")
 
@@ -77,6 +78,8 @@ class Scheduler:
         self.eos_ids, self.max_model_len = eos_ids, max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_loras = max_loras  # distinct LoRA adapters running at once (None: LoRA is off)
+        if isinstance(kv.pool, PoolShare):  # one of several models over one pool: it asks us for pages
+            kv.pool.register(self)
         self.headroom_pages = max(1, math.ceil(headroom * kv.pool.num_pages))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -400,6 +403,13 @@ class Scheduler:
             self.swapped.append(seq)
             return
         self._requeue(seq, to_front)
+
+    # -- vmm.Tenant: what this model does for the others of a shared pool ----------------------
+    def spare_pages(self) -> int:
+        return self.kv.spare_pages()
+
+    def give_back(self, pages: int) -> None:
+        self.kv.give_back(pages)
 
     def give_up(self, pages: int) -> None:
         """Another model of a shared pool, below its fair share, needs `pages` (vmm/share.py):

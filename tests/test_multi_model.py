@@ -147,10 +147,8 @@ class SharedTraffic(RuleBasedStateMachine):
             share = self.shared.tenant(str(m))
             kv = VirtualKVCache(CFGS[m % 2], layout, 4, 48, torch.float32, share.backend, share.num_pages,
                                 enable_prefix_caching=True, pool=share)
-            share.spare, share.give_back = kv.spare_pages, kv.give_back
             self.kvs.append(kv)
-            self.scheds.append(Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=32))
-            share.preempt = self.scheds[-1].give_up
+            self.scheds.append(Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=32))  # registers as the tenant
             self.live.append([])
         self.next_id, self.cap_over, self.floor_raised = 0, {}, False
 

@@ -13,8 +13,8 @@ reference counts) but owns only the pages it allocated. A share never holds more
 cap, and never takes the pages other tenants' floors keep for them: what a tenant can take now
 is min(cap - used, free - the others' unmet floors). When a tenant is short, `borrow` asks the
 others to give back pages they hold but no running sequence needs (the owner of each share
-registers `spare` and `give_back`; a KV cache gives its idle pages first, then its prefix
-cache's): first the tenants above their fair share (the pool / the number of tenants, or the
+registers itself as the share's `Tenant`: an engine's Scheduler, whose KV cache gives its idle
+pages first, then its prefix cache's): first the tenants above their fair share (the pool / the number of tenants, or the
 floor if higher), the most above it first, then any tenant above its floor. A tenant at or
 below its floor gives nothing.
 
@@ -24,7 +24,7 @@ usage is the size of its owned set and `audit` checks each tenant's pages agains
 mappings and holds, and the group that every referenced page has exactly one owner.
 
 When that is not enough and the short tenant is below its fair share, the tenants above theirs
-preempt running sequences (`preempt`: their own scheduler's rule, swap or recompute) until
+preempt running sequences (`Tenant.give_up`: their own scheduler's rule, swap or recompute) until
 they are down to their fair share: a burst on one model cannot keep another from its share.
 
 Limitations. A tenant above its fair share is never preempted for one that is also above
@@ -35,10 +35,36 @@ physical memory stays.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from vmm.errors import InvariantViolation, PoolExhausted
 from vmm.pool import PagePool, PoolStats
+
+
+class Tenant(Protocol):
+    """What the user of a share does for the group when another tenant is short: a declared
+    interface (an engine's Scheduler implements it and registers itself), not callbacks."""
+
+    def spare_pages(self) -> int:
+        """Pages it could give back now without stopping anything (idle, then cached)."""
+
+    def give_back(self, pages: int) -> None:
+        """Give back up to that many of its spare pages."""
+
+    def give_up(self, pages: int) -> None:
+        """Preempt running sequences (its own rule) until that many more pages are free."""
+
+
+class _NoTenant:
+    def spare_pages(self) -> int:
+        return 0
+
+    def give_back(self, pages: int) -> None:
+        pass
+
+    def give_up(self, pages: int) -> None:
+        pass
 
 
 class PoolShare:
@@ -50,9 +76,11 @@ class PoolShare:
         self.owned: set[int] = set()
         self.asleep = False
         self.peak_in_use = 0
-        self.spare: Callable[[], int] = lambda: 0  # pages it could give back now
-        self.give_back: Callable[[int], None] = lambda n: None  # give back up to n of them
-        self.preempt: Callable[[int], None] = lambda n: None  # preempt running sequences for up to n pages
+        self.tenant: Tenant = _NoTenant()  # who uses the share (its scheduler registers itself)
+
+    def register(self, tenant: Tenant) -> None:
+        """The share's user, asked for pages when another tenant is short (once, at its start)."""
+        self.tenant = tenant
 
     # -- the pool's pages, seen through the share ---------------------------------------
     @property
@@ -227,14 +255,14 @@ class SharedPool:
             if short() <= 0:
                 return
             if giver.used > giver.floor:
-                giver.give_back(min(short(), giver.used - giver.floor))
+                giver.tenant.give_back(min(short(), giver.used - giver.floor))
         if share.used >= self.fair_share(share):
             return
         for giver in above_fair:
             if short() <= 0:
                 return
             if giver.used > self.fair_share(giver):
-                giver.preempt(min(short(), giver.used - self.fair_share(giver)))
+                giver.tenant.give_up(min(short(), giver.used - self.fair_share(giver)))
 
     def borrowable(self, share: PoolShare) -> int:
         """Pages the others would give `share` now: their spare ones above their floors, and,
@@ -244,7 +272,7 @@ class SharedPool:
         for t in self.tenants.values():
             if t is not share:
                 excess = max(0, t.used - self.fair_share(t)) if under_fair else 0
-                total += min(max(0, t.used - t.floor), max(t.spare(), excess))
+                total += min(max(0, t.used - t.floor), max(t.tenant.spare_pages(), excess))
         return max(0, min(total, share.cap - share.used - share.num_free))
 
     def audit(self) -> None:
