@@ -5,8 +5,8 @@ so 1/N of the weights of every layer and 1/N of the KV bytes, in a page pool of 
 
 Approach: the scheduler runs once, on rank 0, against rank 0's KV cache. Every call it makes
 that changes a KV cache (admit, ensure_mapped, commit, fork, release, swap, sleep, ...) is
-logged (`RecordedKV`) as a typed operation (a small dataclass per verb) with a snapshot of the
-sequence it names; each step rank 0 broadcasts the log and the step's flat batch, and every
+logged (`RecordedKV`) as an operation (`KVOp`: the verb, from one list of them, with snapshots of
+the sequences it names); each step rank 0 broadcasts the log and the step's flat batch, and every
 worker applies the operations to its own cache before running the same forward pass. All ranks' caches have the same geometry (rows of 1/N
 of the bytes, the same page size and page count), so the same calls make the same decisions:
 the pools stay in lockstep, page id for page id, and the slots and block tables rank 0 puts
@@ -91,158 +91,49 @@ class SeqState:
         return mine
 
 
-# -- the operations: one per KV-cache verb that changes state ------------------------------
-@dataclasses.dataclass(frozen=True)
-class OneSeq:
-    """An operation on one sequence and nothing else."""
-    seq: SeqState
+# -- the operations: a call of one of the KV cache's verbs that change state ----------------
+# The verbs the workers replay, in one list: a new state-changing verb of the KV cache joins here.
+MUTATING = ("admit", "ensure_mapped", "map_ahead", "commit", "fork", "release", "swap_out", "swap_in", "reclaim",
+            "sleep", "wake_up")
 
 
-class Admit(OneSeq):
-    def apply(self, kv, seqs):
-        kv.admit(self.seq.live(seqs))
+@dataclasses.dataclass(frozen=True, eq=False)
+class KVOp:
+    """One call of a MUTATING verb as rank 0 made it, its sequences as snapshots (SeqState),
+    for each worker to make on its own cache."""
+    verb: str
+    args: tuple
+    kwargs: dict
 
-
-@dataclasses.dataclass(frozen=True)
-class EnsureMapped:
-    seq: SeqState
-    num_tokens: int
-
-    def apply(self, kv, seqs):
-        kv.ensure_mapped(self.seq.live(seqs), self.num_tokens)
-
-
-@dataclasses.dataclass(frozen=True)
-class MapAhead:
-    seq: SeqState
-    start: int
-    end: int
-    keep_free: int
-
-    def apply(self, kv, seqs):
-        kv.map_ahead(self.seq.live(seqs), self.start, self.end, self.keep_free)
-
-
-class Commit(OneSeq):
-    def apply(self, kv, seqs):
-        kv.commit(self.seq.live(seqs))
-
-
-@dataclasses.dataclass(frozen=True)
-class Fork:
-    parent: SeqState
-    child: SeqState
-
-    def apply(self, kv, seqs):
-        kv.fork(self.parent.live(seqs), self.child.live(seqs))
-
-
-@dataclasses.dataclass(frozen=True)
-class Release:
-    seq: SeqState
-    keep_pages: bool
-
-    def apply(self, kv, seqs):
-        kv.release(self.seq.live(seqs), self.keep_pages)
-        seqs.pop(self.seq.seq_id, None)
-
-
-class SwapOut(OneSeq):
-    def apply(self, kv, seqs):
-        kv.swap_out(self.seq.live(seqs))
-
-
-@dataclasses.dataclass(frozen=True)
-class SwapIn:
-    seq: SeqState
-    num_tokens: int
-    keep_free: int
-
-    def apply(self, kv, seqs):
-        kv.swap_in(self.seq.live(seqs), self.num_tokens, self.keep_free)
-
-
-@dataclasses.dataclass(frozen=True)
-class Reclaim:
-    want_free: int
-
-    def apply(self, kv, seqs):
-        kv.reclaim(self.want_free)
-
-
-@dataclasses.dataclass(frozen=True)
-class Sleep:
-    def apply(self, kv, seqs):
-        kv.sleep()
-
-
-@dataclasses.dataclass(frozen=True)
-class WakeUp:
-    def apply(self, kv, seqs):
-        kv.wake_up()
+    def apply(self, kv, seqs: dict[int, SeqState]):
+        args = [a.live(seqs) if isinstance(a, SeqState) else a for a in self.args]
+        result = getattr(kv, self.verb)(*args, **self.kwargs)
+        if self.verb == "release":  # the worker forgets the sequence with its handle
+            seqs.pop(self.args[0].seq_id, None)
+        return result
 
 
 class RecordedKV:
-    """Rank 0's KV cache: the verbs that change it are logged as operations for the workers
-    (calls the cache makes inside them are not: the workers' caches make them too); the rest
-    reads through."""
+    """Rank 0's KV cache: the MUTATING verbs are logged as KVOps for the workers (calls the
+    cache makes inside them are not: the workers' caches make them too); the rest reads through."""
 
     def __init__(self, kv):
         self._kv, self.ops = kv, []
 
     def __getattr__(self, name):
-        return getattr(self._kv, name)
+        attr = getattr(self._kv, name)
+        if name not in MUTATING:
+            return attr
+
+        def recorded(*args, **kwargs):
+            snapshot = tuple(SeqState.of(a) if isinstance(a, Sequence) else a for a in args)
+            self.ops.append(KVOp(name, snapshot, kwargs))
+            return attr(*args, **kwargs)
+        return recorded
 
     def take_ops(self) -> list:
         ops, self.ops = self.ops, []
         return ops
-
-    def _log(self, op) -> None:
-        self.ops.append(op)
-
-    def admit(self, seq):
-        self._log(Admit(SeqState.of(seq)))
-        return self._kv.admit(seq)
-
-    def ensure_mapped(self, seq, num_tokens):
-        self._log(EnsureMapped(SeqState.of(seq), num_tokens))
-        return self._kv.ensure_mapped(seq, num_tokens)
-
-    def map_ahead(self, seq, start, end, keep_free):
-        self._log(MapAhead(SeqState.of(seq), start, end, keep_free))
-        return self._kv.map_ahead(seq, start, end, keep_free)
-
-    def commit(self, seq):
-        self._log(Commit(SeqState.of(seq)))
-        return self._kv.commit(seq)
-
-    def fork(self, parent, child):
-        self._log(Fork(SeqState.of(parent), SeqState.of(child)))
-        return self._kv.fork(parent, child)
-
-    def release(self, seq, keep_pages=True):
-        self._log(Release(SeqState.of(seq), keep_pages))
-        return self._kv.release(seq, keep_pages)
-
-    def swap_out(self, seq):
-        self._log(SwapOut(SeqState.of(seq)))
-        return self._kv.swap_out(seq)
-
-    def swap_in(self, seq, num_tokens, keep_free=0):
-        self._log(SwapIn(SeqState.of(seq), num_tokens, keep_free))
-        return self._kv.swap_in(seq, num_tokens, keep_free)
-
-    def reclaim(self, want_free):
-        self._log(Reclaim(want_free))
-        return self._kv.reclaim(want_free)
-
-    def sleep(self):
-        self._log(Sleep())
-        return self._kv.sleep()
-
-    def wake_up(self):
-        self._log(WakeUp())
-        return self._kv.wake_up()
 
 
 def pool_state(kv) -> tuple:
