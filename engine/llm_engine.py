@@ -19,7 +19,7 @@ import vmm
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.kv.build import attach_tiers
+from engine.kv.build import attach_tiers, shared_names
 from engine.lora import LoRARegistry, LoRARequest
 from engine.models import load_tokenizer
 from engine.output_processor import OutputProcessor
@@ -52,6 +52,8 @@ class LLMEngine:
         self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
         if c.offloading:
             attach_tiers(self.kv, c)
+        if c.kv_pool is not None:
+            shared_names(self.kv, c)
         if self.workers:
             self.kv = RecordedKV(self.kv)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
@@ -88,9 +90,20 @@ class LLMEngine:
                                      lora_request=lora_request))
 
     def add_lora(self, request: LoRARequest) -> None:
-        """Load (and check) an adapter now rather than with its first request (vLLM's add_lora);
-        ValueError by name. Thread-safe."""
-        self.processor.adapter(request)
+        """Load (and check) an adapter now rather than with its first request, and serve it by
+        name (vLLM's add_lora); ValueError by name. Thread-safe."""
+        self.processor.adapter(request)  # LoRA off, or not a LoRARequest: refused by name
+        self.loras.serve(request)
+
+    def next_lora_id(self) -> int:
+        """A lora_int_id no adapter of this engine has had."""
+        if self.loras is None:
+            raise ValueError("LoRA is not enabled: construct the engine with enable_lora=True")
+        return self.loras.next_id()
+
+    def lora_requests(self) -> dict[str, LoRARequest]:
+        """The adapters served by name (added with add_lora and not removed)."""
+        return self.loras.requests() if self.loras else {}
 
     def remove_lora(self, name: str) -> bool:
         """Drop an adapter from memory; requests running with it finish with it."""

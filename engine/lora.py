@@ -238,13 +238,33 @@ def _read_weights(what: str, path: Path) -> tuple[dict[str, torch.Tensor], bytes
 
 
 class LoRARegistry:
-    """Adapters in memory by name, at most `capacity`, least recently used dropped first."""
+    """The adapters an engine knows: those it serves by name (`served`: added with `serve`, until
+    `drop`), and those in memory, at most `capacity`, least recently used dropped first (a served
+    adapter dropped from memory is read again by its next request). Thread-safe."""
 
     def __init__(self, cfg: ModelConfig, max_rank: int, capacity: int, device: torch.device, dtype: torch.dtype):
         self.cfg, self.max_rank, self.capacity, self.device, self.dtype = cfg, max_rank, capacity, device, dtype
         self.adapters: OrderedDict[str, Adapter] = OrderedDict()
+        self.served: dict[str, LoRARequest] = {}
         self.loads = 0  # adapters read from disk so far
+        self._ids = 0  # the last lora_int_id handed out
         self._lock = threading.Lock()
+
+    def next_id(self) -> int:
+        with self._lock:
+            self._ids += 1
+            return self._ids
+
+    def serve(self, request: LoRARequest) -> None:
+        """Load and check an adapter (ValueError by name), then serve it by its name; a name
+        already served is refused."""
+        with self._lock:
+            known = self.served.get(request.lora_name)
+            if known is not None and known.lora_path != request.lora_path:
+                raise ValueError(f"the name {request.lora_name!r} is taken: unload it first")
+        self.get(request)
+        with self._lock:
+            self.served[request.lora_name] = request
 
     def get(self, request: LoRARequest) -> Adapter:
         """The adapter request names, loaded (and checked) if it is not in memory."""
@@ -263,13 +283,21 @@ class LoRARegistry:
             return adapter
 
     def drop(self, name: str) -> bool:
-        """Forget an adapter (requests holding it finish with it); False if none by that name."""
+        """Forget an adapter, served or in memory (requests holding it finish with it); False if
+        none by that name."""
         with self._lock:
-            return self.adapters.pop(name, None) is not None
+            served = self.served.pop(name, None) is not None
+            return (self.adapters.pop(name, None) is not None) or served
 
     def names(self) -> list[str]:
+        """The adapters in memory."""
         with self._lock:
             return list(self.adapters)
+
+    def requests(self) -> dict[str, LoRARequest]:
+        """The adapters served, by name (a copy)."""
+        with self._lock:
+            return dict(self.served)
 
 
 class LoRABatch:

@@ -30,7 +30,7 @@ from engine.serving.server import build_app
 # What the schema cannot say, and so a schema-valid request may be refused for (status, message).
 REFUSABLE = {
     "KV limits that do not fit the pool or each other": (400, r"KV limit|floor|cap|share|bytes or a percentage"),
-    "a prompt or output longer than max_model_len (48 here)": (400, r"exceeds max_model_len|cannot fit|too long"),
+    "a prompt or output longer than max_model_len (48 here)": (400, r"exceeds max_model_len|cannot fit|too long|leaves no room"),
     "token ids outside the model's vocabulary, or negative": (400, r"token ids"),
     "an empty prompt, or one with no tokens": (400, r"prompt (must not be empty|is empty|has no tokens)"),
     "n, best_of or prompts past the server's --max-n / --max-prompts-per-request":

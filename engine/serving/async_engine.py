@@ -11,6 +11,13 @@ itself unhealthy.
 Sleep: a sleep command stops new requests (refused like a shutdown's, 503), lets the ones in
 flight finish, then releases the KV memory; wake-up maps it back.
 
+Who writes what. Handlers send typed commands (`Add`, `Abort`, `Sleep`, `Wake`, `Snapshot`,
+`Cancel`, `Stop`) and never touch the engine; the loop thread alone applies them and alone
+writes the engine's lifecycle, one `Lifecycle` value (serving, draining for a sleep, asleep,
+asleep for being idle, closing, stopped, dead) that handlers only read. Adapters are loaded
+and checked on a worker thread (the engine's adapter registry is thread-safe) so a large one
+never stalls a step.
+
 Tokenization, chat templating and request checks (grammars compiled) run on worker threads,
 each with its own tokenizer, so a large prompt never blocks the event loop and never shares a
 tokenizer with the engine thread; each client's jobs wait in a queue of its own and the
@@ -26,14 +33,12 @@ models' caches). A model idle for `idle_sleep` seconds sleeps; its next request 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import copy
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
@@ -41,23 +46,18 @@ from engine.inputs import Prompt, chat_prompt, tokenize
 from engine.llm_engine import LLMEngine
 from engine.lora import LoRARequest
 from engine.outputs import RequestOutput, RequestOutputKind
-from engine.multi import idle_long_enough, step_budget
+from engine.multi import idle_long_enough
 from engine.processor import EngineRequest
 from engine.sampling_params import SamplingParams
+from engine.serving.commands import (Abort, Add, Cancel, Command, EngineDeadError, Lifecycle, Phase, RequestCancelled,
+                                     Sleep, Snapshot, Stop, Wake)
 from engine.serving.metrics import Metrics
+from engine.serving.workers import FairWorkers, Turns
 from engine.stats import EngineStats
 
 log = logging.getLogger("vkv.server")
 SLEEPING = "the engine is sleeping: POST /wake_up first"
 PREPROCESS_THREADS = 2  # fast tokenizers release the GIL: two clients' prompts tokenize at once
-
-
-class EngineDeadError(RuntimeError):
-    pass
-
-
-class RequestCancelled(RuntimeError):
-    """The server ended the request (it is shutting down); the message says why."""
 
 
 @dataclass
@@ -71,81 +71,6 @@ class _Stream:
     first_token_time: float | None = None
 
 
-class Turns:
-    """A lock granted in the order it was asked for, so the models' loops alternate steps; it
-    also knows the models' engines, so a step can be kept short while others have work."""
-
-    def __init__(self, step_tokens: int | None = None):
-        self._cv = threading.Condition()
-        self._next = self._serving = 0
-        self.engines: list[LLMEngine] = []  # the models taking turns
-        self.step_tokens = step_tokens  # a step's tokens while another model has work
-
-    def budget(self, engine: LLMEngine) -> int | None:
-        """Tokens `engine` may compute this step (None: its own limit)."""
-        return step_budget(engine, self.engines, self.step_tokens)
-
-    def __enter__(self) -> None:
-        with self._cv:
-            ticket, self._next = self._next, self._next + 1
-            self._cv.wait_for(lambda: self._serving == ticket)
-
-    def __exit__(self, *exc) -> None:
-        with self._cv:
-            self._serving += 1
-            self._cv.notify_all()
-
-
-class FairWorkers:
-    """A few threads, each with its own state (a tokenizer), serving per-client queues in turn."""
-
-    def __init__(self, threads: int, make_state):
-        self._queues: OrderedDict[str, deque] = OrderedDict()  # client -> its jobs, in turn order
-        self._cv = threading.Condition()
-        self._closed = False
-        self._threads = [threading.Thread(target=self._work, args=(make_state(),), name=f"vkv-tokenize-{i}",
-                                          daemon=True) for i in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, client: str, fn, *args) -> concurrent.futures.Future:
-        """fn(state, *args) on a worker, after the jobs queued before it by this client; other
-        clients' jobs take turns with them."""
-        future = concurrent.futures.Future()
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("the server is shutting down")
-            self._queues.setdefault(client, deque()).append((future, fn, args))
-            self._cv.notify()
-        return future
-
-    def _work(self, state) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._queues or self._closed)
-                if self._closed:
-                    return
-                client, jobs = next(iter(self._queues.items()))
-                future, fn, args = jobs.popleft()
-                del self._queues[client]
-                if jobs:  # its next job goes to the back of the turn
-                    self._queues[client] = jobs
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(state, *args))
-                except BaseException as exc:
-                    future.set_exception(exc)
-
-    def shutdown(self) -> None:
-        with self._cv:
-            self._closed = True
-            for jobs in self._queues.values():
-                for future, _, _ in jobs:
-                    future.cancel()
-            self._queues.clear()
-            self._cv.notify_all()
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, model: str | None = None, metrics: Metrics | None = None,
                  turns: Turns | None = None, idle_sleep: float | None = None, stall_seconds: float = 30.0):
@@ -155,19 +80,19 @@ class AsyncEngine:
         self.engine, self.model = engine, model
         self.turns = turns or Turns()
         self.turns.engines.append(engine)
-        self.idle_sleep, self.idle_asleep = idle_sleep, False
+        self.idle_sleep = idle_sleep
         self.last_active = time.monotonic()
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the handlers' own
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
         self.max_token_bytes = max(len(t.encode("utf-8", "surrogatepass")) for t in self.tokenizer.get_vocab())
         self.metrics = metrics or Metrics()
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.wake = threading.Event()
         self.streams: dict[str, _Stream] = {}
         self.stats: EngineStats = engine.stats()  # the latest snapshot
-        self.running = True  # the loop thread goes on
-        self.accepting = True  # new requests are taken
-        self.dead: EngineDeadError | None = None
+        self.lifecycle = Lifecycle()  # written by the loop thread alone
+        self._shut = False  # shutdown() was called (by whoever stops the server: once)
         # written by the engine thread alone, read by /health: when its loop last went round (it goes
         # round every 50 ms when idle), and the bound past which a step is logged as slow
         self.progress_at = time.monotonic()
@@ -176,6 +101,18 @@ class AsyncEngine:
         self.preprocessor = FairWorkers(PREPROCESS_THREADS, lambda: copy.deepcopy(engine.tokenizer))
         self.thread = threading.Thread(target=self._loop, name="vkv-engine", daemon=True)
         self.thread.start()
+
+    @property
+    def dead(self) -> EngineDeadError | None:
+        return self.lifecycle.failure
+
+    @property
+    def phase(self) -> Phase:
+        return self.lifecycle.phase
+
+    def _become(self, phase: Phase, failure: EngineDeadError | None = None) -> None:
+        """(loop thread) The one place the lifecycle changes."""
+        self.lifecycle = Lifecycle(phase, failure)
 
     # -- called from the event loop -------------------------------------------------------
     async def tokenize(self, prompt, client: str = "") -> Prompt:
@@ -215,11 +152,22 @@ class AsyncEngine:
     def lora_enabled(self) -> bool:
         return self.engine.config.enable_lora
 
-    async def add_lora(self, request: LoRARequest) -> None:
-        """Load and check an adapter off the event loop (ValueError by name)."""
-        await asyncio.to_thread(self.engine.add_lora, request)
+    def adapters(self) -> dict[str, LoRARequest]:
+        """The adapters this model serves, by name (the engine's registry; a copy)."""
+        return self.engine.lora_requests()
+
+    def load_adapters(self, adapters: dict[str, str]) -> None:
+        """At start-up, before any request: serve these adapters ({name: path}); ValueError by name."""
+        for name, path in adapters.items():
+            self.engine.add_lora(LoRARequest(name, self.engine.next_lora_id(), path))
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Load, check and serve an adapter, on a worker thread (ValueError by name)."""
+        await self._preprocess("admin", lambda _: self.engine.add_lora(LoRARequest(name, self.engine.next_lora_id(),
+                                                                                     path)))
 
     def remove_lora(self, name: str) -> bool:
+        """Stop serving an adapter (the registry is thread-safe; requests running with it finish)."""
         return self.engine.remove_lora(name)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
@@ -227,7 +175,7 @@ class AsyncEngine:
         search yields once, at its end."""
         if self.dead:
             raise self.dead
-        if not self.accepting:
+        if self.phase in (Phase.CLOSING, Phase.STOPPED):
             raise RequestCancelled("the server is shutting down")
         if self.is_sleeping:
             raise RequestCancelled(SLEEPING)
@@ -235,7 +183,7 @@ class AsyncEngine:
         deltas = getattr(request.params, "output_kind", None) is RequestOutputKind.DELTA
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic(), deltas)
         self.streams[request_id] = stream
-        self._command("add", request)
+        self._command(Add(request))
         finished = False
         try:
             while not finished:
@@ -246,15 +194,15 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                self._command("abort", request_id)
+                self._command(Abort(request_id))
 
     async def fresh_stats(self, timeout: float = 2.0) -> EngineStats:
         """Statistics taken now by the engine thread (between steps); the latest snapshot if
         the engine is dead or busier than `timeout`."""
-        if self.dead or not self.running:
+        if self.phase in (Phase.DEAD, Phase.STOPPED):
             return self.stats
         future = asyncio.get_running_loop().create_future()
-        self._command("stats", future)
+        self._command(Snapshot(future))
         try:
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
@@ -264,39 +212,39 @@ class AsyncEngine:
     def is_sleeping(self) -> bool:
         """Asleep, or going to sleep once the requests in flight are done (a model that slept
         for being idle is not: its next request wakes it)."""
-        return bool(self.sleep_waiters) or (self.engine.is_sleeping and not self.idle_asleep)
+        return self.phase in (Phase.DRAINING, Phase.ASLEEP)
 
     async def sleep(self, level: int = 1) -> bool:
         """Returns True once asleep, or False if a wake-up came while the requests in flight were
         draining (the last command wins); ValueError for a level the engine does not have."""
-        return await self._ask("sleep", level)
+        return await self._ask(lambda reply: Sleep(reply, level))
 
     async def wake_up(self) -> None:
-        await self._ask("wake")
+        await self._ask(Wake)
 
-    async def _ask(self, kind: str, *args):
+    async def _ask(self, command):
         if self.dead:
             raise self.dead
         future = asyncio.get_running_loop().create_future()
-        self._command(kind, future, *args)
+        self._command(command(future))
         return await future
 
     def cancel_all(self, reason: str) -> None:
         """End every request in flight with RequestCancelled(reason); new ones are refused."""
-        self._command("cancel", reason)
+        self._command(Cancel(reason))
 
     def shutdown(self) -> None:
         """Stop the loop (requests still running are aborted) and give the KV memory back."""
-        if not self.running:
+        if self._shut:
             return
-        self.running = False
-        self.wake.set()
+        self._shut = True
+        self._command(Stop())
         self.thread.join(timeout=10)
         self.preprocessor.shutdown()
         if not self.thread.is_alive():
             self.engine.close()
 
-    def _command(self, *command) -> None:
+    def _command(self, command: Command) -> None:
         self.commands.put(command)
         self.wake.set()
 
@@ -306,7 +254,7 @@ class AsyncEngine:
             self._run_steps()
         except Exception as exc:
             log.exception("the engine failed")
-            self.dead = EngineDeadError(f"the engine failed and stopped: {exc!r}")
+            self._become(Phase.DEAD, EngineDeadError(f"the engine failed and stopped: {exc!r}"))
             for stream in self.streams.values():
                 self._put(stream, self.dead)
             self.streams.clear()
@@ -315,12 +263,12 @@ class AsyncEngine:
         """Why the engine thread is not moving (for /health), or None: it has made no progress
         for longer than stall_seconds, stuck in a step or an I/O call that does not return."""
         idle = time.monotonic() - self.progress_at
-        if self.running and idle > self.stall_seconds:
+        if self.phase not in (Phase.STOPPED, Phase.DEAD) and idle > self.stall_seconds:
             return f"the engine thread has made no progress for {idle:.0f} s (over {self.stall_seconds:g} s)"
         return None
 
     def _run_steps(self) -> None:
-        while self.running:
+        while self.phase is not Phase.STOPPED:
             if not self.engine.has_unfinished() and self.commands.empty():
                 self.wake.wait(0.05)
                 self.wake.clear()
@@ -334,6 +282,8 @@ class AsyncEngine:
     def _turn(self) -> None:
         """Commands, then one step if there is work (with the models' turn held)."""
         self._apply_commands()
+        if self.phase is Phase.STOPPED:
+            return
         if self.sleep_waiters and not self.engine.has_unfinished():
             waiters, self.sleep_waiters = self.sleep_waiters, []
             for future in waiters:
@@ -342,7 +292,7 @@ class AsyncEngine:
             if self.idle_sleep is not None and idle_long_enough(self.engine, self.last_active, self.idle_sleep,
                                                                 time.monotonic()):
                 self.engine.sleep(1)  # its pages go back to the pool the models share
-                self.idle_asleep = True
+                self._become(Phase.IDLE_ASLEEP)
             return
         self.last_active = time.monotonic()
         mapped_before, started = self.engine.map_seconds, time.monotonic()
@@ -358,40 +308,45 @@ class AsyncEngine:
     def _apply_commands(self) -> None:
         while True:
             try:
-                kind, *args = self.commands.get_nowait()
+                command = self.commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "abort":
-                self.engine.abort(args[0])
-                self.streams.pop(args[0], None)
-            elif kind == "add":
-                self._add(*args)
-            elif kind == "sleep":
-                future, level = args
-                if level != 1:  # the engine refuses it: say so now rather than after the drain
-                    _settle(future, self.engine.sleep, level)
-                else:
-                    self.sleep_waiters.append(future)
-            elif kind == "wake":  # a sleep still draining is called off: the last command wins
-                self.idle_asleep = False
-                waiters, self.sleep_waiters = self.sleep_waiters, []
-                for future in waiters:
-                    future.get_loop().call_soon_threadsafe(_resolve, future, False)
-                _settle(args[0], self.engine.wake_up)
-            elif kind == "stats":
-                self.stats = self.engine.stats()
-                future = args[0]
-                future.get_loop().call_soon_threadsafe(_resolve, future, self.stats)
-            elif kind == "cancel":
-                self.accepting = False
-                for request_id, stream in list(self.streams.items()):
+            match command:
+                case Abort(request_id):
                     self.engine.abort(request_id)
-                    self._put(stream, RequestCancelled(args[0]))
-                self.streams.clear()
+                    self.streams.pop(request_id, None)
+                case Add(request):
+                    self._add(request)
+                case Sleep(reply, level) if level != 1:  # the engine refuses it: say so now, not after the drain
+                    _settle(reply, self.engine.sleep, level)
+                case Sleep(reply, _):
+                    self.sleep_waiters.append(reply)
+                    if self.phase in (Phase.SERVING, Phase.IDLE_ASLEEP, Phase.ASLEEP):
+                        self._become(Phase.DRAINING)
+                case Wake(reply):  # a sleep still draining is called off: the last command wins
+                    waiters, self.sleep_waiters = self.sleep_waiters, []
+                    for future in waiters:
+                        future.get_loop().call_soon_threadsafe(_resolve, future, False)
+                    if self.phase in (Phase.DRAINING, Phase.ASLEEP, Phase.IDLE_ASLEEP):
+                        self._become(Phase.SERVING)
+                    _settle(reply, self.engine.wake_up)
+                case Snapshot(reply):
+                    self.stats = self.engine.stats()
+                    reply.get_loop().call_soon_threadsafe(_resolve, reply, self.stats)
+                case Cancel(reason):
+                    self._become(Phase.CLOSING)
+                    for request_id, stream in list(self.streams.items()):
+                        self.engine.abort(request_id)
+                        self._put(stream, RequestCancelled(reason))
+                    self.streams.clear()
+                case Stop():
+                    self._become(Phase.STOPPED)
+                    return
 
     def _sleep_now(self) -> bool:
         self.engine.sleep(1)
-        self.idle_asleep = False  # asked for: requests are refused until /wake_up
+        if self.phase is Phase.DRAINING:
+            self._become(Phase.ASLEEP)  # asked for: requests are refused until a wake-up
         return True
 
     def _add(self, request: EngineRequest) -> None:
@@ -399,9 +354,9 @@ class AsyncEngine:
             self._put(self.streams.pop(request.request_id, None), RequestCancelled(SLEEPING))
             return
         self.last_active = time.monotonic()
-        if self.idle_asleep:  # slept for being idle: this request wakes it
+        if self.phase is Phase.IDLE_ASLEEP:  # slept for being idle: this request wakes it
             self.engine.wake_up()
-            self.idle_asleep = False
+            self._become(Phase.SERVING)
             self.metrics.of(self.metrics.wake, self.model).observe(time.monotonic() - self.last_active)
         try:
             self.engine.add(request)

@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import hashlib
 import hmac
-import itertools
 import json
 import logging
 import signal
@@ -102,15 +101,17 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
     api_key, limits = options.api_key, options
     engines = engines if isinstance(engines, dict) else {model_name: engines}
     default = next(iter(engines))
-    loras: dict[str, tuple[str, LoRARequest]] = {}  # adapter name -> (its base model, request)
-    for i, (name, path) in enumerate((adapters or {}).items(), start=1):
-        if not engines[default].lora_enabled:
-            raise ValueError("LoRA adapters need enable_lora (--enable-lora)")
-        if name in engines:
-            raise ValueError(f"LoRA adapter name {name!r} is a model's name")
-        loras[name] = (default, LoRARequest(name, i, path))
-        engines[default].engine.add_lora(loras[name][1])
-    lora_ids = itertools.count(len(loras) + 1)
+    if adapters and not engines[default].lora_enabled:
+        raise ValueError("LoRA adapters need enable_lora (--enable-lora)")
+    taken = [name for name in adapters or {} if name in engines]
+    if taken:
+        raise ValueError(f"LoRA adapter name {taken[0]!r} is a model's name")
+    engines[default].load_adapters(adapters or {})
+
+    def loras() -> dict[str, tuple[str, LoRARequest]]:
+        """Every adapter served, from the engines' own registries: name -> (its base model, request)."""
+        return {name: (model, lora) for model, e in engines.items() for name, lora in e.adapters().items()}
+
     texts = {name: TokenText(e.tokenizer) for name, e in engines.items()}
 
     @asynccontextmanager
@@ -123,7 +124,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         print("vkv: engine stopped, KV memory released", flush=True)
 
     app = FastAPI(title="vkv", docs_url=None, redoc_url=None, lifespan=lifespan)
-    vocab = min(e.engine.model_config.vocab_size for e in engines.values())
+    vocab = min(e.vocab_size for e in engines.values())
     app.openapi = lambda: app.openapi_schema or _with_limits(FastAPI.openapi(app), app, vocab, limits.max_n)
     app.add_middleware(BodyGuard, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout)
 
@@ -133,14 +134,14 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
             return default, engines[default]
         if model not in engines:
             raise HTTPError(404, f"model {model!r} does not exist; this server has "
-                                 f"{', '.join(map(repr, [*engines, *loras]))}", "model_not_found")
+                                 f"{', '.join(map(repr, [*engines, *loras()]))}", "model_not_found")
         return model, engines[model]
 
     def pick(model: str | None) -> tuple[str, str, AsyncEngine, LoRARequest | None]:
         """What a generation request's `model` names: (that name, its base model, the base's
         engine, the LoRA adapter or None); 404 for a name this server does not have."""
-        if model in loras:
-            parent, lora = loras[model]
+        if model is not None and model not in engines and model in (served := loras()):
+            parent, lora = served[model]
             return model, parent, engines[parent], lora
         name, engine = base(model)
         return name, name, engine, None
@@ -318,7 +319,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         cards = [{"id": name, "object": "model", "owned_by": "vkv", "root": name, "parent": None,
                   "max_model_len": e.max_model_len} for name, e in engines.items()]
         cards += [{"id": name, "object": "model", "owned_by": "vkv", "root": name, "parent": parent,
-                   "max_model_len": engines[parent].max_model_len} for name, (parent, _) in loras.items()]
+                   "max_model_len": engines[parent].max_model_len} for name, (parent, _) in loras().items()]
         return {"object": "list", "data": cards}
 
     # vLLM's runtime adapter routes (there behind VLLM_ALLOW_RUNTIME_LORA_UPDATING, here behind
@@ -336,24 +337,22 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
     async def load_lora_adapter(body: LoadLoRARequest):
         parent = body.model if body.model is not None else default  # "" names no model: 404, as elsewhere
         engine = runtime_lora(parent)
-        if body.lora_name in loras or body.lora_name in engines:
+        if body.lora_name in loras() or body.lora_name in engines:
             raise HTTPError(400, f"the name {body.lora_name!r} is taken: unload it first")
-        lora = LoRARequest(body.lora_name, next(lora_ids), body.lora_path)
         try:
-            await engine.add_lora(lora)
+            await engine.add_lora(body.lora_name, body.lora_path)
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
-        loras[body.lora_name] = (parent, lora)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", dependencies=[Depends(authorize)], include_in_schema=False)
     async def unload_lora_adapter(body: UnloadLoRARequest):
-        if body.lora_name not in loras:
+        served = loras()
+        if body.lora_name not in served:
             runtime_lora(default)
             raise HTTPError(404, f"no LoRA adapter named {body.lora_name!r}", "not_found")
-        parent, _ = loras[body.lora_name]
-        runtime_lora(parent).remove_lora(body.lora_name)
-        del loras[body.lora_name]  # requests running with it finish with it
+        parent, _ = served[body.lora_name]
+        runtime_lora(parent).remove_lora(body.lora_name)  # requests running with it finish with it
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
