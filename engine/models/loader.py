@@ -10,10 +10,13 @@ GGUF files are dequantized once and cached as a checkpoint directory under $VKV_
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -60,9 +63,21 @@ def checkpoint_dir(spec: str | None) -> Path | None:
 
 
 def _converted_gguf(path: Path) -> Path:
+    """The GGUF converted once into the cache. Several processes may start at once (a test
+    suite's workers, replicas): one converts under a file lock while the others wait for it,
+    and the result appears whole (written in a directory of its own, then renamed)."""
     out = cache_root() / "models" / f"{path.stem}-{path.stat().st_size}"
     if (out / "model.safetensors").is_file():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if not (out / "model.safetensors").is_file():
+            _convert(path, out)
+    return out
+
+
+def _convert(path: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -73,14 +88,16 @@ def _converted_gguf(path: Path) -> Path:
     config.pop("quantization_config", None)
     state = {k: v.contiguous() for k, v in hf.state_dict().items()
              if not (config.get("tie_word_embeddings") and k == "lm_head.weight")}
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    save_file(state, str(tmp / "model.safetensors"))
-    tmp.rename(out)
-    return out
-
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent))
+    try:
+        tokenizer.save_pretrained(tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        save_file(state, str(tmp / "model.safetensors"))
+        if out.exists():  # left by a conversion that died before its last file: redone
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 def load_config(spec: str | None) -> ModelConfig:
     if spec is not None and spec.startswith("random:"):
