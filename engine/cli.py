@@ -63,6 +63,24 @@ def cmd_profile_mapping(args: argparse.Namespace) -> None:
     profile_mapping.run(args, "vkv profile-mapping " + " ".join(sys.argv[2:]))
 
 
+def cmd_pool_owner(args: argparse.Namespace) -> None:
+    """Own a physical KV pool that engine processes started with --kv-pool SOCKET draw from."""
+    import signal
+
+    import vmm
+    from engine.config import DEFAULT_HOST_PAGE
+    backend = vmm.HostBackend(args.page_size or DEFAULT_HOST_PAGE)
+    owner = vmm.PoolOwner(backend, max(1, args.kv_cache_memory // backend.page_size), args.socket)
+    signal.signal(signal.SIGTERM, lambda *_: owner.request_stop())
+    print(f"vkv: pool of {owner.pool.num_pages} pages of {backend.page_size} bytes at {args.socket}", flush=True)
+    try:
+        owner.serve()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        owner.stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="vkv", description="LLM serving on GPU virtual memory")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +107,13 @@ def main(argv: list[str] | None = None) -> None:
     worker.add_argument("--rank", type=int, required=True)
     EngineConfig.add_cli_args(worker)
     worker.set_defaults(func=cmd_tp_worker)
+
+    owner = sub.add_parser("pool-owner", help="own a physical KV pool that several engine processes "
+                           "(--kv-pool SOCKET) share: pages, reference counts and page names for all of them")
+    owner.add_argument("--socket", required=True, help="Unix socket path (made readable by this user only)")
+    owner.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV pages")
+    owner.add_argument("--page-size", type=int, default=None, help="bytes per physical page")
+    owner.set_defaults(func=cmd_pool_owner)
 
     live = sub.add_parser("top", help="live view of a server's KV pool: pages per model, running and waiting")
     live.add_argument("--url", default="http://127.0.0.1:8000")

@@ -60,6 +60,10 @@ class EngineConfig:
     kv_offloading_size: float = 0  # GiB of host tier (0: none)
     kv_offloading_path: str | None = None  # directory of the persistent disk tier (None: none)
     kv_offloading_path_size: float = 16  # GiB the disk tier may hold
+    # A physical KV pool shared by several engine processes (vmm/owner.py): the owner's socket. The
+    # engine's pages come from it and complete pages are published there, so a prefix one process
+    # computed is read in place by the others (host backend, virtual layouts).
+    kv_pool: str | None = None
     tensor_parallel_size: int = 1  # ranks sharing every layer's heads (CPU, torch.distributed gloo)
     distributed_init: str | None = None  # rank 0's rendezvous, e.g. tcp://10.0.0.1:29500; default: a free local port
     tensor_parallel_workers: str = "spawn"  # or "external": ranks 1..N-1 are started with `vkv tp-worker`
@@ -108,6 +112,10 @@ class EngineConfig:
                              "wired: each rank would need its own tier")
         if self.swap_space <= 0:
             raise ValueError(f"swap_space must be > 0 GiB, got {self.swap_space}")
+        if self.kv_pool is not None and (self.kv_layout == "paged" or self.tensor_parallel_size > 1
+                                         or self.device.type != "cpu" or self.offloading):
+            raise ValueError("kv_pool (a pool shared across processes) is wired for one CPU rank with a virtual "
+                             "kv_layout and no KV tiers so far")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}: "
                              f"choose one of {ATTENTION_BACKENDS}")
@@ -224,6 +232,8 @@ class EngineConfig:
                        help="directory of a persistent KV tier: cached prefixes survive a restart")
         g.add_argument("--kv-offloading-path-size", type=float, default=EngineConfig.kv_offloading_path_size,
                        help="GiB the directory may hold (oldest entries go first)")
+        g.add_argument("--kv-pool", default=None, metavar="SOCKET", help="draw KV pages from the shared pool "
+                       "of `vkv pool-owner` at SOCKET: engine processes read each other's cached prefixes in place")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=EngineConfig.tensor_parallel_size,
                        help="processes sharing every layer's heads, each with its own KV page pool")
         g.add_argument("--distributed-init", default=None, help="rendezvous of rank 0, e.g. tcp://HOST:PORT")
@@ -248,7 +258,7 @@ class EngineConfig:
         names = ("model", "device", "dtype", "kv_cache_dtype", "kv_layout", "kv_cache_memory", "page_size", "block_size",
                  "max_num_seqs", "max_model_len", "max_num_batched_tokens", "attention_backend",
                  "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
-                 "kv_offloading_size", "kv_offloading_path", "kv_offloading_path_size",
+                 "kv_offloading_size", "kv_offloading_path", "kv_offloading_path_size", "kv_pool",
                  "tensor_parallel_size", "distributed_init", "tensor_parallel_workers", "map_ahead_tokens", "speculative_config",
                  "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
         models = args.model if isinstance(args.model, list) else [args.model]

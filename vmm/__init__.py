@@ -48,9 +48,11 @@ from vmm.cuda import CudaBackend, unavailable_reason as cuda_unavailable_reason
 from vmm.errors import (AlreadyMapped, BackendUnavailable, DoubleFree, InvariantViolation,
                         NotMapped, OutOfRange, PartialUnmap, PoolExhausted, ReservationReleased, UnmappedAccess,
                         VmmError)
+from vmm.attach import AttachedPool
 from vmm.host import HostBackend
 from vmm.pool import PageAllocator, PagePool, PoolStats
 from vmm.reservation import Reservation
+from vmm.owner import PoolOwner
 from vmm.share import PoolShare, SharedPool
 from vmm.swap import SlotStore, SwapSpace
 
@@ -65,6 +67,6 @@ def make_backend(name: str, page_size: int | None = None, device: int = 0) -> Ba
 
 
 __all__ = ["Backend", "HostBackend", "CudaBackend", "cuda_unavailable_reason", "make_backend",
-           "PageAllocator", "PagePool", "PoolStats", "Reservation", "SharedPool", "PoolShare", "SlotStore", "SwapSpace", "VmmError", "BackendUnavailable",
+           "PageAllocator", "PagePool", "PoolOwner", "AttachedPool", "PoolStats", "Reservation", "SharedPool", "PoolShare", "SlotStore", "SwapSpace", "VmmError", "BackendUnavailable",
            "PoolExhausted", "DoubleFree", "NotMapped", "AlreadyMapped", "OutOfRange",
            "UnmappedAccess", "ReservationReleased", "InvariantViolation", "PartialUnmap"]

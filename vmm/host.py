@@ -59,9 +59,23 @@ class HostBackend(Backend):
         self.fd = os.memfd_create("vkv-pages", os.MFD_CLOEXEC)
         self._free_slots: list[int] = []
         self._next_slot = 0
+        self.attached = False  # True: the pages are another process's (vmm/owner.py)
         self._finalizer = weakref.finalize(self, os.close, self.fd)
 
+    @classmethod
+    def attach(cls, fd: int, page_size: int) -> HostBackend:
+        """The pages of another process's pool (its memfd, received over a Unix socket): this
+        process maps, copies and views them; only their owner creates and releases them."""
+        backend = cls(page_size)
+        os.close(backend.fd)
+        backend._finalizer.detach()
+        backend.fd, backend.attached = fd, True
+        backend._finalizer = weakref.finalize(backend, os.close, fd)
+        return backend
+
     def create_page(self) -> int:
+        if self.attached:
+            raise RuntimeError("an attached backend's pages are created by the pool's owner")
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
         if slot == self._next_slot:
             self._next_slot += 1
@@ -72,6 +86,8 @@ class HostBackend(Backend):
         return slot
 
     def release_page(self, handle: int) -> None:
+        if self.attached:
+            raise RuntimeError("an attached backend's pages are released by the pool's owner")
         mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
         _check(self.libc.fallocate(self.fd, mode, handle * self.page_size, self.page_size),
                "fallocate(PUNCH_HOLE)")

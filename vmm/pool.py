@@ -86,6 +86,10 @@ class PageAllocator:
             self.free_ids.append(page)
             return True
 
+    def own_refs(self, page: int) -> int:
+        """The references this process holds on a page (all of them: the pool is this process's)."""
+        return self.ref_counts[page]
+
     def borrow(self, need: int) -> None:
         """Ask other tenants for pages (a `vmm.PoolShare`); a pool of one's own has none to ask."""
 

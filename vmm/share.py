@@ -107,6 +107,9 @@ class PoolShare:
     def ref_counts(self) -> list[int]:
         return self.pool.ref_counts
 
+    def own_refs(self, page: int) -> int:
+        return self.pool.own_refs(page)
+
     @property
     def num_pages(self) -> int:
         """The most pages this tenant may ever hold (its cap)."""

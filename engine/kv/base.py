@@ -249,6 +249,13 @@ class KVCacheBase(ABC):
         self.after_install(seq, len(hits))
         return self.tokens_in_pages(len(hits) + self._restore(seq, len(hits)))
 
+    def name_pages_in(self, namespace: bytes) -> None:
+        """Pages are named in `namespace` from now on (a pool shared across processes, a tier
+        that outlives the process). Only before the first sequence."""
+        if self.handles:
+            raise RuntimeError("pages are named before any sequence is admitted")
+        self.namespace = namespace
+
     # -- the tiers (engine/kv/tiers.py) ------------------------------------------------------
     def attach_tiers(self, tiers: KVTiers, namespace: bytes) -> None:
         """Evicted entries go to `tiers` and come back from them; pages are named in
@@ -449,7 +456,7 @@ class KVCacheBase(ABC):
     def stats(self) -> KVStats:
         pool, c = self.pool.stats(), self.prefix_cache
         idle = self.pages_idle()
-        cached = sum(1 for p in (c.held() if c else {}) if self.pool.ref_counts[p] == 1)
+        cached = sum(1 for p in (c.held() if c else {}) if self.pool.own_refs(p) == 1)
         return KVStats(
             layout=self.layout, page_size=self.page_size, pages_total=pool.total, pages_free=pool.free,
             pages_in_use=pool.in_use - idle - cached, pages_idle=idle, pages_cached=cached,
@@ -459,4 +466,5 @@ class KVCacheBase(ABC):
             prefix_cache_hits=c.hits if c else 0, evictions=c.evictions if c else 0, asleep=pool.asleep,
             tiers=tuple(dataclasses.replace(t, tokens_restored=self.restored_tokens[t.tier])
                         for t in (self.tiers.stats() if self.tiers else ())),
-            tier_restore_seconds=self.restore_seconds, tier_offload_seconds=self.offload_seconds)
+            tier_restore_seconds=self.restore_seconds, tier_offload_seconds=self.offload_seconds,
+            prefix_cache_imported=c.imported if c else 0)

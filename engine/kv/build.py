@@ -32,6 +32,8 @@ def make_kv_cache(c: EngineConfig, cfg: ModelConfig, budget: int, max_model_len:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {budget} is below one block ({block_bytes} bytes)")
         return PagedKVCache(cfg, c.block_size, num_blocks, c.kv_dtype, c.device, c.enable_prefix_caching)
+    if c.kv_pool is not None:  # a pool several engine processes draw from (vmm/owner.py)
+        pool = vmm.AttachedPool(c.kv_pool)
     if pool is not None:
         backend, num_pages = pool.backend, pool.num_pages
     else:
@@ -45,6 +47,13 @@ def make_kv_cache(c: EngineConfig, cfg: ModelConfig, budget: int, max_model_len:
         swap = vmm.SwapSpace(backend, int(c.swap_space * (1 << 30)), c.swap_path)
     return VirtualKVCache(cfg, c.kv_layout, c.max_num_seqs * (2 if swap else 1), max_model_len, c.kv_dtype,
                           backend, num_pages, c.enable_prefix_caching, tile_rows, swap, pool)
+
+
+def shared_names(kv: VirtualKVCache, c: EngineConfig) -> None:
+    """Over a pool several processes share, pages are named in a namespace of the weights and
+    the KV geometry, so no process maps another model's or layout's pages for a prefix."""
+    geometry = {"compute_dtype": str(c.compute_dtype), **kv.geometry()}
+    kv.name_pages_in(namespace_of(weights_fingerprint(c.model, c.seed), geometry))
 
 
 def attach_tiers(kv: VirtualKVCache | PagedKVCache, c: EngineConfig) -> None:

@@ -13,6 +13,12 @@ The cache holds one reference on every page of an entry (an entry is the page of
 region that covers those tokens), so a cached page outlives the sequence that wrote it. Entries
 sit in LRU order; `evict` drops the least recently used entries nobody else maps, only when
 the pool needs the memory.
+
+Over a pool shared by several processes (`vmm.AttachedPool`, Note [Pool across processes]) the
+cache is this process's view of one directory: an entry it commits is also published there
+under its name, and a name it does not hold is looked up there, so a prefix another process
+computed is mapped in place (its pages counted in `imported`). An entry this process lets go
+stays in the directory for the others until the pool's owner needs the memory.
 """
 from __future__ import annotations
 
@@ -46,9 +52,11 @@ def chain_hash(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
 class PrefixCache:
     def __init__(self, pool: PageAllocator):
         self.pool = pool
+        self.shared = hasattr(pool, "lookup")  # a pool several processes draw from: one directory of names
         self.on_evict = None  # called with (name, pages) before an entry's pages are let go (the KV tiers)
         self.entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self.queries = self.hits = self.evictions = 0  # queries and hits count tokens
+        self.imported = 0  # entries found in the shared directory, computed by another process
 
     def match(self, hashes: list[bytes]) -> list[tuple[int, ...]]:
         """The entries of the longest cached prefix of `hashes`, now most recently used."""
@@ -59,6 +67,12 @@ class PrefixCache:
                 break
             self.entries.move_to_end(h)
             found.append(pages)
+        if self.shared and len(found) < len(hashes):
+            rest = hashes[len(found):]
+            for h, pages in zip(rest, self.pool.lookup(rest)):
+                self.entries[h] = pages  # the lookup's references become the cache's
+                found.append(pages)
+                self.imported += 1
         return found
 
     def insert(self, h: bytes, pages: tuple[int, ...]) -> None:
@@ -68,10 +82,12 @@ class PrefixCache:
         for page in pages:
             self.pool.hold(page)
         self.entries[h] = pages
+        if self.shared:
+            self.pool.publish([(h, pages)])
 
     def evictable_pages(self) -> int:
         """Pages only the cache references: what evict() could free now."""
-        return sum(1 for pages in self.entries.values() for p in pages if self.pool.ref_counts[p] == 1)
+        return sum(1 for pages in self.entries.values() for p in pages if self.pool.own_refs(p) == 1)
 
     def evict(self, want_free: int) -> None:
         """Drop least recently used entries that no sequence maps until the pool has want_free
@@ -80,7 +96,7 @@ class PrefixCache:
             if self.pool.num_free >= want_free:
                 return
             pages = self.entries[h]
-            if all(self.pool.ref_counts[p] == 1 for p in pages):
+            if all(self.pool.own_refs(p) == 1 for p in pages):
                 del self.entries[h]
                 self._let_go(h, pages)
                 self.evictions += 1

@@ -57,7 +57,7 @@ class VirtualKVCache(KVCacheBase):
     def __init__(self, cfg: ModelConfig, layout: str, num_slots: int, max_model_len: int,
                  dtype: torch.dtype, backend: vmm.Backend, num_pages: int,
                  enable_prefix_caching: bool = False, tile_rows: int = 1,
-                 swap: vmm.SwapSpace | None = None, pool: vmm.PoolShare | None = None):
+                 swap: vmm.SwapSpace | None = None, pool: vmm.PoolShare | vmm.AttachedPool | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown virtual kv_layout {layout!r}: choose one of {LAYOUTS}")
         self.layout, self.num_slots, self.dtype = layout, num_slots, dtype
@@ -71,7 +71,9 @@ class VirtualKVCache(KVCacheBase):
         self.tile_rows = tile_rows  # > 1: the kernel loads whole tiles, mapped and zeroed
         self.slot_pages = self.rows * self.row_bytes // self.page_size
         self.num_regions = 1 if layout == "interleaved" else 2 * L
-        self.owns_pool = pool is None  # else a share of a pool several models draw from (vmm/share.py)
+        # else a share of a pool several models draw from (vmm/share.py); an AttachedPool (a pool
+        # several processes draw from, vmm/attach.py) is this cache's to leave
+        self.owns_pool = pool is None or isinstance(pool, vmm.AttachedPool)
         super().__init__(vmm.PagePool(backend, num_pages) if pool is None else pool, enable_prefix_caching)
         self.regions = [vmm.Reservation(self.pool, num_slots * self.slot_pages * self.page_size)
                         for _ in range(self.num_regions)]
@@ -299,7 +301,7 @@ class VirtualKVCache(KVCacheBase):
         refs = Counter(region.page_at(slot * self.slot_pages + i) for slot in self.idle_slots
                        for i in self._slot_pages(slot) for region in self.regions)
         held = self.held_by_cache()
-        return sum(1 for page, n in refs.items() if self.pool.ref_counts[page] == n + held.get(page, 0))
+        return sum(1 for page, n in refs.items() if self.pool.own_refs(page) == n + held.get(page, 0))
 
     def block_table(self, seqs: list[Sequence], ctx_lens: list[int]) -> tuple[list[list[int]], int]:
         """A slot is one block as long as the slot: K/V rows are read in place."""

@@ -1,0 +1,251 @@
+"""One physical pool across processes (vmm/owner.py, vmm/attach.py): pages computed in one
+process are read in place in another, references are counted over all of them, and a process
+that dies gives every reference back at once."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from vmm import HostBackend, Reservation
+from vmm.attach import AttachedPool, OwnerError
+from vmm.errors import PoolExhausted
+from vmm.owner import PoolOwner
+
+PAGE = 4096
+HELPER = Path(__file__).with_name("pool_process.py")
+
+
+@pytest.fixture
+def owner(tmp_path):
+    owner = PoolOwner(HostBackend(PAGE), 16, str(tmp_path / "pool.sock")).start()
+    yield owner
+    owner.stop()
+
+
+def spawn(owner):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    return subprocess.Popen([sys.executable, str(HELPER), owner.path], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+
+
+def ask(proc, line: str) -> list[str]:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().split()
+
+
+def eventually(predicate, seconds: float) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < seconds, "not within the bound"
+        time.sleep(0.005)
+    return time.monotonic() - start
+
+
+def test_a_page_written_in_one_process_is_read_in_place_by_another(owner):
+    a, b = spawn(owner), spawn(owner)
+    try:
+        _, page = ask(a, "write prefix-0 42")
+        assert ask(b, "read prefix-0") == ["value", "42"]
+        assert ask(b, "read nothing-here") == ["missing"]
+        # one physical page, two processes holding it, the directory caching it: nothing copied
+        assert owner.holders[int(page)] == {0, *owner.held} and len(owner.held) == 2
+        assert owner.pool.num_free == 15
+        owner.audit()
+    finally:
+        a.kill(), b.kill()
+        a.wait(), b.wait()
+
+
+def test_a_process_killed_mid_work_gives_every_reference_back_within_a_second(owner):
+    a, b = spawn(owner), spawn(owner)
+    try:
+        for i in range(5):
+            ask(a, f"write p{i} {i + 1}")
+        assert ask(b, "read p0") == ["value", "1"]
+        assert ask(a, "held") == ["held", "5"]
+        killed = time.monotonic()
+        os.kill(a.pid, signal.SIGKILL)
+        eventually(lambda: len(owner.held) == 1, 1.0)
+        took = time.monotonic() - killed
+        owner.audit()
+        # its published pages stay cached (their bytes are whole); only b's reference remains on p0
+        assert owner.stats()["cached"] == 4 and owner.stats()["named"] == 5 and owner.recovered == 5
+        assert owner.pool.num_free == 11
+        assert ask(b, "read p3") == ["value", "4"]  # read in place after its writer died
+        print(f"references of the killed process back in {took * 1e3:.1f} ms")
+    finally:
+        a.kill(), b.kill()
+        a.wait(), b.wait()
+
+
+def test_a_looked_up_page_is_copied_before_any_write(owner):
+    mine, theirs = AttachedPool(owner.path), AttachedPool(owner.path)
+    try:
+        r = Reservation(mine, PAGE)
+        r.map_new(0)
+        r.view(torch.uint8, (PAGE,)).fill_(7)
+        mine.publish([(b"sealed", (r.page_at(0),))])
+        assert mine.ref_counts[r.page_at(0)] == 2  # others may read it: not writable in place
+        s = Reservation(theirs, PAGE)
+        (page,), = theirs.lookup([b"sealed"])
+        s.map(0, page)
+        theirs.drop(page)
+        assert s.copy_on_write(0) != page  # a private copy, the published page untouched
+        s.view(torch.uint8, (PAGE,)).fill_(9)
+        assert int(r.view(torch.uint8, (PAGE,))[0]) == 7
+        s.release(), r.release()
+        owner.audit()
+        assert owner.stats()["cached"] == 1
+    finally:
+        mine.close(), theirs.close()
+
+
+def test_cached_pages_nobody_maps_are_evicted_least_recently_used_first(owner):
+    pool = AttachedPool(owner.path)
+    try:
+        ranges = []
+        for i in range(16):
+            r = Reservation(pool, PAGE)
+            r.map_new(0)
+            pool.publish([(f"n{i}".encode(), (r.page_at(0),))])
+            ranges.append(r)
+        with pytest.raises(PoolExhausted):
+            pool.alloc()  # every page mapped: nothing to evict
+        for r in ranges[:8]:
+            r.release()
+        pool.lookup([b"n0"])  # n0 used again: n1 is now the least recently used
+        got = pool.alloc_many(2)
+        assert owner.evictions == 2 and b"n1" not in owner.directory and b"n0" in owner.directory
+        for page in got + list(owner.directory[b"n0"]):
+            pool.drop(page)
+        for r in ranges[8:]:
+            r.release()
+        pool.audit([])
+    finally:
+        pool.close()
+
+
+def test_the_owner_refuses_what_a_process_does_not_hold(owner):
+    pool = AttachedPool(owner.path)
+    try:
+        with pytest.raises(OwnerError, match="not held"):
+            pool._ask({"op": "drop", "pages": [3]})
+        with pytest.raises(OwnerError, match="unknown op"):
+            pool._ask({"op": "format-disk"})
+        owner.audit()
+    finally:
+        pool.close()
+
+
+class CrossProcessTraffic(RuleBasedStateMachine):
+    """Processes (each its own connection, as separate processes are) allocate, publish, look
+    up, copy on write, release, and die without a word; after every step each page is free,
+    held or cached, its count equals its holders over all processes, every process's own count
+    equals its mappings, and a name always reads the bytes it was published with."""
+
+    def __init__(self):
+        super().__init__()
+        import tempfile
+        self.dir = tempfile.mkdtemp()
+        self.owner = PoolOwner(HostBackend(PAGE), 12, os.path.join(self.dir, "pool.sock")).start()
+        self.procs: list[tuple[AttachedPool, list[Reservation]]] = []
+        self.names: dict[bytes, int] = {}  # name -> the byte its page holds
+        self.counter = 0
+
+    def teardown(self):
+        for pool, ranges in self.procs:
+            for r in ranges:
+                r.release()
+            pool.close()
+        self.owner.stop()
+
+    @precondition(lambda self: len(self.procs) < 4)
+    @rule()
+    def join(self):
+        self.procs.append((AttachedPool(self.owner.path), []))
+
+    @precondition(lambda self: self.procs)
+    @rule(i=st.integers(0, 3), publish=st.booleans())
+    def write(self, i, publish):
+        pool, ranges = self.procs[i % len(self.procs)]
+        r = Reservation(pool, PAGE)
+        try:
+            r.map_new(0)
+        except PoolExhausted:
+            r.release()
+            return
+        self.counter += 1
+        value = self.counter % 251
+        r.view(torch.uint8, (PAGE,)).fill_(value)
+        ranges.append(r)
+        if publish:
+            name = f"page-{self.counter}".encode()
+            pool.publish([(name, (r.page_at(0),))])
+            self.names[name] = value
+
+    @precondition(lambda self: self.procs and self.names)
+    @rule(i=st.integers(0, 3), pick=st.integers(0, 1000), write=st.booleans())
+    def read(self, i, pick, write):
+        pool, ranges = self.procs[i % len(self.procs)]
+        name = sorted(self.names)[pick % len(self.names)]
+        found = pool.lookup([name])
+        if not found:  # evicted meanwhile
+            return
+        pages = found[0]
+        r = Reservation(pool, PAGE)
+        r.map(0, pages[0])
+        pool.drop(pages[0])
+        assert int(r.view(torch.uint8, (PAGE,))[0]) == self.names[name]
+        if write:
+            try:
+                r.copy_on_write(0)
+            except PoolExhausted:
+                pass
+            else:
+                r.view(torch.uint8, (PAGE,)).fill_(0)
+        ranges.append(r)
+
+    @precondition(lambda self: any(ranges for _, ranges in self.procs))
+    @rule(i=st.integers(0, 3), j=st.integers(0, 100))
+    def release(self, i, j):
+        live = [p for p in self.procs if p[1]]
+        pool, ranges = live[i % len(live)]
+        ranges.pop(j % len(ranges)).release()
+
+    @precondition(lambda self: self.procs)
+    @rule(i=st.integers(0, 3))
+    def die(self, i):
+        """The process is gone without a word: its socket closes, its mappings vanish with it."""
+        pool, ranges = self.procs.pop(i % len(self.procs))
+        pool._sock.close()
+        for r in ranges:  # what the kernel does to a dead process's address space
+            r._finalizer.detach()
+            pool.backend.free_reservation(r.addr, r.nbytes)
+        eventually(lambda: pool.process not in self.owner.held, 1.0)
+
+    @invariant()
+    def whole(self):
+        for pool, ranges in self.procs:
+            pool.audit(ranges)
+        self.owner.audit()
+        for name, (page,) in self.owner.directory.items():
+            holder = next(((pool, page) for pool, _ in self.procs if pool.local[page]), None)
+            if holder is not None:
+                r = Reservation(holder[0], PAGE)
+                r.map(0, page)
+                assert int(r.view(torch.uint8, (PAGE,))[0]) == self.names[name]
+                r.release()
+
+
+TestCrossProcessTraffic = CrossProcessTraffic.TestCase
+TestCrossProcessTraffic.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
+                                            suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,220 @@
+"""A process's view of a pool another process owns (vmm/owner.py, Note [Pool across processes]).
+
+`AttachedPool` has the PagePool interface that reservations and KV caches use (page ids,
+handles, backend, lock, reference counts, alloc/hold/drop, stats, audit), so everything built
+over a pool runs over it unchanged. Who writes what: the owner records which processes hold each
+page; this process counts its own mappings and holds (`local`), and tells the owner only when a
+page enters it (alloc, lookup) or leaves it (the last local reference dropped).
+
+A page some other process may also reference (one this process published under its name, or
+one it looked up) is never written in place: its reference count reads one more than this
+process's own, so copy-on-write copies it before any write, as it copies a page shared inside
+one process.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+from vmm import wire
+from vmm.errors import DoubleFree, InvariantViolation, PoolExhausted, VmmError
+from vmm.host import HostBackend
+from vmm.pool import PoolStats
+
+
+class OwnerError(VmmError):
+    """The owner refused a request, or is gone."""
+
+
+class _Counts(Sequence):
+    """ref_counts as the rest of vmm reads them: this process's references, plus one for a page
+    other processes may reference too."""
+
+    def __init__(self, pool: AttachedPool):
+        self.pool = pool
+
+    def __len__(self) -> int:
+        return len(self.pool.local)
+
+    def __getitem__(self, page: int) -> int:
+        count = self.pool.local[page]
+        return count + 1 if count and page in self.pool.foreign else count
+
+
+class AttachedPool:
+    asleep = False
+
+    def __init__(self, path: str):
+        self.closed = False  # left the pool (or the owner is gone): the owner holds nothing of ours
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock.connect(path)
+        self.lock = threading.RLock()
+        self._sock_lock = threading.Lock()
+        hello, fds = self._ask({"op": "hello"}, max_fds=1)
+        if len(fds) != 1:
+            raise OwnerError("the pool's owner sent no memory descriptor")
+        self.page_size = hello["page_size"]
+        self.process = hello["process"]  # the owner's id for this process
+        self.handles: list[int] = hello["handles"]
+        self.backend = HostBackend.attach(fds[0], self.page_size)
+        self.local = [0] * hello["num_pages"]
+        self.foreign: set[int] = set()  # held pages other processes may reference (looked up or published)
+        self.ref_counts = _Counts(self)
+        self.peak_in_use = 0
+        self._held = 0  # pages with a local reference
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.local)
+
+    def _ask(self, message: dict, max_fds: int = 0) -> tuple[dict, list[int]]:
+        if self.closed:
+            raise OwnerError("this process has left the pool")
+        with self._sock_lock:
+            try:
+                wire.send(self._sock, message)
+                answer, fds = wire.receive(self._sock, max_fds)
+            except wire.WireError as exc:
+                self.closed = True  # nothing more can be asked; the owner releases our references
+                raise OwnerError(f"the pool's owner is gone: {exc}") from exc
+        if "error" in answer:
+            raise OwnerError(f"the pool's owner refused {message.get('op')}: {answer['message']}")
+        return answer, fds
+
+    # -- the PagePool interface -----------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Pages free in the whole pool now (other processes may take them before this one does)."""
+        return self._ask({"op": "stats"})[0]["free"]
+
+    def alloc(self) -> int:
+        return self.alloc_many(1)[0]
+
+    def alloc_many(self, n: int) -> list[int]:
+        """Take n pages, all or none (the owner evicts cached pages nobody maps to find them)."""
+        with self.lock:
+            if n == 0:
+                return []
+            answer, _ = self._ask({"op": "alloc", "n": n})
+            if not answer["pages"]:
+                raise PoolExhausted(f"need {n} pages, {answer['free']} of {self.num_pages} free in the shared pool")
+            for page in answer["pages"]:
+                self._take(page)
+            return answer["pages"]
+
+    def _take(self, page: int) -> None:
+        self.local[page] = 1
+        self._held += 1
+        self.peak_in_use = max(self.peak_in_use, self._held)
+
+    def own_refs(self, page: int) -> int:
+        """This process's references (ref_counts adds one for a page others may reference)."""
+        return self.local[page]
+
+    def hold(self, page: int) -> None:
+        with self.lock:
+            if self.local[page] == 0:
+                raise DoubleFree(f"page {page} is not held by this process: take it with alloc() or lookup()")
+            self.local[page] += 1
+
+    def drop(self, page: int) -> bool:
+        """Drop one reference; the last one tells the owner (True: this process let go of it)."""
+        with self.lock:
+            if self.local[page] == 0:
+                raise DoubleFree(f"page {page} is already free in this process")
+            self.local[page] -= 1
+            if self.local[page]:
+                return False
+            self._held -= 1
+            self.foreign.discard(page)
+            if not self.closed:  # once it left, the owner dropped all of its references already
+                try:
+                    self._ask({"op": "drop", "pages": [page]})
+                except OwnerError:
+                    if not self.closed:
+                        raise
+            return True
+
+    def borrow(self, need: int) -> None:
+        """Other tenants are other processes: the owner frees cached pages for an alloc itself."""
+
+    def borrowable(self) -> int:
+        return 0
+
+    # -- names: what replicas share --------------------------------------------------------
+    def publish(self, entries: Iterable[tuple[bytes, tuple[int, ...]]]) -> list[bool]:
+        """Cache sealed entries (name, the page of each region) for every process; from now on
+        their pages are never written in place here. Returns, per entry, whether it was new."""
+        entries = [(name, tuple(pages)) for name, pages in entries]
+        with self.lock:
+            for _, pages in entries:
+                for page in pages:
+                    if self.local[page] == 0:
+                        raise DoubleFree(f"page {page} is not held by this process: it cannot publish it")
+            answer, _ = self._ask({"op": "publish", "entries": [[name.hex(), pages] for name, pages in entries]})
+            for (_, pages), new in zip(entries, answer["published"]):
+                if new:
+                    self.foreign.update(pages)
+            return answer["published"]
+
+    def lookup(self, names: Sequence[bytes]) -> list[tuple[int, ...]]:
+        """The entries of the longest prefix of `names` that any process published, each page
+        now with one reference of this process's (drop it when done)."""
+        if not names:
+            return []
+        with self.lock:
+            answer, _ = self._ask({"op": "lookup", "names": [name.hex() for name in names]})
+            found = [tuple(pages) for pages in answer["pages"]]
+            for pages in found:
+                for page in pages:
+                    if self.local[page]:
+                        self.local[page] += 1
+                    else:
+                        self._take(page)
+                    self.foreign.add(page)
+            return found
+
+    # -- numbers and the audit --------------------------------------------------------------
+    def owner_stats(self) -> dict:
+        return self._ask({"op": "stats"})[0]
+
+    def stats(self) -> PoolStats:
+        with self.lock:
+            owner = self.owner_stats()
+            shared = sum(1 for page, count in enumerate(self.local) if count > 1 or (count and page in self.foreign))
+            return PoolStats(self.page_size, self.num_pages, owner["free"], self._held, shared, self.peak_in_use)
+
+    def check(self, expected: Mapping[int, int]) -> None:
+        """This process's count of each page equals the references its owners here say they hold,
+        and the pool's owner records exactly the pages this process references."""
+        with self.lock:
+            for page, count in enumerate(self.local):
+                if count != expected.get(page, 0):
+                    raise InvariantViolation(f"page {page}: this process counts {count}, "
+                                             f"its holders here hold {expected.get(page, 0)}")
+            try:
+                self._ask({"op": "audit", "held": [p for p, count in enumerate(self.local) if count]})
+            except OwnerError as exc:
+                raise InvariantViolation(str(exc)) from None
+
+    def audit(self, reservations: Iterable, held: Mapping[int, int] = {}) -> None:
+        with self.lock:
+            expected = Counter(held)
+            for reservation in reservations:
+                expected.update(reservation.mapped_pages().values())
+            self.check(expected)
+
+    def release_memory(self) -> None:
+        raise VmmError("a pool shared across processes sleeps with its owner, not one process")
+
+    def restore_memory(self) -> None:
+        raise VmmError("a pool shared across processes sleeps with its owner, not one process")
+
+    def close(self) -> None:
+        """Leave the pool: the owner drops every reference this process still holds. Its
+        reservations must be released first (their mappings would outlive the references)."""
+        self.closed = True
+        self._sock.close()
+        self.backend.close()

@@ -1,0 +1,278 @@
+"""One physical page pool, several processes: the owner that allocates, counts and names pages.
+
+Note [Pool across processes]
+----------------------------
+Rationale. Replicas of a model on one host, or a prefill process and a decode process, each
+keep a pool of their own today, so a prefix one of them computed is computed again by the
+other, and handing a prompt's KV from prefill to decode means copying it. The pages are already
+a file (host: one memfd) that any process can map: if the processes map the same pages, a page
+computed by one is read in place by the others, with no copy and no descriptor list.
+
+Approach. One process, the owner, holds the authority; every other process attaches
+(`vmm.attach.AttachedPool`) over a Unix socket and receives the pool's memory file descriptor
+once (SCM_RIGHTS), then maps pages into its own reservations as it always did. The owner keeps:
+  - allocation: the free pages (a process asks for n, gets n or none);
+  - references: per page, the set of holders: each process that references it (however many
+    mappings it has inside: those it counts itself) and the directory;
+  - names: the directory of sealed entries, name -> pages (an entry is the page of each KV
+    region holding the same tokens; its name is the chained SHA-256 of engine/kv/prefix_cache.py),
+    published by whoever computed them and looked up by anyone; a lookup takes a reference for
+    the caller in the same step, so nothing is evicted between;
+  - eviction: when a process asks for more pages than are free, the least recently used
+    directory entries that no process references are freed first.
+Why an owner and not a shared table with leases: every change is a message the owner applies
+alone, in order, so there is one writer and no cross-process lock or atomics to get right; a
+process that dies is noticed at once (its socket reads empty, or errors) and the owner drops
+every reference it held in the same loop iteration. The cost is a round trip (tens of us) when
+a page enters or leaves a process, not per mapping: a process counts its own mappings.
+
+Implementation. `PoolOwner` wraps a `PagePool` (page ids, physical pages, per-page counts,
+free FIFO) whose count per page is its number of holders, and serves a SOCK_SEQPACKET socket
+from one thread (`serve`, or `start` for a background thread). Verbs: hello (the descriptor,
+the geometry), alloc, drop, publish, lookup, stats, audit. `audit` checks every page is free,
+held by a process, or cached (held by the directory), that its count equals its holders, and
+that a process's claim of what it holds equals the owner's record.
+
+Limitations. Host backend only (CUDA: cuMemExportToShareableHandle is the same move, not done
+yet). A process that hangs without dying keeps its references (no leases). The owner is a
+single point of failure: if it dies, the pages stay mapped in every process (the memfd lives
+while mapped) but no process can allocate or look up again. The socket path is protected by the
+file system: every process that can connect can read every page, so it belongs in a directory
+only the server's user can open.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import socket
+import threading
+from collections import OrderedDict
+
+from vmm import wire
+from vmm.errors import InvariantViolation
+from vmm.host import HostBackend
+from vmm.pool import PagePool
+
+log = logging.getLogger("vkv.pool")
+DIRECTORY = 0  # the holder id of the name directory; processes are 1, 2, ...
+
+
+class PoolOwner:
+    def __init__(self, backend: HostBackend, num_pages: int, path: str):
+        if not isinstance(backend, HostBackend):
+            raise ValueError(f"a pool shared across processes needs the host backend, not {backend.name}")
+        self.pool = PagePool(backend, num_pages)
+        self.path = path
+        self.holders: list[set[int]] = [set() for _ in range(num_pages)]
+        self.held: dict[int, set[int]] = {}  # process -> the pages it holds
+        self.pids: dict[int, int] = {}  # process -> its pid (SO_PEERCRED), for logs
+        self.directory: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # name -> pages, least recently used first
+        self.name_of: dict[int, bytes] = {}
+        self.evictions = self.recovered = 0  # directory entries evicted; pages released for dead processes
+        self._next_id = DIRECTORY + 1
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        if os.path.exists(path):
+            os.unlink(path)
+        self._listener.bind(path)
+        os.chmod(path, 0o600)
+        self._listener.listen(64)
+
+    # -- the loop ------------------------------------------------------------------------
+    def start(self) -> PoolOwner:
+        """Serve from a background thread."""
+        self._thread = threading.Thread(target=self.serve, name="vkv-pool-owner", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ, None)
+        conns: dict[socket.socket, int] = {}
+        try:
+            while not self._stopping.is_set():
+                for key, _ in selector.select(timeout=0.1):
+                    if key.data is None:
+                        conn, _ = self._listener.accept()
+                        conns[conn] = self._join(conn)
+                        selector.register(conn, selectors.EVENT_READ, conns[conn])
+                        continue
+                    conn, client = key.fileobj, key.data
+                    try:
+                        message, _ = wire.receive(conn)
+                        wire.send(conn, *self._answer(client, message))
+                    except wire.WireError:
+                        selector.unregister(conn)
+                        del conns[conn]
+                        conn.close()
+                        self._leave(client)
+        finally:
+            for conn, client in conns.items():
+                conn.close()
+                self._leave(client)
+            selector.close()
+
+    def request_stop(self) -> None:
+        """Ask `serve` to return (from a signal handler or another thread)."""
+        self._stopping.set()
+
+    def stop(self) -> None:
+        """Stop serving (every process's references go) and give the pages back."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._listener.close()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        for name in list(self.directory):
+            self._uncache(name)
+        self.pool.close()
+        self.pool.backend.close()
+
+    def _join(self, conn: socket.socket) -> int:
+        client, self._next_id = self._next_id, self._next_id + 1
+        self.held[client] = set()
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        self.pids[client] = int.from_bytes(creds[:4], "little")
+        return client
+
+    def _leave(self, client: int) -> None:
+        """A process went away (closed, or died): every reference it held goes."""
+        pages = self.held.pop(client, set())
+        for page in pages:
+            self._release(client, page)
+        self.recovered += len(pages)
+        if pages:
+            log.info("vkv: pool process %d (pid %s) left holding %d pages: released", client,
+                     self.pids.get(client), len(pages))
+        self.pids.pop(client, None)
+
+    # -- the verbs -----------------------------------------------------------------------
+    def _answer(self, client: int, m: dict) -> tuple[dict, list[int]]:
+        op = m.get("op")
+        try:
+            if op == "hello":
+                return {"page_size": self.pool.page_size, "num_pages": self.pool.num_pages,
+                        "handles": list(self.pool.handles), "process": client}, [self.pool.backend.fd]
+            if op == "alloc":
+                return {"pages": self._alloc(client, int(m["n"])), "free": self.pool.num_free}, []
+            if op == "drop":
+                for page in m["pages"]:
+                    self._give_up(client, int(page))
+                return {"free": self.pool.num_free}, []
+            if op == "publish":
+                return {"published": [self._publish(client, bytes.fromhex(name), tuple(map(int, pages)))
+                                      for name, pages in m["entries"]]}, []
+            if op == "lookup":
+                return {"pages": self._lookup(client, [bytes.fromhex(n) for n in m["names"]])}, []
+            if op == "stats":
+                return self.stats(), []
+            if op == "audit":
+                self.audit({client: {int(p) for p in m["held"]}})
+                return {"ok": True}, []
+        except (KeyError, TypeError, ValueError, InvariantViolation) as exc:
+            return {"error": type(exc).__name__, "message": str(exc)}, []
+        return {"error": "ValueError", "message": f"unknown op {op!r}"}, []
+
+    def _alloc(self, client: int, n: int) -> list[int]:
+        if n < 1:
+            raise ValueError(f"alloc n must be >= 1, got {n}")
+        if self.pool.num_free < n:
+            self._evict(n)
+        pages = self.pool.alloc_many(n) if self.pool.num_free >= n else []
+        for page in pages:
+            self.holders[page].add(client)
+            self.held[client].add(page)
+        return pages
+
+    def _give_up(self, client: int, page: int) -> None:
+        if page not in self.held[client]:
+            raise ValueError(f"page {page} is not held by this process")
+        self.held[client].discard(page)
+        self._release(client, page)
+
+    def _release(self, holder: int, page: int) -> None:
+        self.holders[page].discard(holder)
+        self.pool.drop(page)
+
+    def _publish(self, client: int, name: bytes, pages: tuple[int, ...]) -> bool:
+        """Cache a sealed entry under its name (the directory takes a reference on each page);
+        False if the name, or one of its pages, is known already (the caller's stay its own)."""
+        if not pages or any(page not in self.held[client] for page in pages):
+            raise ValueError(f"pages {list(pages)[:8]} are not all held by this process")
+        if name in self.directory or any(page in self.name_of for page in pages):
+            return False
+        self.directory[name] = pages
+        for page in pages:
+            self.name_of[page] = name
+            self.holders[page].add(DIRECTORY)
+            self.pool.hold(page)
+        return True
+
+    def _lookup(self, client: int, names: list[bytes]) -> list[tuple[int, ...]]:
+        """The entries of the longest prefix of names the directory has, each page now also
+        held by the caller (at most one reference per process)."""
+        found = []
+        for name in names:
+            pages = self.directory.get(name)
+            if pages is None:
+                break
+            self.directory.move_to_end(name)
+            for page in pages:
+                if page not in self.held[client]:
+                    self.held[client].add(page)
+                    self.holders[page].add(client)
+                    self.pool.hold(page)
+            found.append(pages)
+        return found
+
+    def _evict(self, need: int) -> None:
+        """Free least recently used cached entries that no process references until `need`
+        pages are free."""
+        for name in list(self.directory):
+            if self.pool.num_free >= need:
+                return
+            if all(self.holders[page] == {DIRECTORY} for page in self.directory[name]):
+                self._uncache(name)
+                self.evictions += 1
+
+    def _uncache(self, name: bytes) -> None:
+        for page in self.directory.pop(name):
+            del self.name_of[page]
+            self._release(DIRECTORY, page)
+
+    # -- numbers and the audit -------------------------------------------------------------
+    def stats(self) -> dict:
+        cached = sum(1 for pages in self.directory.values() for page in pages if self.holders[page] == {DIRECTORY})
+        return {"free": self.pool.num_free, "total": self.pool.num_pages, "cached": cached,
+                "named": len(self.directory), "processes": len(self.held), "evictions": self.evictions,
+                "recovered": self.recovered,
+                "held": {str(self.pids.get(c, c)): len(p) for c, p in self.held.items()}}
+
+    def audit(self, claims: dict[int, set[int]] | None = None) -> None:
+        """Every page free, held by a process, or cached; its count equals its holders; the
+        directory and each process's record agree; a process's claim (the pages it says it
+        references) equals the owner's record of it."""
+        expected = {page: len(h) for page, h in enumerate(self.holders) if h}
+        self.pool.check(expected)
+        for client, pages in self.held.items():
+            for page in pages:
+                if client not in self.holders[page]:
+                    raise InvariantViolation(f"process {client} holds page {page}, which does not list it")
+        for page, holders in enumerate(self.holders):
+            for holder in holders - {DIRECTORY}:
+                if page not in self.held.get(holder, ()):
+                    raise InvariantViolation(f"page {page} lists process {holder}, which is gone or does not hold it")
+            if (DIRECTORY in holders) != (page in self.name_of):
+                raise InvariantViolation(f"page {page}: the directory's reference and its name disagree")
+        for name, pages in self.directory.items():
+            for page in pages:
+                if self.name_of.get(page) != name:
+                    raise InvariantViolation(f"page {page}: named twice or not at all")
+        for client, claim in (claims or {}).items():
+            if claim != self.held.get(client, set()):
+                extra, missing = claim - self.held.get(client, set()), self.held.get(client, set()) - claim
+                raise InvariantViolation(f"process {client} references pages the owner does not record "
+                                         f"({sorted(extra)[:5]}) or not those it records ({sorted(missing)[:5]})")

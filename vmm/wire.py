@@ -1,0 +1,50 @@
+"""The pool owner's wire: one message per datagram on a Unix SOCK_SEQPACKET socket.
+
+A message is a JSON object (page names travel as hex); the first answer of a connection carries
+the pool's memory file descriptor beside it (SCM_RIGHTS), so the other process maps the very
+same physical pages. SOCK_SEQPACKET keeps message boundaries and tells the owner at once when a
+process is gone (its end reads empty), which is how references of a dead process come back.
+"""
+from __future__ import annotations
+
+import json
+import socket
+
+MAX_MESSAGE = 1 << 20  # one message: a batch of up to ~100k page ids
+
+
+class WireError(ConnectionError):
+    """The other end went away, or sent what is not a message."""
+
+
+def send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    if len(data) > MAX_MESSAGE:
+        raise ValueError(f"a {len(data)}-byte message is over the wire's {MAX_MESSAGE}")
+    try:
+        if fds:
+            socket.send_fds(sock, [data], list(fds))
+        else:
+            sock.send(data)
+    except OSError as exc:
+        raise WireError(f"the other end went away: {exc}") from exc
+
+
+def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]]:
+    """One message (and the descriptors that came with it); WireError if the other end is gone."""
+    try:
+        if max_fds:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, max_fds)
+        else:
+            data, fds = sock.recv(MAX_MESSAGE), []
+    except OSError as exc:
+        raise WireError(f"the other end went away: {exc}") from exc
+    if not data:
+        raise WireError("the other end closed the connection")
+    try:
+        message = json.loads(data)
+    except ValueError as exc:
+        raise WireError("not a message") from exc
+    if not isinstance(message, dict):
+        raise WireError("not a message")
+    return message, fds
