@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     prof.set_defaults(func=cmd_profile_mapping)
 
     args = parser.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])[1:]  # what followed the command (replicas take it)
     try:
         args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -46,7 +46,7 @@ class KVStats:
     tiers: tuple[TierStats, ...] = ()  # the KV tiers below the pool, fastest first (engine/kv/tiers.py)
     tier_restore_seconds: float = 0.0  # admitting: looking up and copying entries back from the tiers
     tier_offload_seconds: float = 0.0  # evicting: copying entries into the tiers (disk: into its queue)
-    prefix_cache_imported: int = 0  # entries found in a pool shared across processes, computed by another
+    prefix_cache_imported: int = 0  # pages mapped from a pool shared across processes, computed by another
 
 
 @dataclass(slots=True)

@@ -1,8 +1,8 @@
 """`vkv top`: a live view of a server's KV pool, read from its /metrics (kvcached's kvtop).
 
-Every second: the pool's pages (total, free) and, per model, pages in use, cached, idle and
-shared, sequences running and waiting, preemptions. Nothing but the Prometheus text the
-server already serves; one model or several.
+Every second: the pool's pages (total, free) and, per model (or per replica, for a front door
+over replicas: `rank R`), pages in use, cached, idle and shared, sequences running and waiting,
+preemptions. Nothing but the Prometheus text the server already serves; one model or several.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ COLUMNS = [("in use", "vkv:pages_in_use"), ("cached", "vkv:pages_cached"), ("idl
 
 
 def scrape(url: str, api_key: str | None = None, timeout: float = 5.0) -> dict[str, dict[str, float]]:
-    """{metric: {model ("" when unlabelled): value}} of the vkv: series at url/metrics."""
+    """{metric: {model, or "rank R" for a replica ("" when unlabelled): value}} of the vkv: series
+    at url/metrics."""
     request = urllib.request.Request(url.rstrip("/") + "/metrics")
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
@@ -29,14 +30,16 @@ def scrape(url: str, api_key: str | None = None, timeout: float = 5.0) -> dict[s
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name.startswith("vkv:") and "tier" not in sample.labels:
-                values.setdefault(sample.name, {})[sample.labels.get("model", "")] = sample.value
+                who = sample.labels.get("model") or (f"rank {sample.labels['rank']}" if "rank" in sample.labels else "")
+                values.setdefault(sample.name, {})[who] = sample.value
     return values
 
 
 def render(values: dict[str, dict[str, float]], url: str) -> str:
-    total = values.get("vkv:pages_total", {}).get("", 0)
-    free = values.get("vkv:pages_free", {}).get("", 0)
-    models = sorted({m for _, name in COLUMNS for m in values.get(name, {})}) or [""]
+    pool = "vkv:pool_pages_" if "vkv:pool_pages_total" in values else "vkv:pages_"  # replicas: the shared pool
+    total = values.get(pool + "total", {}).get("", 0)
+    free = values.get(pool + "free", {}).get("", 0)
+    models = sorted({m for _, name in COLUMNS for m in values.get(name, {}) if m or pool == "vkv:pages_"}) or [""]
     lines = [f"vkv top  {url}  {time.strftime('%H:%M:%S')}",
              f"pool: {int(total)} pages, {int(free)} free ({100 * free / total if total else 0:.0f}%)", "",
              f"{'model':<24}" + "".join(f"{title:>11}" for title, _ in COLUMNS)]

@@ -86,8 +86,10 @@ class AttachedPool:
     # -- the PagePool interface -----------------------------------------------------------
     @property
     def num_free(self) -> int:
-        """Pages free in the whole pool now (other processes may take them before this one does)."""
-        return self._ask({"op": "stats"})[0]["free"]
+        """Pages an alloc can get now: free in the whole pool, or cached with no process
+        referencing them (the owner evicts those for an alloc). Other processes may take them
+        before this one does."""
+        return self._ask({"op": "stats"})[0]["obtainable"]
 
     def alloc(self) -> int:
         return self.alloc_many(1)[0]
@@ -184,7 +186,8 @@ class AttachedPool:
         with self.lock:
             owner = self.owner_stats()
             shared = sum(1 for page, count in enumerate(self.local) if count > 1 or (count and page in self.foreign))
-            return PoolStats(self.page_size, self.num_pages, owner["free"], self._held, shared, self.peak_in_use)
+            return PoolStats(self.page_size, self.num_pages, owner["obtainable"], self._held, shared,
+                             self.peak_in_use)
 
     def check(self, expected: Mapping[int, int]) -> None:
         """This process's count of each page equals the references its owners here say they hold,

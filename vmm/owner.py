@@ -70,6 +70,7 @@ class PoolOwner:
         self.directory: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # name -> pages, least recently used first
         self.name_of: dict[int, bytes] = {}
         self.evictions = self.recovered = 0  # directory entries evicted; pages released for dead processes
+        self.idle = 0  # cached pages no process references: what an alloc may evict
         self._next_id = DIRECTORY + 1
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -103,7 +104,9 @@ class PoolOwner:
                     try:
                         message, _ = wire.receive(conn)
                         wire.send(conn, *self._answer(client, message))
-                    except wire.WireError:
+                    except Exception as exc:  # a bug, or a process that speaks nonsense: it alone is let go
+                        if not isinstance(exc, wire.WireError):
+                            log.exception("vkv: pool process %d: %s", client, exc)
                         selector.unregister(conn)
                         del conns[conn]
                         conn.close()
@@ -183,7 +186,7 @@ class PoolOwner:
             self._evict(n)
         pages = self.pool.alloc_many(n) if self.pool.num_free >= n else []
         for page in pages:
-            self.holders[page].add(client)
+            self._add(page, client)
             self.held[client].add(page)
         return pages
 
@@ -193,8 +196,16 @@ class PoolOwner:
         self.held[client].discard(page)
         self._release(client, page)
 
+    def _add(self, page: int, holder: int) -> None:
+        """One more holder of page (the one place holders grow, so `idle` stays true)."""
+        self.idle -= self.holders[page] == {DIRECTORY}
+        self.holders[page].add(holder)
+
     def _release(self, holder: int, page: int) -> None:
+        """One holder less (the one place holders shrink); the last one frees the page."""
+        self.idle -= self.holders[page] == {DIRECTORY}
         self.holders[page].discard(holder)
+        self.idle += self.holders[page] == {DIRECTORY}
         self.pool.drop(page)
 
     def _publish(self, client: int, name: bytes, pages: tuple[int, ...]) -> bool:
@@ -207,7 +218,7 @@ class PoolOwner:
         self.directory[name] = pages
         for page in pages:
             self.name_of[page] = name
-            self.holders[page].add(DIRECTORY)
+            self._add(page, DIRECTORY)
             self.pool.hold(page)
         return True
 
@@ -223,7 +234,7 @@ class PoolOwner:
             for page in pages:
                 if page not in self.held[client]:
                     self.held[client].add(page)
-                    self.holders[page].add(client)
+                    self._add(page, client)
                     self.pool.hold(page)
             found.append(pages)
         return found
@@ -245,8 +256,8 @@ class PoolOwner:
 
     # -- numbers and the audit -------------------------------------------------------------
     def stats(self) -> dict:
-        cached = sum(1 for pages in self.directory.values() for page in pages if self.holders[page] == {DIRECTORY})
-        return {"free": self.pool.num_free, "total": self.pool.num_pages, "cached": cached,
+        return {"free": self.pool.num_free, "total": self.pool.num_pages, "cached": self.idle,
+                "obtainable": self.pool.num_free + self.idle,
                 "named": len(self.directory), "processes": len(self.held), "evictions": self.evictions,
                 "recovered": self.recovered,
                 "held": {str(self.pids.get(c, c)): len(p) for c, p in self.held.items()}}
@@ -257,6 +268,9 @@ class PoolOwner:
         references) equals the owner's record of it."""
         expected = {page: len(h) for page, h in enumerate(self.holders) if h}
         self.pool.check(expected)
+        idle = sum(1 for holders in self.holders if holders == {DIRECTORY})
+        if idle != self.idle:
+            raise InvariantViolation(f"{idle} cached pages no process references, counted {self.idle}")
         for client, pages in self.held.items():
             for page in pages:
                 if client not in self.holders[page]:

@@ -403,10 +403,15 @@ class KVCacheBase(ABC):
 
     def release(self, seq: Sequence, keep_pages: bool = True) -> None:
         """seq is done (keep_pages: its slot may stay mapped for the next) or preempted: its
-        place and references go, and its handle with them."""
-        self.vacate(seq, keep_pages)
+        place and references go, and its handle with them. Over a pool several processes share,
+        nothing stays mapped and the cache keeps nothing no sequence maps: the pages go back to
+        the pool (the pages of named prefixes to its directory), for whichever process needs them."""
+        shared = self.prefix_cache is not None and self.prefix_cache.shared
+        self.vacate(seq, keep_pages and not shared)
         self.handles.discard(seq.kv)
         seq.kv = None
+        if shared:
+            self.prefix_cache.trim()
 
     def _take_place(self, seq: Sequence) -> None:
         seq.kv = self.place(seq)

@@ -17,8 +17,10 @@ the pool needs the memory.
 Over a pool shared by several processes (`vmm.AttachedPool`, Note [Pool across processes]) the
 cache is this process's view of one directory: an entry it commits is also published there
 under its name, and a name it does not hold is looked up there, so a prefix another process
-computed is mapped in place (its pages counted in `imported`). An entry this process lets go
-stays in the directory for the others until the pool's owner needs the memory.
+computed is mapped in place (its pages counted in `imported`). The directory is then the
+cache: `trim` lets go of every entry no sequence of this process maps (its pages stay cached in
+the directory, for every process, until the owner evicts them for an alloc), so no idle process
+sits on pages another needs.
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ class PrefixCache:
         self.on_evict = None  # called with (name, pages) before an entry's pages are let go (the KV tiers)
         self.entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self.queries = self.hits = self.evictions = 0  # queries and hits count tokens
-        self.imported = 0  # entries found in the shared directory, computed by another process
+        self.imported = 0  # pages found in the shared directory, computed by another process
 
     def match(self, hashes: list[bytes]) -> list[tuple[int, ...]]:
         """The entries of the longest cached prefix of `hashes`, now most recently used."""
@@ -72,7 +74,7 @@ class PrefixCache:
             for h, pages in zip(rest, self.pool.lookup(rest)):
                 self.entries[h] = pages  # the lookup's references become the cache's
                 found.append(pages)
-                self.imported += 1
+                self.imported += len(pages)
         return found
 
     def insert(self, h: bytes, pages: tuple[int, ...]) -> None:
@@ -100,6 +102,11 @@ class PrefixCache:
                 del self.entries[h]
                 self._let_go(h, pages)
                 self.evictions += 1
+
+    def trim(self) -> None:
+        """Over a shared pool: let go of the entries no sequence here maps (the directory keeps them)."""
+        for h in [h for h, pages in self.entries.items() if all(self.pool.own_refs(p) == 1 for p in pages)]:
+            self._let_go(h, self.entries.pop(h))
 
     def held(self) -> Counter:
         return Counter(p for pages in self.entries.values() for p in pages)

@@ -29,6 +29,9 @@ class ServerOptions:
     lora_modules: tuple[str, ...] = ()  # NAME=PATH: LoRA adapters served over the model (needs --enable-lora)
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
     health_stall_seconds: float = 30.0  # /health is 503 when the engine thread has made no progress this long
+    data_parallel_size: int = 1  # > 1: engine processes over one KV pool behind this server (engine/serving/replicas.py)
+    prefill_ranks: int = 0  # of those, replicas that only prefill; the others decode (the KV handed over by mapping)
+    replica_rank: int | None = None  # set by the front door for the replicas it starts
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +48,15 @@ class ServerOptions:
                             "cached prefix")
         p.add_argument("--served-model-name", default=d.served_model_name)
         p.add_argument("--log-level", default=d.log_level)
+        dp = p.add_argument_group("replicas: engine processes over one physical KV pool, one front door")
+        dp.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
+                        help="engine processes (the cores split between them); a request goes to a replica that is "
+                             "not much busier than the others, preferring the one its prefix went to before; every "
+                             "replica maps the pages any other computed")
+        dp.add_argument("--prefill-ranks", type=int, default=d.prefill_ranks,
+                        help="replicas that only prefill: a request's prompt is computed there and its pages are "
+                             "mapped by a decoding replica, not copied")
+        dp.add_argument("--replica-rank", type=int, default=None, help=argparse.SUPPRESS)
         m = p.add_argument_group("several models (--model NAME=SOURCE, more than once: one KV pool)")
         m.add_argument("--kv-limit", action="append", default=[], metavar="NAME=MIN:MAX",
                        help="a model's floor and cap of the pool, bytes or percent, e.g. chat=10%%:60%%")

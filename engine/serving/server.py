@@ -185,7 +185,10 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
 
     def client_of(request: Request, body) -> str:
         """Who asks: the API key that authenticated it (one key: everyone), else the peer
-        address, with OpenAI's `user` field when the request names one."""
+        address, with OpenAI's `user` field when the request names one. A replica behind the
+        front door (which checked the client and holds the replica's key) takes its word."""
+        if options.replica_rank is not None and (forwarded := request.headers.get("x-vkv-client")):
+            return forwarded
         who = "key" if api_key is not None else (request.client.host if request.client else "unknown")
         return f"{who}/{body.user}" if body.user else who
 
@@ -599,6 +602,11 @@ def _graceful_server(config: uvicorn.Config, engines: list[AsyncEngine], grace: 
 
 def serve(args) -> None:
     options = ServerOptions.from_cli_args(args)
+    if options.data_parallel_size > 1:  # engine processes over one KV pool, this one their front door
+        from engine.serving.replicas import serve_replicas
+        return serve_replicas(args, options)
+    if options.replica_rank is not None:
+        _title(f"vkv: rank {options.replica_rank}")
     adapters = parse_lora_modules(options.lora_modules)
     models = dict(m.split("=", 1) for m in args.model or [] if "=" in m)
     if models:  # several models, one KV pool
@@ -678,6 +686,19 @@ def parse_kv_limit(text: str) -> tuple[str, tuple[float | int, float | int]]:
         return name, (parse_limit(low or 0), parse_limit(high or "100%"))
     except ValueError as exc:
         raise SystemExit(f"vkv serve: --kv-limit {text!r}: {exc}") from None
+
+
+def _title(title: str) -> None:
+    """Name this process for `ps` (vLLM titles its engines the same way), where the OS lets us."""
+    try:
+        import setproctitle
+        setproctitle.setproctitle(title)
+    except ImportError:  # the kernel's 15-character name at least
+        import ctypes
+        try:
+            ctypes.CDLL(None).prctl(15, title.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        except (OSError, AttributeError):
+            pass
 
 
 def _exit_cleanly(signum, frame) -> None:

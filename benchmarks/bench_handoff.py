@@ -1,0 +1,164 @@
+"""Prefill-to-decode handoff: a prompt's KV handed to another process by mapping its pages (one
+pool shared across processes, vmm/owner.py) against by copying them (today's copy: a restore
+from the host KV tier), for prompts of 256 to 8,192 tokens.
+
+Both sides are real KV caches of SmolLM2-135M's geometry (30 layers, 3 KV heads of 64, fp32)
+over real pages. Mapping: the prefill cache computes (maps and commits) the prompt's pages over
+an AttachedPool, which publishes them; the decode cache, over a second connection to the same
+owner (the owner treats it as another process), admits the same tokens: the time of that
+admission (one lookup round trip, then one mmap per page run) is the handoff. Copy: one cache
+with a host tier, its prompt's entries evicted to the tier, then admitted again: the restore
+copies every byte back. Each figure is the median of --repeats admissions; bytes copied are the
+entries restored times their bytes (mapping copies none: the tokens after the last whole page
+are computed again on the decode side, at most one page's worth, reported as tokens_left).
+
+    python benchmarks/bench_handoff.py --json benchmarks/results/cpu/handoff.json --plot benchmarks/results/cpu/handoff.png
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import machine_info, save  # noqa: E402
+
+import vmm  # noqa: E402
+from engine.kv.tiers import make_tiers, namespace_of  # noqa: E402
+from engine.kv.virtual import VirtualKVCache  # noqa: E402
+from engine.models import load_config  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
+
+PARAMS = SamplingParams(max_tokens=1)
+
+
+def prefill(kv, tokens: list[int], rid: str) -> Sequence:
+    seq = Sequence(rid, 0, tokens, PARAMS, 0.0)
+    kv.admit(seq)
+    assert kv.ensure_mapped(seq, len(tokens))
+    seq.num_computed_tokens = len(tokens)
+    kv.commit(seq)
+    return seq
+
+
+def admit_time(kv, tokens: list[int], repeats: int) -> tuple[float, int]:
+    times, hits = [], 0
+    for i in range(repeats):
+        seq = Sequence(f"d{i}", 0, tokens, PARAMS, 0.0)
+        start = time.perf_counter()
+        hits = kv.admit(seq)
+        times.append(time.perf_counter() - start)
+        kv.release(seq)
+    return statistics.median(times), hits
+
+
+def by_mapping(cfg, layout: str, page: int, tokens: list[int], repeats: int) -> dict:
+    rows = len(tokens) + 64
+    with tempfile.TemporaryDirectory() as d:
+        need = 4 * len(tokens) * cfg.kv_bytes_per_token(4) // page + 512
+        owner = vmm.PoolOwner(vmm.HostBackend(page), need, os.path.join(d, "pool.sock")).start()
+        try:
+            caches = []
+            for _ in range(2):  # the prefill process and the decode process
+                pool = vmm.AttachedPool(owner.path)
+                caches.append(VirtualKVCache(cfg, layout, 2, rows, torch.float32, pool.backend, pool.num_pages,
+                                             True, 1, None, pool))
+            prefiller, decoder = caches
+            seq = prefill(prefiller, tokens, "p")
+            prefiller.release(seq)  # the prefill side is done: the pages wait in the directory
+            seconds, hits = admit_time(decoder, tokens, repeats)
+            decoder.audit()
+            pages = len(decoder.page_range(0, hits)) * decoder.num_regions
+            for kv in caches:
+                kv.close()
+            owner.audit()
+        finally:
+            owner.stop()
+    return {"seconds": seconds, "tokens_mapped": hits, "tokens_left": len(tokens) - hits, "pages": pages,
+            "bytes_copied": 0}
+
+
+def by_copy(cfg, layout: str, page: int, tokens: list[int], repeats: int) -> dict:
+    rows = len(tokens) + 64
+    backend = vmm.HostBackend(page)
+    need = 2 * len(tokens) * cfg.kv_bytes_per_token(4) // page + 512
+    kv = VirtualKVCache(cfg, layout, 2, rows, torch.float32, backend, need, True)
+    namespace = namespace_of(b"bench", kv.geometry())
+    tiers = make_tiers(torch.device("cpu"), kv.entry_bytes, need * page, None, 1, namespace, {})
+    kv.attach_tiers(tiers, namespace)
+    kv.release(prefill(kv, tokens, "p"))
+    times, hits = [], 0
+    for i in range(repeats):
+        kv.prefix_cache.clear()  # every entry to the host tier: the next admission copies it back
+        seq = Sequence(f"c{i}", 0, tokens, PARAMS, 0.0)
+        start = time.perf_counter()
+        hits = kv.admit(seq)
+        times.append(time.perf_counter() - start)
+        kv.release(seq)
+    pages = len(kv.page_range(0, hits)) * kv.num_regions
+    kv.close()
+    return {"seconds": statistics.median(times), "tokens_mapped": hits, "tokens_left": len(tokens) - hits,
+            "pages": pages, "bytes_copied": pages * page}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
+    parser.add_argument("--layouts", default="per_layer,interleaved")
+    parser.add_argument("--page-sizes", default=f"{64 << 10},{2 << 20}")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--plot", dest="plot_path")
+    args = parser.parse_args(argv)
+    cfg = load_config("random:smollm2-135m")
+    rng = random.Random(0)
+    rows = []
+    for layout in args.layouts.split(","):
+        for page in map(int, args.page_sizes.split(",")):
+            for n in map(int, args.lengths.split(",")):
+                tokens = [rng.randrange(100, cfg.vocab_size) for _ in range(n)]
+                mapped = by_mapping(cfg, layout, page, tokens, args.repeats)
+                copied = by_copy(cfg, layout, page, tokens, args.repeats)
+                rows.append({"layout": layout, "page_size": page, "prompt_tokens": n, "mapping": mapped, "copy": copied})
+                print(f"{layout:11} page {page >> 10:5} KiB {n:5} tokens: mapping {mapped['seconds'] * 1e3:7.2f} ms "
+                      f"({mapped['bytes_copied']} B copied, {mapped['tokens_left']} tokens left), copy "
+                      f"{copied['seconds'] * 1e3:7.2f} ms ({copied['bytes_copied'] / 2**20:.1f} MiB)", flush=True)
+    result = {"benchmark": "handoff", "command": "python benchmarks/bench_handoff.py " + " ".join(argv or sys.argv[1:]),
+              "machine": machine_info(), "threads": torch.get_num_threads(), "model_geometry": "smollm2-135m fp32",
+              "rows": rows}
+    save(result, args.json_path, args.plot_path, plot)
+    return result
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for layout in sorted({r["layout"] for r in result["rows"]}):
+        for page in sorted({r["page_size"] for r in result["rows"]}):
+            rows = [r for r in result["rows"] if r["layout"] == layout and r["page_size"] == page]
+            xs = [r["prompt_tokens"] for r in rows]
+            label = f"{layout}, {page >> 10} KiB pages"
+            ax.plot(xs, [r["mapping"]["seconds"] * 1e3 for r in rows], "o-", label=f"mapping: {label}")
+            ax.plot(xs, [r["copy"]["seconds"] * 1e3 for r in rows], "x--", label=f"copy (host tier): {label}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("handoff time (ms, median)")
+    ax.set_title("Prompt KV handed to another process: by mapping vs by copying")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""`vkv serve --data-parallel-size 2 --prefill-ranks 1`: two engine processes over one KV pool
+behind one front door (engine/serving/replicas.py). A prompt prefilled by one replica is decoded
+by the other, which maps its pages (nothing copied); a prefix computed on one replica is a hit on
+the other; outputs equal one process's; bad pins are refused by name; a replica killed with
+SIGKILL is restarted and its pool references come back."""
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.parallel import free_port
+from engine.top import render, scrape
+
+KEY = "sk-front"
+MODEL = ["--model", "random:smollm2-kv", "--kv-cache-memory", str(32 << 20), "--max-model-len", "512"]
+
+
+def metric(text: str, name: str, rank: int | None = None) -> float:
+    label = f'{{rank="{rank}"}}' if rank is not None else ""
+    found = re.search(rf"^{re.escape(name + label)} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def replica_pids(front: subprocess.Popen) -> dict[int, int]:
+    pids = {}
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and open(f"/proc/{pid}/stat").read().split(")")[1].split()[1] == str(front.pid):
+                title = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+                if found := re.search(r"vkv: rank (\d+)", title):
+                    pids[int(found.group(1))] = int(pid)
+        except OSError:
+            continue
+    return pids
+
+
+def wait_until(predicate, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"not within {seconds} s: {what}")
+
+
+@pytest.fixture(scope="module")
+def front():
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", *MODEL, "--port", str(port), "--api-key", KEY,
+                             "--data-parallel-size", "2", "--prefill-ranks", "1", "--log-level", "warning"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: proc.poll() is None and _up(url), 240, "the front door answers")
+        yield url, proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).json().get("replicas_up") == [0, 1]
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def complete(url: str, prompt: list[int], rank: int | None = None, max_tokens: int = 8) -> httpx.Response:
+    headers = {"authorization": f"Bearer {KEY}"} | ({"x-data-parallel-rank": str(rank)} if rank is not None else {})
+    return httpx.post(url + "/v1/completions", headers=headers, timeout=120,
+                      json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+
+
+def test_replicas_hand_prompts_over_by_mapping_share_prefixes_and_survive_a_kill(front):
+    url, proc = front
+    prompts = [random.Random(i).sample(range(100, 5000), 300) for i in range(2)]
+    alone = LLM(model="random:smollm2-kv", kv_cache_memory=32 << 20, max_model_len=512)
+    expected = [o.outputs[0].text for o in alone.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
+    auth = {"authorization": f"Bearer {KEY}"}
+
+    assert sorted(replica_pids(proc)) == [0, 1]  # each titled for ps
+    # prefill on rank 0, decode on rank 1 over rank 0's pages
+    first = complete(url, prompts[0])
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["text"] == expected[0]
+    text = httpx.get(url + "/metrics", headers=auth).text
+    assert metric(text, "vkv:kv_handoff_pages_total") > 0 and metric(text, "vkv:kv_handoff_bytes_copied_total") == 0
+    # a prefix computed on one replica (pinned) is mapped by the other
+    assert complete(url, prompts[1], rank=0).json()["choices"][0]["text"] == expected[1]
+    before = metric(httpx.get(url + "/metrics", headers=auth).text, "vkv:prefix_cache_imported_pages_total", 1)
+    assert complete(url, prompts[1], rank=1).json()["choices"][0]["text"] == expected[1]
+    after = metric(httpx.get(url + "/metrics", headers=auth).text, "vkv:prefix_cache_imported_pages_total", 1)
+    assert after > before
+    view = render(scrape(url, KEY), url)  # vkv top: the shared pool, a row per replica
+    assert "pool: 512 pages" in view and "rank 0" in view and "rank 1" in view, view
+    # bad pins and keys, by name
+    for pin in ("2", "-1", "one"):
+        bad = complete(url, prompts[0], rank=pin)
+        assert bad.status_code == 400 and "X-data-parallel-rank" in bad.json()["error"]["message"]
+    assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(url + "/metrics").status_code == 401
+    # a replica killed mid-request: that request ends with a clear error, pinned requests to it are
+    # refused by name until it is back, and the pages it held come back to the pool
+    pids, answers = replica_pids(proc), []
+    long = threading.Thread(target=lambda: answers.append(complete(url, prompts[0], rank=1, max_tokens=200)))
+    long.start()
+    wait_until(lambda: metric(httpx.get(url + "/metrics", headers=auth).text, "vkv:num_requests_running", 1), 30,
+               "the long request runs on rank 1")
+    os.kill(pids[1], signal.SIGKILL)
+    long.join(timeout=60)
+    assert answers[0].status_code == 503 and "replica 1" in answers[0].json()["error"]["message"]
+    down = complete(url, prompts[0], rank=1)
+    assert down.status_code == 503 and "replica 1 is down" in down.json()["error"]["message"]
+    wait_until(lambda: _up(url), 240, "rank 1 restarted")
+    assert complete(url, prompts[0]).json()["choices"][0]["text"] == expected[0]
+    text = httpx.get(url + "/metrics", headers=auth).text
+    assert metric(text, "vkv:replica_restarts_total") == 1 and metric(text, "vkv:pool_pages_recovered_total") > 0
+    assert metric(text, "vkv:pool_processes") == 2
