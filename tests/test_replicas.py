@@ -63,11 +63,15 @@ def front():
         wait_until(lambda: proc.poll() is None and _up(url), 240, "the front door answers")
         yield url, proc
     finally:
+        replicas = replica_pids(proc)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+        # no replica outlives its front door (they held 12 GB here once, orphaned)
+        wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in replicas.values()), 30,
+                   "the replicas exit with their front door")
 
 
 def _up(url: str) -> bool:

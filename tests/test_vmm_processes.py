@@ -249,3 +249,21 @@ class CrossProcessTraffic(RuleBasedStateMachine):
 TestCrossProcessTraffic = CrossProcessTraffic.TestCase
 TestCrossProcessTraffic.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_lookups_and_allocs_larger_than_one_message_go_in_parts(tmp_path):
+    owner = PoolOwner(HostBackend(PAGE), 6000, str(tmp_path / "big.sock")).start()
+    pool = AttachedPool(owner.path)
+    try:
+        pages = pool.alloc_many(5000)  # two answers
+        names = [f"entry-{i:05d}".encode() * 4 for i in range(2500)]
+        pool.publish([(n, (p,)) for n, p in zip(names, pages[:2500])])
+        found = pool.lookup(names + [b"absent"])  # 20 messages, the last one short
+        assert [p for (p,) in found] == pages[:2500]
+        for page in pages + pages[:2500]:
+            pool.drop(page)
+        pool.audit([])
+        owner.audit()
+    finally:
+        pool.close()
+        owner.stop()

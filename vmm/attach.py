@@ -24,6 +24,10 @@ from vmm.host import HostBackend
 from vmm.pool import PoolStats
 
 
+LOOKUP_BATCH = 128  # names per lookup message (an answer: 128 entries of up to 2 x layers pages each)
+ALLOC_BATCH = 4096  # pages per alloc answer
+
+
 class OwnerError(VmmError):
     """The owner refused a request, or is gone."""
 
@@ -57,7 +61,7 @@ class AttachedPool:
             raise OwnerError("the pool's owner sent no memory descriptor")
         self.page_size = hello["page_size"]
         self.process = hello["process"]  # the owner's id for this process
-        self.handles: list[int] = hello["handles"]
+        self.handles: list[int] = [h for start, count in hello["handles"] for h in range(start, start + count)]
         self.backend = HostBackend.attach(fds[0], self.page_size)
         self.local = [0] * hello["num_pages"]
         self.foreign: set[int] = set()  # held pages other processes may reference (looked up or published)
@@ -99,6 +103,16 @@ class AttachedPool:
         with self.lock:
             if n == 0:
                 return []
+            if n > ALLOC_BATCH:  # more than one answer holds: in parts, all or none
+                taken: list[int] = []
+                try:
+                    while len(taken) < n:
+                        taken += self.alloc_many(min(ALLOC_BATCH, n - len(taken)))
+                except PoolExhausted:
+                    for page in taken:
+                        self.drop(page)
+                    raise
+                return taken
             answer, _ = self._ask({"op": "alloc", "n": n})
             if not answer["pages"]:
                 raise PoolExhausted(f"need {n} pages, {answer['free']} of {self.num_pages} free in the shared pool")
@@ -123,21 +137,31 @@ class AttachedPool:
 
     def drop(self, page: int) -> bool:
         """Drop one reference; the last one tells the owner (True: this process let go of it)."""
+        return bool(self._drop([page]))
+
+    def drop_many(self, pages) -> None:
+        """Drop one reference on each; the owner hears of those let go in one message (a batch)."""
+        self._drop(list(pages))
+
+    def _drop(self, pages: list[int]) -> list[int]:
         with self.lock:
-            if self.local[page] == 0:
-                raise DoubleFree(f"page {page} is already free in this process")
-            self.local[page] -= 1
-            if self.local[page]:
-                return False
-            self._held -= 1
-            self.foreign.discard(page)
-            if not self.closed:  # once it left, the owner dropped all of its references already
+            gone = []
+            for page in pages:
+                if self.local[page] == 0:
+                    raise DoubleFree(f"page {page} is already free in this process")
+                self.local[page] -= 1
+                if not self.local[page]:
+                    self._held -= 1
+                    self.foreign.discard(page)
+                    gone.append(page)
+            if gone and not self.closed:  # once it left, the owner dropped all of its references already
                 try:
-                    self._ask({"op": "drop", "pages": [page]})
+                    for start in range(0, len(gone), ALLOC_BATCH):
+                        self._ask({"op": "drop", "pages": gone[start:start + ALLOC_BATCH]})
                 except OwnerError:
                     if not self.closed:
                         raise
-            return True
+            return gone
 
     def borrow(self, need: int) -> None:
         """Other tenants are other processes: the owner frees cached pages for an alloc itself."""
@@ -150,32 +174,40 @@ class AttachedPool:
         """Cache sealed entries (name, the page of each region) for every process; from now on
         their pages are never written in place here. Returns, per entry, whether it was new."""
         entries = [(name, tuple(pages)) for name, pages in entries]
+        published: list[bool] = []
         with self.lock:
             for _, pages in entries:
                 for page in pages:
                     if self.local[page] == 0:
                         raise DoubleFree(f"page {page} is not held by this process: it cannot publish it")
-            answer, _ = self._ask({"op": "publish", "entries": [[name.hex(), pages] for name, pages in entries]})
-            for (_, pages), new in zip(entries, answer["published"]):
-                if new:
-                    self.foreign.update(pages)
-            return answer["published"]
+            for start in range(0, len(entries), LOOKUP_BATCH):
+                batch = entries[start:start + LOOKUP_BATCH]
+                answer, _ = self._ask({"op": "publish", "entries": [[name.hex(), pages] for name, pages in batch]})
+                for (_, pages), new in zip(batch, answer["published"]):
+                    if new:
+                        self.foreign.update(pages)
+                published += answer["published"]
+            return published
 
     def lookup(self, names: Sequence[bytes]) -> list[tuple[int, ...]]:
         """The entries of the longest prefix of `names` that any process published, each page
-        now with one reference of this process's (drop it when done)."""
-        if not names:
-            return []
+        now with one reference of this process's (drop it when done). Asked LOOKUP_BATCH names
+        at a time (a message is one datagram), until a batch comes back short."""
+        found: list[tuple[int, ...]] = []
         with self.lock:
-            answer, _ = self._ask({"op": "lookup", "names": [name.hex() for name in names]})
-            found = [tuple(pages) for pages in answer["pages"]]
-            for pages in found:
-                for page in pages:
-                    if self.local[page]:
-                        self.local[page] += 1
-                    else:
-                        self._take(page)
-                    self.foreign.add(page)
+            for start in range(0, len(names), LOOKUP_BATCH):
+                batch = names[start:start + LOOKUP_BATCH]
+                answer, _ = self._ask({"op": "lookup", "names": [name.hex() for name in batch]})
+                for pages in answer["pages"]:
+                    for page in pages:
+                        if self.local[page]:
+                            self.local[page] += 1
+                        else:
+                            self._take(page)
+                        self.foreign.add(page)
+                    found.append(tuple(pages))
+                if len(answer["pages"]) < len(batch):
+                    break
             return found
 
     # -- numbers and the audit --------------------------------------------------------------

@@ -50,6 +50,7 @@ import threading
 from collections import OrderedDict
 
 from vmm import wire
+from vmm.backend import consecutive_runs
 from vmm.errors import InvariantViolation
 from vmm.host import HostBackend
 from vmm.pool import PagePool
@@ -158,7 +159,7 @@ class PoolOwner:
         try:
             if op == "hello":
                 return {"page_size": self.pool.page_size, "num_pages": self.pool.num_pages,
-                        "handles": list(self.pool.handles), "process": client}, [self.pool.backend.fd]
+                        "handles": consecutive_runs(self.pool.handles), "process": client}, [self.pool.backend.fd]
             if op == "alloc":
                 return {"pages": self._alloc(client, int(m["n"])), "free": self.pool.num_free}, []
             if op == "drop":

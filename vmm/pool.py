@@ -86,6 +86,12 @@ class PageAllocator:
             self.free_ids.append(page)
             return True
 
+    def drop_many(self, pages) -> None:
+        """Drop one reference on each (a pool another process owns tells it once for all)."""
+        with self.lock:
+            for page in pages:
+                self.drop(page)
+
     def own_refs(self, page: int) -> int:
         """The references this process holds on a page (all of them: the pool is this process's)."""
         return self.ref_counts[page]

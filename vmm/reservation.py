@@ -101,9 +101,9 @@ class Reservation:
             self._forget(index, pages)
 
     def _forget(self, index: int, pages: list[int]) -> None:
-        for i, page in zip(range(index, index + len(pages)), pages):
+        for i in range(index, index + len(pages)):
             del self._pages[i]
-            self.pool.drop(page)
+        self.pool.drop_many(pages)
 
     def copy_on_write(self, index: int) -> int:
         """Make the page at index private: if others map it too, put a copy of its bytes in a
@@ -184,8 +184,7 @@ def _release(pool: PagePool, addr: int, nbytes: int, pages: dict[int, int]) -> N
     with pool.lock:
         for index, count in consecutive_runs(sorted(pages)):
             pool.backend.unmap(addr + index * pool.page_size, count * pool.page_size)
-        for page in pages.values():
-            pool.drop(page)
+        pool.drop_many(list(pages.values()))
         pages.clear()
         pool.backend.free_reservation(addr, nbytes)
 

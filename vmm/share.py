@@ -157,6 +157,10 @@ class PoolShare:
                 self.owned.discard(page)
             return freed
 
+    def drop_many(self, pages) -> None:
+        for page in pages:
+            self.drop(page)
+
     def borrow(self, need: int) -> None:
         """Ask the other tenants for pages until `need` are free to this one (or none can give)."""
         self.group.borrow(self, need)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import socket
 
-MAX_MESSAGE = 1 << 20  # one message: a batch of up to ~100k page ids
+MAX_MESSAGE = 128 << 10  # one datagram; the kernel's default socket buffer (212,992 bytes) bounds it
 
 
 class WireError(ConnectionError):

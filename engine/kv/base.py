@@ -155,6 +155,11 @@ class KVCacheBase(ABC):
         """Bytes of one prefix-cache entry: a page of each region."""
         return self.page_size * self.num_regions
 
+    def install_many(self, seq: Sequence, entries: list[tuple[int, ...] | None]) -> None:
+        """install(seq, k, entries[k]) for k = 0, 1, ... (a layout may map them as runs)."""
+        for k, pages in enumerate(entries):
+            self.install(seq, k, pages)
+
     def after_install(self, seq: Sequence, num_installed: int) -> None:
         """Called once the shared pages are installed (a reused slot tidies up here)."""
 
@@ -244,8 +249,7 @@ class KVCacheBase(ABC):
         tiers; returns the tokens it holds."""
         self._take_place(seq)
         hits = self._match_prefix(seq)
-        for k, pages in enumerate(hits):
-            self.install(seq, k, pages)
+        self.install_many(seq, hits)
         self.after_install(seq, len(hits))
         return self.tokens_in_pages(len(hits) + self._restore(seq, len(hits)))
 
@@ -395,8 +399,7 @@ class KVCacheBase(ABC):
         K/V shared. The scheduler counts the child's computed tokens as the parent's."""
         self._take_place(child)
         shared = self.page_range(0, parent.num_computed_tokens)
-        for k in shared:  # None: before the parent's window, let go
-            self.install(child, k, self.pages_at(parent, k))
+        self.install_many(child, [self.pages_at(parent, k) for k in shared])  # None: before the window, let go
         self.after_install(child, len(shared))
         mine = parent.kv
         child.kv.names, child.kv.committed, child.kv.slid = mine.names[:], mine.committed, mine.slid

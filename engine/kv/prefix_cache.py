@@ -105,8 +105,8 @@ class PrefixCache:
 
     def trim(self) -> None:
         """Over a shared pool: let go of the entries no sequence here maps (the directory keeps them)."""
-        for h in [h for h, pages in self.entries.items() if all(self.pool.own_refs(p) == 1 for p in pages)]:
-            self._let_go(h, self.entries.pop(h))
+        idle = [h for h, pages in self.entries.items() if all(self.pool.own_refs(p) == 1 for p in pages)]
+        self.pool.drop_many([p for h in idle for p in self.entries.pop(h)])  # one message to the owner
 
     def held(self) -> Counter:
         return Counter(p for pages in self.entries.values() for p in pages)
@@ -121,5 +121,4 @@ class PrefixCache:
         """An entry leaves the cache: its bytes to the tiers (if any), then its references."""
         if self.on_evict:
             self.on_evict(h, pages)
-        for page in pages:
-            self.pool.drop(page)
+        self.pool.drop_many(pages)

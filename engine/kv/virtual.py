@@ -139,6 +139,24 @@ class VirtualKVCache(KVCacheBase):
             region.map(self._index(seq, k), page)
         self.mapped[seq.kv.slot] += 1
 
+    def install_many(self, seq: Sequence, entries: list[tuple[int, ...] | None]) -> None:
+        """Into a slot with nothing there yet: each region's pages as one run (one access call,
+        one mmap per run of consecutive pages), not one call per page."""
+        fresh = entries and all(p is not None for p in entries) and \
+            all(self.pages_at(seq, k) is None for k in range(len(entries)))
+        if not fresh:
+            return super().install_many(seq, entries)
+        done = []
+        try:
+            for r, region in enumerate(self.regions):
+                region.map_run(self._index(seq, 0), [pages[r] for pages in entries])
+                done.append(region)
+        except BaseException:  # all regions or none
+            for region in done:
+                region.unmap(self._index(seq, 0), len(entries))
+            raise
+        self.mapped[seq.kv.slot] += len(entries)
+
     def after_install(self, seq: Sequence, num_installed: int) -> None:
         """A reused slot keeps its private pages past the installed prefix; shared ones go."""
         stale = [k for k in range(num_installed, self.slot_pages)

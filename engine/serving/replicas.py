@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -130,7 +131,7 @@ class ReplicaSet:
         cmd = [sys.executable, "-m", "engine.cli", "serve", *self.argv, "--host", "127.0.0.1",
                "--port", str(replica.port), "--api-key", self.key, "--kv-pool", self.owner.path,
                "--replica-rank", str(replica.rank)]
-        replica.process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        replica.process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         """Until every replica answers /health (the first start loads the model in each)."""
@@ -196,6 +197,16 @@ class ReplicaSet:
         least = min(live, key=lambda r: r.in_flight)
         first = preferred if preferred.in_flight <= least.in_flight + BUSIER else least
         return [first] + sorted((r for r in live if r is not first), key=lambda r: r.in_flight)
+
+
+def _die_with_parent() -> None:
+    """(in the replica, before exec) SIGTERM when the front door dies, however it dies (Linux's
+    PR_SET_PDEATHSIG), so no replica outlives it holding memory."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _refuse(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -404,6 +415,10 @@ def _labelled(text: str, rank: int) -> list[str]:
     return out
 
 
+def _exit_cleanly(signum, frame) -> None:
+    raise SystemExit(0)
+
+
 def serve_replicas(args, options: ServerOptions) -> None:
     config = EngineConfig.from_cli_args(args)
     if config.kv_layout == "paged" or config.device.type != "cpu":
@@ -417,6 +432,10 @@ def serve_replicas(args, options: ServerOptions) -> None:
         supervisor.start()
         app = build_front_door(replicas, options)
         print(f"vkv: serving {options.data_parallel_size} replicas on http://{options.host}:{options.port}", flush=True)
+        # uvicorn re-raises SIGTERM/SIGINT once it has shut down, with the handler it found: make that
+        # an exception, so the replicas are stopped below instead of the process dying past them
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _exit_cleanly)
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level,
                     timeout_keep_alive=options.timeout_keep_alive, limit_concurrency=options.limit_concurrency,
                     timeout_graceful_shutdown=options.shutdown_timeout)
