@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import re
@@ -32,7 +33,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_serving import free_port, one_request, start_server, stats, stop_server  # noqa: E402
+from bench_serving import free_port, start_server, stats, stop_server  # noqa: E402
 from common import machine_info, save  # noqa: E402
 from sharegpt import BenchRequest, sample_requests  # noqa: E402
 
@@ -48,6 +49,27 @@ def workload(tokenizer, n: int, system_tokens: int, max_output: int, seed: int) 
         ids = rng.choice(systems) + q.prompt_ids[:128]
         out.append(BenchRequest("", ids, max(1, min(q.output_len, max_output))))
     return out
+
+
+async def one_request(client: httpx.AsyncClient, url: str, req: BenchRequest) -> dict:
+    """One streamed request: its TTFT and tokens, or its error and whether any token had come."""
+    body = {"prompt": req.prompt_ids, "max_tokens": req.output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start, first, tokens = time.perf_counter(), None, 0
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            return {"ok": False, "streamed": False, "error": (await response.aread()).decode()[:200]}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return {"ok": False, "streamed": first is not None, "error": event["error"]["message"]}
+            if event["choices"] and event["choices"][0]["text"]:
+                first = first or time.perf_counter()
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return {"ok": True, "output_tokens": tokens, "ttft": (first or time.perf_counter()) - start}
 
 
 def counters(url: str) -> dict[str, float]:
@@ -71,7 +93,7 @@ async def run(urls: list[str], requests: list[BenchRequest], rate: float, seed: 
         try:
             return await one_request(client, urls[i % len(urls)] + "/v1/completions", req)
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
+            return {"ok": False, "streamed": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=256)) as client:
         start = time.perf_counter()
@@ -80,8 +102,9 @@ async def run(urls: list[str], requests: list[BenchRequest], rate: float, seed: 
         duration = time.perf_counter() - start
     del half
     ok = [r for r in results if r["ok"]]
-    return {"completed": len(ok), "failed": len(results) - len(ok), "errors": [r["error"] for r in results
-                                                                              if not r["ok"]][:3],
+    return {"completed": len(ok), "failed": len(results) - len(ok),
+            "failed_before_streaming": sum(1 for r in results if not r["ok"] and not r.get("streamed")),
+            "errors": [r["error"] for r in results if not r["ok"]][:3],
             "duration_s": duration, "output_throughput": sum(r["output_tokens"] for r in ok) / duration,
             "ttft": stats([r["ttft"] for r in ok])}
 
@@ -141,6 +164,12 @@ def cross_replica(url: str, requests: list[BenchRequest], probes: int, system_to
     return result
 
 
+def _running(url: str, rank: int) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    found = re.search(rf'^vkv:num_requests_running{{rank="{rank}"}} (\S+)$', text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
 def replica_pid(front: int, rank: int) -> int:
     for pid in os.listdir("/proc"):
         try:
@@ -158,27 +187,34 @@ def kill_under_load(args, requests) -> dict:
     url = f"http://127.0.0.1:{port}"
     killed = {}
 
-    def kill():
-        recovered = counters(url).get("vkv:pool_pages_recovered_total", 0)
-        killed["at"] = time.monotonic()
-        os.kill(replica_pid(proc.pid, 1), signal.SIGKILL)
-
-        def watch():
+    def kill():  # from a thread: once rank 1 is running requests, SIGKILL it and time its pages' return
+        def run_kill():
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not _running(url, 1):
+                time.sleep(0.02)
+            recovered = counters(url).get("vkv:pool_pages_recovered_total", 0)
+            killed["running"] = _running(url, 1)
+            killed["at"] = time.monotonic()
+            os.kill(replica_pid(proc.pid, 1), signal.SIGKILL)
             while time.monotonic() - killed["at"] < 10:
                 if counters(url).get("vkv:pool_pages_recovered_total", 0) > recovered:
                     killed["pages_back_s"] = time.monotonic() - killed["at"]
+                    killed["pages_recovered"] = counters(url)["vkv:pool_pages_recovered_total"] - recovered
                     return
                 time.sleep(0.01)
-        threading.Thread(target=watch, daemon=True).start()
+        threading.Thread(target=run_kill, daemon=True).start()
 
     try:
         result = asyncio.run(run([url], requests, args_rate, 0, on_half=kill))
         time.sleep(1)
     finally:
         stop_server(proc)
-    result["pages_back_s"] = killed.get("pages_back_s")
-    print(f"rank 1 killed under load: {result['failed']} of {len(requests)} requests failed "
-          f"({result['errors'][:1]}), its pages back in {result['pages_back_s']} s", flush=True)
+    result.update(pages_back_s=killed.get("pages_back_s"), pages_recovered=killed.get("pages_recovered"),
+                  sequences_running_at_kill=killed.get("running"))
+    print(f"rank 1 killed under load ({result['sequences_running_at_kill']} sequences running there): "
+          f"{result['failed']} of {len(requests)} requests failed, "
+          f"{result['failed_before_streaming']} of them before their first token ({result['errors'][:1]}); "
+          f"its pages back in {result['pages_back_s']} s", flush=True)
     return result
 
 
