@@ -145,7 +145,8 @@ def plot(result: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for layout in sorted({r["layout"] for r in result["rows"]}):
         for page in sorted({r["page_size"] for r in result["rows"]}):
-            rows = [r for r in result["rows"] if r["layout"] == layout and r["page_size"] == page]
+            rows = [r for r in result["rows"] if r["layout"] == layout and r["page_size"] == page
+                    and r["mapping"]["tokens_mapped"]]  # a prompt with no whole page hands nothing over
             xs = [r["prompt_tokens"] for r in rows]
             label = f"{layout}, {page >> 10} KiB pages"
             ax.plot(xs, [r["mapping"]["seconds"] * 1e3 for r in rows], "o-", label=f"mapping: {label}")

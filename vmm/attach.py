@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from vmm import wire
 from vmm.errors import DoubleFree, InvariantViolation, PoolExhausted, VmmError
 from vmm.host import HostBackend
-from vmm.pool import PoolStats
+from vmm.pool import PoolStats, expected_refs
 
 
 LOOKUP_BATCH = 128  # names per lookup message (an answer: 128 entries of up to 2 x layers pages each)
@@ -236,10 +235,7 @@ class AttachedPool:
 
     def audit(self, reservations: Iterable, held: Mapping[int, int] = {}) -> None:
         with self.lock:
-            expected = Counter(held)
-            for reservation in reservations:
-                expected.update(reservation.mapped_pages().values())
-            self.check(expected)
+            self.check(expected_refs(reservations, held))
 
     def release_memory(self) -> None:
         raise VmmError("a pool shared across processes sleeps with its owner, not one process")

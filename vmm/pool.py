@@ -175,14 +175,20 @@ class PagePool(PageAllocator):
                 if any(self.ref_counts) or held or any(r.mapped_pages() for r in reservations):
                     raise InvariantViolation("the pool is asleep, yet a page is referenced")
                 return
-            expected = Counter(held)
-            for reservation in reservations:
-                expected.update(reservation.mapped_pages().values())
-            self.check(expected)
+            self.check(expected_refs(reservations, held))
 
     def close(self) -> None:
         """Release every physical page. Reservations must be released first."""
         self._finalizer()
+
+
+def expected_refs(reservations: Iterable, held: Mapping[int, int]) -> Counter:
+    """The references the owners of pages say they hold: one per mapping in `reservations`,
+    plus `held` (what every pool's audit checks its counts against)."""
+    expected = Counter(held)
+    for reservation in reservations:
+        expected.update(reservation.mapped_pages().values())
+    return expected
 
 
 def _release_all(backend: Backend, handles: list) -> None:

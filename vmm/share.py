@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from vmm.errors import InvariantViolation, PoolExhausted
-from vmm.pool import PagePool, PoolStats
+from vmm.pool import PagePool, PoolStats, expected_refs
 
 
 class Tenant(Protocol):
@@ -187,10 +187,7 @@ class PoolShare:
 
     def audit(self, reservations: Iterable, held: Mapping[int, int] = {}) -> None:
         with self.lock:
-            expected = Counter(held)
-            for reservation in reservations:
-                expected.update(reservation.mapped_pages().values())
-            self.check(expected)
+            self.check(expected_refs(reservations, held))
 
     # -- sleep: the tenant's pages go back to the shared pool ------------------------------
     def release_memory(self) -> None:
