@@ -62,3 +62,37 @@ def test_a_prefix_computed_in_one_process_is_mapped_in_another_and_outputs_equal
             p.kill()
             p.wait()
         owner.stop()
+
+
+def test_pages_taken_by_another_process_between_check_and_alloc_leave_the_step_unmapped_not_dead(tmp_path):
+    """The room a process saw can be taken by another before it allocates: the step gets False
+    (the scheduler preempts or waits), nothing is left half mapped, and no exception kills it."""
+    import torch
+
+    from engine.kv.virtual import VirtualKVCache
+    from engine.models import load_config
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import Sequence
+    from vmm import AttachedPool
+
+    owner = PoolOwner(HostBackend(64 << 10), 64, str(tmp_path / "pool.sock")).start()
+    mine, other = AttachedPool(owner.path), AttachedPool(owner.path)
+    kv = VirtualKVCache(load_config("random:smollm2-kv"), "per_layer", 2, 256, torch.float32, mine.backend,
+                        mine.num_pages, True, 1, None, mine)
+    try:
+        seq = Sequence("s", 0, list(range(1, 51)), SamplingParams(max_tokens=1), 0.0)  # one page per region: 60
+        kv.admit(seq)
+        kv.make_room = lambda need: True  # it saw room ...
+        taken = other.alloc_many(64 - 30)  # ... which the other process took first: 30 left, 60 needed
+        assert kv.ensure_mapped(seq, 50) is False
+        kv.audit()
+        assert owner.pool.num_free == 30
+        other.drop_many(taken)
+        assert kv.ensure_mapped(seq, 50) is True
+        kv.release(seq)
+        kv.audit()
+        owner.audit()
+    finally:
+        kv.close()
+        other.close()
+        owner.stop()

@@ -194,9 +194,11 @@ class AttachedPool:
         at a time (a message is one datagram), until a batch comes back short."""
         found: list[tuple[int, ...]] = []
         with self.lock:
-            for start in range(0, len(names), LOOKUP_BATCH):
+            start = 0
+            while start < len(names):
                 batch = names[start:start + LOOKUP_BATCH]
                 answer, _ = self._ask({"op": "lookup", "names": [name.hex() for name in batch]})
+                start += len(answer["pages"])
                 for pages in answer["pages"]:
                     for page in pages:
                         if self.local[page]:
@@ -205,8 +207,8 @@ class AttachedPool:
                             self._take(page)
                         self.foreign.add(page)
                     found.append(tuple(pages))
-                if len(answer["pages"]) < len(batch):
-                    break
+                if len(answer["pages"]) < len(batch) and not (answer.get("full") and answer["pages"]):
+                    break  # the longest prefix ends here (else the answer was full: ask on)
             return found
 
     # -- numbers and the audit --------------------------------------------------------------

@@ -57,6 +57,7 @@ from vmm.pool import PagePool
 
 log = logging.getLogger("vkv.pool")
 DIRECTORY = 0  # the holder id of the name directory; processes are 1, 2, ...
+LOOKUP_ANSWER_PAGES = 8192  # page ids in one lookup answer (well inside a datagram); the caller asks again
 
 
 class PoolOwner:
@@ -74,6 +75,7 @@ class PoolOwner:
         self.idle = 0  # cached pages no process references: what an alloc may evict
         self._next_id = DIRECTORY + 1
         self._stopping = threading.Event()
+        self.lock = threading.Lock()  # the loop's steps, and stats/audit from other threads
         self._thread: threading.Thread | None = None
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         if os.path.exists(path):
@@ -98,24 +100,32 @@ class PoolOwner:
                 for key, _ in selector.select(timeout=0.1):
                     if key.data is None:
                         conn, _ = self._listener.accept()
-                        conns[conn] = self._join(conn)
+                        with self.lock:
+                            conns[conn] = self._join(conn)
                         selector.register(conn, selectors.EVENT_READ, conns[conn])
                         continue
                     conn, client = key.fileobj, key.data
                     try:
                         message, _ = wire.receive(conn)
-                        wire.send(conn, *self._answer(client, message))
-                    except Exception as exc:  # a bug, or a process that speaks nonsense: it alone is let go
+                        with self.lock:
+                            answer = self._answer(client, message)
+                        try:
+                            wire.send(conn, *answer)
+                        except ValueError as exc:  # too large for one datagram: said, not fatal
+                            wire.send(conn, {"error": "ValueError", "message": str(exc)})
+                    except Exception as exc:  # gone, a bug, or a process that speaks nonsense: it alone is let go
                         if not isinstance(exc, wire.WireError):
                             log.exception("vkv: pool process %d: %s", client, exc)
                         selector.unregister(conn)
                         del conns[conn]
                         conn.close()
-                        self._leave(client)
+                        with self.lock:
+                            self._leave(client)
         finally:
-            for conn, client in conns.items():
-                conn.close()
-                self._leave(client)
+            with self.lock:
+                for conn, client in conns.items():
+                    conn.close()
+                    self._leave(client)
             selector.close()
 
     def request_stop(self) -> None:
@@ -170,11 +180,14 @@ class PoolOwner:
                 return {"published": [self._publish(client, bytes.fromhex(name), tuple(map(int, pages)))
                                       for name, pages in m["entries"]]}, []
             if op == "lookup":
-                return {"pages": self._lookup(client, [bytes.fromhex(n) for n in m["names"]])}, []
+                names = [bytes.fromhex(n) for n in m["names"]]
+                found = self._lookup(client, names)
+                full = len(found) < len(names) and names[len(found)] in self.directory  # ask again from there
+                return {"pages": found, "full": full}, []
             if op == "stats":
-                return self.stats(), []
+                return self._stats(), []
             if op == "audit":
-                self.audit({client: {int(p) for p in m["held"]}})
+                self._audit({client: {int(p) for p in m["held"]}})
                 return {"ok": True}, []
         except (KeyError, TypeError, ValueError, InvariantViolation) as exc:
             return {"error": type(exc).__name__, "message": str(exc)}, []
@@ -226,11 +239,12 @@ class PoolOwner:
     def _lookup(self, client: int, names: list[bytes]) -> list[tuple[int, ...]]:
         """The entries of the longest prefix of names the directory has, each page now also
         held by the caller (at most one reference per process)."""
-        found = []
+        found, budget = [], LOOKUP_ANSWER_PAGES
         for name in names:
             pages = self.directory.get(name)
-            if pages is None:
+            if pages is None or len(pages) > budget:  # the rest in the caller's next message
                 break
+            budget -= len(pages)
             self.directory.move_to_end(name)
             for page in pages:
                 if page not in self.held[client]:
@@ -257,6 +271,10 @@ class PoolOwner:
 
     # -- numbers and the audit -------------------------------------------------------------
     def stats(self) -> dict:
+        with self.lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
         return {"free": self.pool.num_free, "total": self.pool.num_pages, "cached": self.idle,
                 "obtainable": self.pool.num_free + self.idle,
                 "named": len(self.directory), "processes": len(self.held), "evictions": self.evictions,
@@ -267,6 +285,10 @@ class PoolOwner:
         """Every page free, held by a process, or cached; its count equals its holders; the
         directory and each process's record agree; a process's claim (the pages it says it
         references) equals the owner's record of it."""
+        with self.lock:
+            self._audit(claims)
+
+    def _audit(self, claims: dict[int, set[int]] | None = None) -> None:
         expected = {page: len(h) for page, h in enumerate(self.holders) if h}
         self.pool.check(expected)
         idle = sum(1 for holders in self.holders if holders == {DIRECTORY})

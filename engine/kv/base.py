@@ -50,7 +50,7 @@ from engine.kv.prefix_cache import PrefixCache, chain_hash, root_name
 from engine.kv.tiers import KVTiers
 from engine.sequence import Sequence
 from engine.stats import KVStats
-from vmm import PageAllocator
+from vmm import PageAllocator, PoolExhausted
 
 
 @dataclass(eq=False)
@@ -347,11 +347,15 @@ class KVCacheBase(ABC):
         if not self.make_room(need):
             return False
         start = time.perf_counter()
-        self.map_fresh(seq, missing)
-        for k in shared:
-            self.copy_on_write(seq, k)
-        self.cow_copies += len(shared)
-        self.map_seconds += time.perf_counter() - start
+        try:  # over a pool other processes share, the room seen may be taken before the alloc
+            self.map_fresh(seq, missing)
+            for k in shared:
+                self.copy_on_write(seq, k)
+                self.cow_copies += 1
+        except PoolExhausted:
+            return False  # what was mapped stays the sequence's; the scheduler preempts or waits
+        finally:
+            self.map_seconds += time.perf_counter() - start
         return True
 
     def map_ahead(self, seq: Sequence, start: int, end: int, keep_free: int) -> None:
@@ -360,7 +364,10 @@ class KVCacheBase(ABC):
         missing = [k for k in self.page_range(start, self.tile_end(end)) if self.pages_at(seq, k) is None]
         room = (self.pool.num_free - keep_free) // self.num_regions
         if missing and room > 0:
-            self.map_fresh(seq, missing[:room])
+            try:
+                self.map_fresh(seq, missing[:room])
+            except PoolExhausted:  # another process took them first: mapped when needed instead
+                pass
 
     def plan_mapping(self, seq: Sequence, num_tokens: int) -> tuple[list[int], list[int]]:
         """For rows [computed, num_tokens): the page indices to map, and the shared ones to copy."""

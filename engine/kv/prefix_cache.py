@@ -72,9 +72,13 @@ class PrefixCache:
         if self.shared and len(found) < len(hashes):
             rest = hashes[len(found):]
             for h, pages in zip(rest, self.pool.lookup(rest)):
-                self.entries[h] = pages  # the lookup's references become the cache's
+                if h in self.entries:  # held here already (a sliding window let an earlier page go)
+                    self.pool.drop_many(pages)
+                    pages = self.entries[h]
+                else:
+                    self.entries[h] = pages  # the lookup's references become the cache's
+                    self.imported += len(pages)
                 found.append(pages)
-                self.imported += len(pages)
         return found
 
     def insert(self, h: bytes, pages: tuple[int, ...]) -> None:

@@ -167,12 +167,24 @@ class VirtualKVCache(KVCacheBase):
         self._unmap(seq.kv.slot, [k])
 
     def map_fresh(self, seq: Sequence, indices: list[int]) -> None:
+        """Fresh pages behind seq's page indices, each run's pages for every region taken at once:
+        all or none (PoolExhausted leaves nothing mapped for that run)."""
         for first, count in consecutive_runs(indices):
-            for region in self.regions:
-                region.map_new(self._index(seq, first), count)
-                if self.tile_rows > 1:  # a tile may load rows never written: they must be finite
-                    region.view(torch.uint8, (count * self.page_size,), offset=region.offset_of(
-                        self._index(seq, first))).zero_()
+            at = self._index(seq, first)
+            pages = self.pool.alloc_many(count * self.num_regions)
+            done = []
+            try:
+                for r, region in enumerate(self.regions):
+                    region.map_run(at, pages[r * count:(r + 1) * count])
+                    done.append(region)
+                    if self.tile_rows > 1:  # a tile may load rows never written: they must be finite
+                        region.view(torch.uint8, (count * self.page_size,), offset=region.offset_of(at)).zero_()
+            except BaseException:
+                for region in done:
+                    region.unmap(at, count)
+                raise
+            finally:
+                self.pool.drop_many(pages)  # the mappings hold them now
             self.mapped[seq.kv.slot] += count
 
     @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
 
 
@@ -38,7 +39,8 @@ class ServerOptions:
         d = ServerOptions()
         p.add_argument("--host", default=d.host, help="address to bind (default: loopback only)")
         p.add_argument("--port", type=int, default=d.port)
-        p.add_argument("--api-key", default=d.api_key, help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
+        p.add_argument("--api-key", default=d.api_key, help="require 'Authorization: Bearer KEY' on /v1 and /metrics "
+                       "(default: $VKV_API_KEY)")
         p.add_argument("--metrics-public", action="store_true",
                        help="serve /metrics without the API key (its prefix-cache counters tell one client about "
                             "another's prompts)")
@@ -91,4 +93,6 @@ class ServerOptions:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerOptions:
         values = {f.name: getattr(args, f.name) for f in fields(cls)}
+        if values["api_key"] is None:  # as vLLM reads VLLM_API_KEY: a key kept off the command line
+            values["api_key"] = os.environ.get("VKV_API_KEY") or None
         return cls(**{**values, "kv_limit": tuple(values["kv_limit"]), "lora_modules": tuple(values["lora_modules"])})

@@ -35,6 +35,7 @@ one replica only, so they are refused here.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
 import hmac
 import json
@@ -66,6 +67,7 @@ FRONT_DOOR_FLAGS = {"--port", "--host", "--api-key", "--data-parallel-size", "-d
                     "--replica-rank"}
 AFFINITY_BYTES = 512  # the prompt start a request's affinity is hashed from
 BUSIER = 2  # requests in flight past the least busy replica's before affinity gives way
+RESTART_GAP = 5.0  # seconds at least between a replica's start and its restart
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -122,15 +124,20 @@ class ReplicaSet:
         self.replicas = [Replica(r, "prefill" if r < k else ("decode" if k else "both")) for r in range(n)]
         self.lock = threading.Lock()
         self.stopping = threading.Event()
+        self.supervisor: threading.Thread | None = None
         for replica in self.replicas:
             self._start(replica)
 
     def _start(self, replica: Replica) -> None:
         replica.port, replica.up, replica.started_at = free_port(), False, time.monotonic()
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        # the key in the environment, not on a command line others can read; the front door's own
+        # flags last, whatever the user abbreviated (a replica never starts replicas); every
+        # connection comes from the front door's one address, so no per-peer cap below its total
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "VKV_API_KEY": self.key}
         cmd = [sys.executable, "-m", "engine.cli", "serve", *self.argv, "--host", "127.0.0.1",
-               "--port", str(replica.port), "--api-key", self.key, "--kv-pool", self.owner.path,
-               "--replica-rank", str(replica.rank)]
+               "--port", str(replica.port), "--kv-pool", self.owner.path, "--replica-rank", str(replica.rank),
+               "--data-parallel-size", "1", "--prefill-ranks", "0",
+               "--max-connections-per-peer", str(self.options.limit_concurrency)]
         replica.process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
@@ -153,21 +160,46 @@ class ReplicaSet:
             return False
 
     def supervise(self) -> None:
-        """Restart a replica that exited; mark it up again once it answers /health."""
+        """Restart a replica that exited (at most every RESTART_GAP seconds), or whose engine died
+        or stalled (/health 503 while its process lives); mark it up once it answers /health."""
+        checked = 0.0
         while not self.stopping.wait(0.2):
+            health = time.monotonic() - checked > 1.0
+            checked = time.monotonic() if health else checked
             for replica in self.replicas:
-                if replica.process.poll() is not None:
-                    log.warning("vkv: replica %d exited with %s: restarting it", replica.rank,
-                                replica.process.returncode)
-                    replica.up = False
-                    replica.restarts += 1
-                    self._start(replica)
-                elif not replica.up and self._healthy(replica):
-                    replica.up = True
-                    log.info("vkv: replica %d is up on port %d", replica.rank, replica.port)
+                try:
+                    self._watch(replica, health)
+                except Exception:  # the supervisor must outlive whatever one replica does
+                    log.exception("vkv: supervising replica %d", replica.rank)
+
+    def _watch(self, replica: Replica, health: bool) -> None:
+        if self.stopping.is_set():
+            return
+        if replica.process.poll() is not None:
+            if time.monotonic() - replica.started_at < RESTART_GAP:
+                return  # it died young: not restarted in a tight loop
+            log.warning("vkv: replica %d exited with %s: restarting it", replica.rank, replica.process.returncode)
+            replica.up = False
+            replica.restarts += 1
+            self._start(replica)
+        elif not replica.up and self._healthy(replica):
+            replica.up = True
+            log.info("vkv: replica %d is up on port %d", replica.rank, replica.port)
+        elif replica.up and health and self._failed(replica):
+            log.warning("vkv: replica %d answers /health with an engine that died or stalled: stopping it", replica.rank)
+            replica.up = False
+            replica.process.terminate()
+
+    def _failed(self, replica: Replica) -> bool:
+        try:
+            return httpx.get(replica.url + "/health", timeout=5.0).status_code == 503
+        except httpx.HTTPError:
+            return False  # busy or restarting: the process check decides
 
     def stop(self) -> None:
         self.stopping.set()
+        if self.supervisor is not None:
+            self.supervisor.join(timeout=10)
         for replica in self.replicas:
             if replica.process and replica.process.poll() is None:
                 replica.process.terminate()
@@ -199,14 +231,21 @@ class ReplicaSet:
         return [first] + sorted((r for r in live if r is not first), key=lambda r: r.in_flight)
 
 
+def _prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl()  # resolved here: nothing is loaded between fork and exec
+
+
 def _die_with_parent() -> None:
     """(in the replica, before exec) SIGTERM when the front door dies, however it dies (Linux's
     PR_SET_PDEATHSIG), so no replica outlives it holding memory."""
-    import ctypes
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _refuse(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -248,7 +287,11 @@ def build_front_door(replicas: ReplicaSet, options: ServerOptions) -> FastAPI:
     async def models(request: Request):
         if not authorized(request):
             return _refuse(401, "invalid or missing API key", "authentication_error")
-        for replica in replicas.order(None, b"", "both" if not options.prefill_ranks else "decode"):
+        try:
+            live = replicas.order(None, b"", "both" if not options.prefill_ranks else "decode")
+        except LookupError as exc:
+            return _refuse(503, str(exc), "service_unavailable")
+        for replica in live:
             try:
                 answer = await client.get(replica.url + "/v1/models", headers=inside)
                 return Response(answer.content, answer.status_code, media_type="application/json")
@@ -326,6 +369,8 @@ def build_front_door(replicas: ReplicaSet, options: ServerOptions) -> FastAPI:
                 relayed = True
                 return StreamingResponse(_relay(first, chunks, upstream, replica), status_code=upstream.status_code,
                                          media_type=upstream.headers.get("content-type", "text/event-stream"))
+            except ClientGone:  # the client left: the replica aborts it; nobody is marked down
+                return Response(status_code=499)
             except httpx.TransportError:  # nothing reached the client: the next replica computes it
                 log.warning("vkv: replica %d failed a request before answering: sending it to another", replica.rank)
                 replica.up = False  # until it answers /health again (or is restarted)
@@ -381,6 +426,10 @@ def build_front_door(replicas: ReplicaSet, options: ServerOptions) -> FastAPI:
     return app
 
 
+class ClientGone(Exception):
+    """The client disconnected before its answer: not the replica's failure."""
+
+
 async def _unless_gone(request: Request, work):
     """Await an upstream call; if the client disconnects first, cancel it (the replica aborts)."""
     task = asyncio.ensure_future(work)
@@ -388,7 +437,7 @@ async def _unless_gone(request: Request, work):
         await asyncio.wait([task], timeout=0.5)
         if not task.done() and await request.is_disconnected():
             task.cancel()
-            raise httpx.TransportError("client disconnected")
+            raise ClientGone()
     return task.result()
 
 
@@ -428,8 +477,8 @@ def serve_replicas(args, options: ServerOptions) -> None:
         print(f"vkv: starting {options.data_parallel_size} replicas over one pool of {replicas.owner.pool.num_pages} "
               f"pages ({options.prefill_ranks} prefill-only), {replicas.threads} threads each", flush=True)
         replicas.wait_ready()
-        supervisor = threading.Thread(target=replicas.supervise, name="vkv-replicas", daemon=True)
-        supervisor.start()
+        replicas.supervisor = threading.Thread(target=replicas.supervise, name="vkv-replicas", daemon=True)
+        replicas.supervisor.start()
         app = build_front_door(replicas, options)
         print(f"vkv: serving {options.data_parallel_size} replicas on http://{options.host}:{options.port}", flush=True)
         # uvicorn re-raises SIGTERM/SIGINT once it has shut down, with the handler it found: make that
