@@ -267,3 +267,22 @@ def test_lookups_and_allocs_larger_than_one_message_go_in_parts(tmp_path):
     finally:
         pool.close()
         owner.stop()
+
+
+def test_an_owner_that_stops_answering_is_an_error_not_a_hang(tmp_path, monkeypatch):
+    """An owner that hangs (stopped, not dead: its socket stays open) is an OwnerError within the
+    timeout, not a process blocked for ever."""
+    import socket
+
+    import vmm.attach
+    monkeypatch.setattr(vmm.attach, "OWNER_TIMEOUT", 0.2)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    silent.bind(str(tmp_path / "silent.sock"))
+    silent.listen(1)  # connections are queued, never answered
+    try:
+        started = time.monotonic()
+        with pytest.raises(OwnerError, match="gone"):
+            AttachedPool(str(tmp_path / "silent.sock"))
+        assert time.monotonic() - started < 5
+    finally:
+        silent.close()

@@ -25,6 +25,7 @@ from vmm.pool import PoolStats, expected_refs
 
 LOOKUP_BATCH = 128  # names per lookup message (an answer: 128 entries of up to 2 x layers pages each)
 ALLOC_BATCH = 4096  # pages per alloc answer
+OWNER_TIMEOUT = 60.0  # seconds for the owner to answer (it answers in microseconds when alive)
 
 
 class OwnerError(VmmError):
@@ -52,6 +53,7 @@ class AttachedPool:
     def __init__(self, path: str):
         self.closed = False  # left the pool (or the owner is gone): the owner holds nothing of ours
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock.settimeout(OWNER_TIMEOUT)  # an owner that hangs is an error here, not a hang
         self._sock.connect(path)
         self.lock = threading.RLock()
         self._sock_lock = threading.Lock()
