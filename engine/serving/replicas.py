@@ -68,7 +68,6 @@ FRONT_DOOR_FLAGS = {"--port", "--host", "--api-key", "--data-parallel-size", "-d
 AFFINITY_BYTES = 512  # the prompt start a request's affinity is hashed from
 BUSIER = 2  # requests in flight past the least busy replica's before affinity gives way
 RESTART_GAP = 5.0  # seconds at least between a replica's start and its restart
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
 def replica_argv(argv: list[str]) -> list[str]:
@@ -122,7 +121,6 @@ class ReplicaSet:
         self.argv = replica_argv(argv)
         self.threads = max(1, (os.cpu_count() or 1) // n)
         self.replicas = [Replica(r, "prefill" if r < k else ("decode" if k else "both")) for r in range(n)]
-        self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.supervisor: threading.Thread | None = None
         for replica in self.replicas:
