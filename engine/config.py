@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 import ext
+from engine.kv.publisher import KVEventsConfig
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -64,6 +65,10 @@ class EngineConfig:
     # engine's pages come from it and complete pages are published there, so a prefix one process
     # computed is read in place by the others (host backend, virtual layouts).
     kv_pool: str | None = None
+    # KV events in vLLM's format (engine/kv/publisher.py): vLLM's KVEventsConfig as a dict, e.g.
+    # {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}
+    kv_events_config: dict | KVEventsConfig | None = None
+    data_parallel_rank: int = 0  # this engine's rank among replicas: its events' rank and port offset
     tensor_parallel_size: int = 1  # ranks sharing every layer's heads (CPU, torch.distributed gloo)
     distributed_init: str | None = None  # rank 0's rendezvous, e.g. tcp://10.0.0.1:29500; default: a free local port
     tensor_parallel_workers: str = "spawn"  # or "external": ranks 1..N-1 are started with `vkv tp-worker`
@@ -116,6 +121,12 @@ class EngineConfig:
                                          or self.device.type != "cpu" or self.offloading):
             raise ValueError("kv_pool (a pool shared across processes) is wired for one CPU rank with a virtual "
                              "kv_layout and no KV tiers so far")
+        if self.kv_events_config is not None:
+            self.kv_events_config = KVEventsConfig.of(self.kv_events_config)
+            if self.kv_events_config.publishes and not self.enable_prefix_caching:
+                raise ValueError("kv_events_config announces prefix-cache pages: it needs prefix caching on")
+        if self.data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank must be >= 0, got {self.data_parallel_rank}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}: "
                              f"choose one of {ATTENTION_BACKENDS}")
@@ -243,6 +254,12 @@ class EngineConfig:
                        help="tokens per sequence whose pages a worker thread maps during each forward pass (0: off)")
         g.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                        help='e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')
+        g.add_argument("--kv-events-config", type=json.loads, default=None, metavar="JSON",
+                       help="publish KV events in vLLM's format (vLLM's KVEventsConfig), e.g. "
+                       '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                       '"replay_endpoint": "tcp://*:5558", "topic": "kv"}')
+        g.add_argument("--data-parallel-rank", type=int, default=0,
+                       help="this engine's rank among replicas: its KV events carry it and its ports are offset by it")
         g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the model "
                        "(requests name one; `vkv serve --lora-modules NAME=PATH`)")
         g.add_argument("--max-loras", type=int, default=EngineConfig.max_loras,
@@ -260,7 +277,7 @@ class EngineConfig:
                  "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
                  "kv_offloading_size", "kv_offloading_path", "kv_offloading_path_size", "kv_pool",
                  "tensor_parallel_size", "distributed_init", "tensor_parallel_workers", "map_ahead_tokens", "speculative_config",
-                 "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+                 "kv_events_config", "data_parallel_rank", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
         models = args.model if isinstance(args.model, list) else [args.model]
         if len(models) > 1:
             raise ValueError("several --model: only `vkv serve` serves several models (as NAME=SOURCE)")

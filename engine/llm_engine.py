@@ -20,6 +20,7 @@ from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv.build import attach_tiers, shared_names
+from engine.kv.publisher import make_publisher
 from engine.lora import LoRARegistry, LoRARequest
 from engine.models import load_tokenizer
 from engine.output_processor import OutputProcessor
@@ -50,6 +51,9 @@ class LLMEngine:
         self.model, self.attention, self.kv = rank.model, rank.attention, rank.kv
         self.tokenizer = loaded[1] if loaded else load_tokenizer(c.model)
         self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
+        self.kv_events = make_publisher(c.kv_events_config, c.data_parallel_rank)  # vLLM's KV events, or None
+        if self.kv_events:
+            self.kv.events.start(self.kv.page_end(0))  # before the tiers: a disk tier's files are announced
         if c.offloading:
             attach_tiers(self.kv, c)
         if c.kv_pool is not None:
@@ -149,6 +153,7 @@ class LLMEngine:
         if not self.is_sleeping:
             self.kv.sleep()
             self.sync_workers()
+            self.publish_kv_events()
 
     def wake_up(self) -> None:
         self.kv.wake_up()
@@ -158,6 +163,12 @@ class LLMEngine:
         """Tensor parallel: the other ranks apply the KV operations made outside a step now."""
         if self.workers:
             self.workers.send(self.kv.take_ops(), None)
+
+    def publish_kv_events(self) -> None:
+        """What the KV cache and its tiers took in and let go since the last call, to the
+        publisher (engine/kv/publisher.py), if any."""
+        if self.kv_events:
+            self.kv_events.publish(self.kv.events.take())
 
     @property
     def is_sleeping(self) -> bool:
@@ -169,6 +180,7 @@ class LLMEngine:
         token_budget: at most this many tokens this step (below max_num_batched_tokens), so
         other models sharing the machine wait at most one short step (engine/multi.py)."""
         done = self.core.step(token_budget)
+        self.publish_kv_events()
         if done is None:
             return []
         self.output_processor.add_prompt_scores(done.prompt_scores)
@@ -181,12 +193,14 @@ class LLMEngine:
     # -- numbers --------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         kv, ahead = self.kv.stats(), self.core.map_ahead
-        running = self.scheduler.running
+        running, waiting = self.scheduler.running, [*self.scheduler.waiting, *self.scheduler.swapped]
+        adapters = lambda seqs: tuple(sorted({s.lora.name for s in seqs if s.lora is not None}))
         token_bytes = sum(s.num_computed_tokens for s in running) * self.kv.token_bytes
         mapped_bytes = (kv.pages_in_use + kv.pages_idle) * kv.page_size
         return EngineStats(kv=kv, attention_backend=self.attention.name, platform=self.platform(),
                            num_running=len(running), preemptions=self.scheduler.num_preemptions,
-                           num_waiting=len(self.scheduler.waiting) + len(self.scheduler.swapped),
+                           num_waiting=len(waiting), running_loras=adapters(running), waiting_loras=adapters(waiting),
+                           max_loras=self.config.max_loras if self.loras else 0,
                            kv_utilization=token_bytes / mapped_bytes if mapped_bytes else 0.0,
                            map_ahead_seconds=ahead.seconds if ahead else 0.0,
                            map_ahead_wait_seconds=ahead.wait_seconds if ahead else 0.0,
@@ -201,3 +215,6 @@ class LLMEngine:
         if self.workers:
             self.workers.close()
         self.kv.close()
+        if self.kv_events:
+            self.publish_kv_events()  # the cache let go at close: announced before the socket goes
+            self.kv_events.close()

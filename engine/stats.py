@@ -93,6 +93,9 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # of which the model kept
     map_ahead_seconds: float = 0.0  # the map-ahead worker's mapping time
     map_ahead_wait_seconds: float = 0.0  # steps' time spent waiting for it (exposed)
+    running_loras: tuple[str, ...] = ()  # adapters of the running sequences
+    waiting_loras: tuple[str, ...] = ()  # adapters of the waiting ones
+    max_loras: int = 0  # adapters a step may run (0: LoRA off)
 
     @property
     def map_exposed_seconds(self) -> float:

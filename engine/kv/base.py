@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.kv.events import KVEventLog
 from engine.kv.prefix_cache import PrefixCache, chain_hash, root_name
 from engine.kv.tiers import KVTiers
 from engine.sequence import Sequence
@@ -77,7 +78,8 @@ class KVCacheBase(ABC):
 
     def __init__(self, pool: PageAllocator, enable_prefix_caching: bool, namespace: bytes = b""):
         self.pool = pool
-        self.prefix_cache = PrefixCache(pool) if enable_prefix_caching else None
+        self.events = KVEventLog()  # what the cache and the tiers hold, as it changes (Note [KV events])
+        self.prefix_cache = PrefixCache(pool, self.events) if enable_prefix_caching else None
         self.namespace = namespace  # page names chain from it (engine/kv/prefix_cache.py)
         self.map_seconds = 0.0
         self.cow_copies = 0
@@ -385,9 +387,12 @@ class KVCacheBase(ABC):
         if self.prefix_cache:
             hashes = self._page_hashes(seq, seq.num_computed_tokens)
             while state.committed < len(hashes) and self.page_end(state.committed) <= seq.num_computed_tokens:
-                pages = self.pages_at(seq, state.committed)
+                k = state.committed
+                pages = self.pages_at(seq, k)
                 if pages is not None:  # else the window has passed it already
-                    self.prefix_cache.insert(hashes[state.committed], pages)
+                    self.prefix_cache.insert(hashes[k], pages, hashes[k - 1] if k else None,
+                                             seq.token_ids[self.page_end(k - 1) if k else 0:self.page_end(k)],
+                                             seq.lora.name if seq.lora is not None else None)
                 state.committed += 1
         if self.window:
             self._slide(seq, state)

@@ -64,5 +64,6 @@ def attach_tiers(kv: VirtualKVCache | PagedKVCache, c: EngineConfig) -> None:
     weights = weights_fingerprint(c.model, c.seed) if c.kv_offloading_path else b""
     namespace = namespace_of(weights, {k: v for k, v in describe.items() if k != "model"})
     tiers = make_tiers(c.device, kv.entry_bytes, int(c.kv_offloading_size * (1 << 30)),
-                       c.kv_offloading_path, int(c.kv_offloading_path_size * (1 << 30)), namespace, describe)
+                       c.kv_offloading_path, int(c.kv_offloading_path_size * (1 << 30)), namespace, describe,
+                       kv.events)
     kv.attach_tiers(tiers, namespace)

@@ -28,6 +28,7 @@ import hashlib
 import struct
 from collections import Counter, OrderedDict
 
+from engine.kv.events import GPU, KVEventLog
 from vmm import PageAllocator
 
 ROOT = b"vkv/prefix/v1"
@@ -52,8 +53,9 @@ def chain_hash(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
 
 
 class PrefixCache:
-    def __init__(self, pool: PageAllocator):
+    def __init__(self, pool: PageAllocator, events: KVEventLog | None = None):
         self.pool = pool
+        self.events = events or KVEventLog()  # what comes and goes, for routers (Note [KV events])
         self.shared = hasattr(pool, "lookup")  # a pool several processes draw from: one directory of names
         self.on_evict = None  # called with (name, pages) before an entry's pages are let go (the KV tiers)
         self.entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
@@ -78,16 +80,21 @@ class PrefixCache:
                 else:
                     self.entries[h] = pages  # the lookup's references become the cache's
                     self.imported += len(pages)
+                    self.events.stored([h], hashes[len(found) - 1] if found else None, [], None, None, GPU)
                 found.append(pages)
         return found
 
-    def insert(self, h: bytes, pages: tuple[int, ...]) -> None:
+    def insert(self, h: bytes, pages: tuple[int, ...], parent: bytes | None = None,
+               token_ids: list[int] = (), lora_name: str | None = None) -> None:
+        """Cache the entry named h (the pages of each region that hold token_ids, after the
+        page named parent)."""
         if h in self.entries:
             self.entries.move_to_end(h)
             return
         for page in pages:
             self.pool.hold(page)
         self.entries[h] = pages
+        self.events.stored([h], parent, list(token_ids), len(token_ids), lora_name, GPU)
         if self.shared:
             self.pool.publish([(h, pages)])
 
@@ -111,18 +118,25 @@ class PrefixCache:
         """Over a shared pool: let go of the entries no sequence here maps (the directory keeps them)."""
         idle = [h for h, pages in self.entries.items() if all(self.pool.own_refs(p) == 1 for p in pages)]
         self.pool.drop_many([p for h in idle for p in self.entries.pop(h)])  # one message to the owner
+        self.events.removed(idle, GPU)
 
     def held(self) -> Counter:
         return Counter(p for pages in self.entries.values() for p in pages)
 
     def clear(self) -> None:
         """Let every entry go (sleep, close): each goes to the tiers first, as an eviction would."""
-        for h, pages in self.entries.items():
-            self._let_go(h, pages)
+        if self.on_evict is None:  # nowhere for them to go: all gone at once
+            if self.entries:
+                self.events.cleared()
+            self.pool.drop_many([p for pages in self.entries.values() for p in pages])
+        else:
+            for h, pages in self.entries.items():
+                self._let_go(h, pages)
         self.entries.clear()
 
     def _let_go(self, h: bytes, pages: tuple[int, ...]) -> None:
         """An entry leaves the cache: its bytes to the tiers (if any), then its references."""
+        self.events.removed([h], GPU)
         if self.on_evict:
             self.on_evict(h, pages)
         self.pool.drop_many(pages)

@@ -60,6 +60,7 @@ from stat import S_ISREG
 
 import torch
 
+from engine.kv.events import CPU, STORAGE, AnnouncedEntries, KVEventLog
 from engine.stats import TierStats
 from vmm import SlotStore
 
@@ -72,11 +73,11 @@ MAX_PENDING_BYTES = 256 << 20  # disk writes queued (bytes) before new ones are 
 class HostTier:
     name = "host"
 
-    def __init__(self, device: torch.device, entry_bytes: int, nbytes: int):
+    def __init__(self, device: torch.device, entry_bytes: int, nbytes: int, events: KVEventLog | None = None):
         if nbytes < entry_bytes:
             raise ValueError(f"kv_offloading_size of {nbytes} bytes holds no KV entry of {entry_bytes} bytes")
         self.store = SlotStore(device, entry_bytes, nbytes)
-        self.entries: OrderedDict[bytes, int] = OrderedDict()  # name -> slot, least recently used first
+        self.entries: OrderedDict[bytes, int] = AnnouncedEntries(events, CPU)  # name -> slot, least recently used first
         self.restored = self.dropped = 0
 
     def __contains__(self, name: bytes) -> bool:
@@ -164,14 +165,14 @@ class DiskTier:
     name = "disk"
 
     def __init__(self, root: str | os.PathLike, namespace: bytes, entry_bytes: int, nbytes: int,
-                 describe: dict | None = None, fs: FileSystem = FS):
+                 describe: dict | None = None, fs: FileSystem = FS, events: KVEventLog | None = None):
         self.namespace, self.entry_bytes, self.capacity, self.fs = namespace, entry_bytes, nbytes, fs
         self.file_bytes = HEADER.size + entry_bytes
         if nbytes < self.file_bytes:
             raise ValueError(f"kv_offloading_path_size of {nbytes} bytes holds no KV entry of {self.file_bytes} bytes")
         self.dir = Path(root).expanduser() / namespace.hex()[:32]
         self.lock = threading.Lock()
-        self.index: OrderedDict[bytes, None] = OrderedDict()  # names on disk, least recently used first
+        self.index: OrderedDict[bytes, None] = AnnouncedEntries(events, STORAGE)  # names on disk, least recently used first
         self.pending: dict[bytes, torch.Tensor] = {}  # queued for the writer, readable meanwhile
         self.bytes_written = self.bytes_read = self.restored = self.dropped = self.errors = 0
         self.errors_by: dict[tuple[str, str], int] = {}  # (operation, errno name) -> count
@@ -486,9 +487,10 @@ class KVTiers:
 
 
 def make_tiers(device: torch.device, entry_bytes: int, host_bytes: int, path: str | None, path_bytes: int,
-               namespace: bytes, describe: dict) -> KVTiers:
-    host = HostTier(device, entry_bytes, host_bytes) if host_bytes else None
-    disk = DiskTier(path, namespace, entry_bytes, path_bytes, describe) if path else None
+               namespace: bytes, describe: dict, events: KVEventLog | None = None) -> KVTiers:
+    """The tiers; what comes and goes in each is recorded in `events` (Note [KV events])."""
+    host = HostTier(device, entry_bytes, host_bytes, events) if host_bytes else None
+    disk = DiskTier(path, namespace, entry_bytes, path_bytes, describe, events=events) if path else None
     return KVTiers(host, disk)
 
 

@@ -7,6 +7,8 @@ gauges (`vkv:pages_total`, `vkv:pages_free`) stay unlabelled and read the shared
 """
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -73,6 +75,17 @@ TIER_COUNTERS = {
 }
 
 
+# The names the Gateway API Inference Extension's model-server protocol reads of vLLM (and routers
+# built for vLLM: llm-d, Dynamo, Ray Serve), with vLLM's meaning; labelled model_name="NAME" on a
+# server of several models, as vLLM labels its own.
+VLLM_GAUGES = {
+    "vllm:num_requests_running": (lambda s: s.num_running, "Requests in model execution batches (vLLM's name)."),
+    "vllm:num_requests_waiting": (lambda s: s.num_waiting, "Requests waiting to be processed (vLLM's name)."),
+    "vllm:kv_cache_usage_perc": (lambda s: s.kv.pages_in_use / max(s.kv.pages_total, 1),
+                                 "KV-cache usage, 1 = 100% (vLLM's name): pages mapped for unfinished requests."),
+}
+
+
 POOL_WIDE = {"vkv:pages_total": lambda pool: pool.num_pages, "vkv:pages_free": lambda pool: pool.num_free}
 
 
@@ -95,6 +108,7 @@ class _Snapshot:
                 for model, s in stats.items():
                     metric.add_metric([model] if labels else [], read(s))
                 yield metric
+        yield from self._vllm(stats)
         errors = CounterMetricFamily("vkv:kv_tier_errors", "OS errors at a KV tier's files, and files found damaged "
                                      "or not regular (each entry dropped and recomputed), by operation and errno.",
                                      labels=labels + ["tier", "op", "errno"])
@@ -110,6 +124,23 @@ class _Snapshot:
                     for tier in s.kv.tiers:
                         metric.add_metric(([model] if labels else []) + [tier.tier], read(tier))
                 yield metric
+
+
+    def _vllm(self, stats: dict[str | None, EngineStats]):
+        labels = ["model_name"] if None not in stats else []
+        for name, (read, doc) in VLLM_GAUGES.items():
+            metric = GaugeMetricFamily(name, doc, labels=labels)
+            for model, s in stats.items():
+                metric.add_metric([model] if labels else [], read(s))
+            yield metric
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters (vLLM's name): "
+                                 "the labels say which, the value when they were read.",
+                                 labels=labels + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        for model, s in stats.items():
+            if s.max_loras:
+                info.add_metric(([model] if labels else []) + [str(s.max_loras), ",".join(s.running_loras),
+                                                              ",".join(s.waiting_loras)], time.time())
+        yield info
 
 
 class Metrics:

@@ -64,7 +64,7 @@ from engine.serving.protocol import error_body
 
 log = logging.getLogger("vkv.server")
 FRONT_DOOR_FLAGS = {"--port", "--host", "--api-key", "--data-parallel-size", "-dp", "--prefill-ranks", "--kv-pool",
-                    "--replica-rank"}
+                    "--replica-rank", "--data-parallel-rank"}
 AFFINITY_BYTES = 512  # the prompt start a request's affinity is hashed from
 BUSIER = 2  # requests in flight past the least busy replica's before affinity gives way
 RESTART_GAP = 5.0  # seconds at least between a replica's start and its restart
@@ -134,7 +134,7 @@ class ReplicaSet:
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "VKV_API_KEY": self.key}
         cmd = [sys.executable, "-m", "engine.cli", "serve", *self.argv, "--host", "127.0.0.1",
                "--port", str(replica.port), "--kv-pool", self.owner.path, "--replica-rank", str(replica.rank),
-               "--data-parallel-size", "1", "--prefill-ranks", "0",
+               "--data-parallel-rank", str(replica.rank), "--data-parallel-size", "1", "--prefill-ranks", "0",
                "--max-connections-per-peer", str(self.options.limit_concurrency)]
         replica.process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
 

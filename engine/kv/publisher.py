@@ -1,0 +1,230 @@
+"""KV events on the wire, in vLLM's format: what routers built for vLLM read (Note [KV events]
+in engine/kv/events.py says what is announced and who records it).
+
+The config is vLLM's `KVEventsConfig` (`--kv-events-config '{"enable_kv_cache_events": true,
+"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
+"topic": "kv"}'`, or `LLM(kv_events_config={...})`). The wire is vLLM's too:
+  PUB     each batch as a ZMQ multipart message (topic, sequence number as 8 bytes big-endian,
+          payload), the payload a msgpack `KVEventBatch` [ts, events, data_parallel_rank]
+          whose events are tagged arrays: ["BlockStored", block_hashes, parent_block_hash,
+          token_ids, block_size, lora_id, medium, lora_name], ["BlockRemoved", block_hashes,
+          medium], ["AllBlocksCleared"]
+  replay  a ROUTER socket: a client (REQ or DEALER) sends a starting sequence number (8 bytes
+          big-endian); it gets every kept batch from there as (sequence, payload), then
+          (-1, b"") to say it is up to date
+An endpoint is bound when it names every interface (`*`), a loopback address, `ipc://` or
+`inproc://`, and connected to otherwise (vLLM binds only the first and the last two: here a
+loopback address binds, so the default stays on this machine). With data parallelism, rank R's
+TCP ports are the configured ones plus R, as vLLM's.
+
+A thread of its own encodes and sends, so the engine's step only hands over a list; a full
+queue drops the batch and counts it (`dropped`) rather than stall a step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from urllib.parse import urlsplit
+
+import msgspec
+import zmq
+
+from engine.kv.events import Cleared, Removed, Stored
+
+log = logging.getLogger("vkv.kv_events")
+LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """An event's tag is its class name, as vLLM's."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+def block_hash(name: bytes) -> int:
+    """A page's name (SHA-256 chain hash) as vLLM's integer block hash: its first 8 bytes."""
+    return int.from_bytes(name[:8], "big")
+
+
+def to_wire(event) -> KVCacheEvent:
+    if isinstance(event, Stored):
+        return BlockStored([block_hash(n) for n in event.names],
+                           block_hash(event.parent) if event.parent is not None else None,
+                           event.token_ids, event.block_size, None, event.medium, event.lora_name)
+    if isinstance(event, Removed):
+        return BlockRemoved([block_hash(n) for n in event.names], event.medium)
+    assert isinstance(event, Cleared)
+    return AllBlocksCleared()
+
+
+@dataclasses.dataclass
+class KVEventsConfig:
+    """vLLM's KVEventsConfig: its fields, names and defaults (the endpoint's aside: loopback)."""
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; default: "zmq" when enabled
+    endpoint: str = "tcp://127.0.0.1:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the sending thread
+    topic: str = ""
+
+    @classmethod
+    def of(cls, value: dict | KVEventsConfig | None) -> KVEventsConfig | None:
+        """The config from a dict (CLI JSON, LLM kwargs); unknown fields refused by name."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(value) - known):
+            raise ValueError(f"kv_events_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        config = cls(**value)
+        if config.publisher is None:
+            config.publisher = "zmq" if config.enable_kv_cache_events else "null"
+        if config.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config: unknown publisher {config.publisher!r}: choose 'zmq' or 'null'")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"kv_events_config: {name} must be >= 1")
+        return config
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """Rank R's endpoint: TCP port + R, or `inproc://name_dpR` (vLLM's rule)."""
+    if not endpoint or rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        return f"{base}:{int(port) + rank}"
+    return endpoint  # ipc://: one path each is the user's to give
+
+
+def binds(endpoint: str) -> bool:
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = urlsplit(endpoint).hostname or ""
+    return "*" in endpoint or host in LOOPBACK or host == "::" or host == "0.0.0.0"
+
+
+class ZmqEventPublisher:
+    """Batches of events out on a PUB socket, the last `buffer_steps` kept for replay."""
+    END = (-1).to_bytes(8, "big", signed=True)
+
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0):
+        self.config, self.rank = config, data_parallel_rank
+        self.endpoint = rank_endpoint(config.endpoint, data_parallel_rank)
+        self.replay_endpoint = rank_endpoint(config.replay_endpoint, data_parallel_rank)
+        self.topic = config.topic.encode()
+        self.queue: queue.Queue = queue.Queue(config.max_queue_size)
+        self.kept: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self.sent = self.dropped = 0
+        ctx = zmq.Context.instance()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.set_hwm(config.hwm)
+        self.replay = None
+        try:
+            (self.pub.bind if binds(self.endpoint) else self.pub.connect)(self.endpoint)
+            if self.replay_endpoint:
+                self.replay = ctx.socket(zmq.ROUTER)
+                self.replay.bind(self.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise ValueError(f"kv_events_config: cannot open {self.endpoint}"
+                             f"{' / ' + self.replay_endpoint if self.replay_endpoint else ''}: {exc}") from exc
+        self.thread = threading.Thread(target=self._run, name="vkv-kv-events", daemon=True)
+        self.thread.start()
+        log.info("vkv: KV events on %s%s (topic %r)", self.endpoint,
+                 f", replay on {self.replay_endpoint}" if self.replay_endpoint else "", config.topic)
+
+    def publish(self, events: list) -> None:
+        """Queue one batch (the engine's events since the last); never blocks."""
+        if not events:
+            return
+        try:
+            self.queue.put_nowait(KVEventBatch(time.time(), [to_wire(e) for e in events], self.rank))
+        except queue.Full:
+            self.dropped += 1
+
+    def _run(self) -> None:
+        encoder, seq = msgspec.msgpack.Encoder(), 0
+        while True:
+            if self.replay is not None and self.replay.poll(0):
+                self._answer_replay()
+            try:
+                batch = self.queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if batch is None:
+                return
+            payload = encoder.encode(batch)
+            self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+            self.kept.append((seq, payload))
+            seq += 1
+            self.sent += 1
+
+    def _answer_replay(self) -> None:
+        frames = self.replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("vkv: a KV event replay request of %d frames ignored", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self.kept):
+            if seq >= first:
+                self.replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self.replay.send_multipart((client, b"", self.END, b""))
+
+    def close(self) -> None:
+        """Send what is queued (up to a second), then close the sockets."""
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join(timeout=1.0)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self.pub, self.replay):
+            if sock is not None:
+                sock.close(linger=200)  # ms for the last batches to leave
+
+
+def make_publisher(value: dict | KVEventsConfig | None, data_parallel_rank: int = 0) -> ZmqEventPublisher | None:
+    config = KVEventsConfig.of(value)
+    return ZmqEventPublisher(config, data_parallel_rank) if config and config.publishes else None

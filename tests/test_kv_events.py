@@ -1,0 +1,230 @@
+"""KV events in vLLM's format (engine/kv/events.py, engine/kv/publisher.py): decoded here with
+vLLM's own schema, they account for every page the pool's prefix cache and the tiers take in
+and let go, once each, in order; the replay socket serves what a subscriber missed."""
+import time
+
+import msgspec
+import pytest
+import zmq
+from helpers import NARROW
+
+from engine import LLM, SamplingParams
+from engine.kv.events import CPU, GPU, STORAGE, AnnouncedEntries, KVEventLog
+from engine.kv.publisher import KVEventsConfig, block_hash, rank_endpoint
+
+
+# vLLM's schema (vllm/distributed/kv_events.py, the array_like wire format with `medium` and
+# `lora_name`), written out here so the test reads the bytes as a vLLM consumer would.
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+DECODE = msgspec.msgpack.Decoder(KVEventBatch)
+PROMPTS = [f"Story {i}: " + " ".join(f"word{i}x{j}" for j in range(52)) for i in range(3)]  # test_kv_tiers'
+POOL = 20 << 20  # holds about one prompt: the others are evicted to the tiers
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+
+
+class Holdings:
+    """What a router learns from the stream: the set of block hashes in each medium."""
+
+    def __init__(self):
+        self.media = {GPU: set(), CPU: set(), STORAGE: set()}
+        self.chains: dict[int, list[int]] = {}  # GPU block hash -> the tokens from the sequence's start
+
+    def apply(self, batch: KVEventBatch) -> None:
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                held = self.media[ev.medium]
+                for h in ev.block_hashes:
+                    assert h not in held, f"{ev.medium} block {h:x} announced stored twice"
+                    held.add(h)
+                if ev.medium == GPU and ev.token_ids:
+                    assert len(ev.token_ids) == ev.block_size * len(ev.block_hashes)
+                    tokens = self.chains[ev.parent_block_hash][:] if ev.parent_block_hash is not None else []
+                    for i, h in enumerate(ev.block_hashes):
+                        tokens += ev.token_ids[i * ev.block_size:(i + 1) * ev.block_size]
+                        self.chains[h] = tokens[:]
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    assert h in self.media[ev.medium], f"{ev.medium} block {h:x} removed but never stored"
+                    self.media[ev.medium].discard(h)
+            else:
+                self.media[GPU].clear()
+
+
+def replay(endpoint: str, start: int = 0) -> list[tuple[int, KVEventBatch]]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)  # (a REQ socket takes one reply; replay sends many)
+    sock.connect(endpoint)
+    sock.send_multipart([b"", start.to_bytes(8, "big")])
+    out = []
+    while True:
+        assert sock.poll(5000), "no answer from the replay socket"
+        _, seq, payload = sock.recv_multipart()
+        seq = int.from_bytes(seq, "big", signed=True)
+        if seq < 0:
+            break
+        out.append((seq, DECODE.decode(payload)))
+    sock.close(linger=0)
+    return out
+
+
+def drain(sub) -> list[tuple[int, KVEventBatch]]:
+    out = []
+    while sub.poll(1000):
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"kv"
+        out.append((int.from_bytes(seq, "big"), DECODE.decode(payload)))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "paged"])
+def test_every_page_stored_evicted_tiered_and_let_go_is_announced_once_in_order(tmp_path, layout):
+    pub, rep = f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/kv-replay"
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(pub)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": rep,
+              "topic": "kv"}
+    llm = LLM(model=NARROW, kv_layout=layout, kv_cache_memory=POOL, max_num_seqs=1, kv_offloading_size=0.01,
+              kv_offloading_path=str(tmp_path / "disk"), kv_events_config=config, data_parallel_rank=0)
+    time.sleep(0.3)  # the subscription reaches the publisher (ZMQ's slow joiner)
+    try:
+        sequences = []  # each request's prompt and output tokens
+        for _ in range(2):
+            for p in PROMPTS:
+                (out,) = llm.generate([p], GREEDY, use_tqdm=False)
+                sequences.append(list(out.prompt_token_ids) + list(out.outputs[0].token_ids))
+        batches = replay(rep)
+        assert [seq for seq, _ in batches] == list(range(len(batches))) and batches
+        seen = Holdings()
+        for _, batch in batches:
+            assert batch.data_parallel_rank == 0
+            seen.apply(batch)
+        kv = llm.engine.kv
+        tiers = kv.tiers
+        # the stream says exactly what each medium holds now
+        assert seen.media[GPU] == {block_hash(n) for n in kv.prefix_cache.entries}
+        assert seen.media[CPU] == {block_hash(n) for n in tiers.host.entries} and seen.media[CPU]
+        assert seen.media[STORAGE] == {block_hash(n) for n in tiers.disk.index} and seen.media[STORAGE]
+        assert kv.prefix_cache.evictions > 0 and tiers.host.dropped > 0  # evictions and tier drops both seen
+        # each sequence's announced tokens are its prompt's tokens, page after page
+        for tokens in seen.chains.values():
+            assert any(ids[:len(tokens)] == tokens for ids in sequences)
+        assert max(len(t) for t in seen.chains.values()) >= 170
+    finally:
+        llm.close()
+    live = drain(sub)  # the live stream, through close (the cache let go to the tiers)
+    sub.close(linger=0)
+    assert [seq for seq, _ in live] == list(range(len(live))), "the subscriber missed or reordered batches"
+    assert [b for _, b in live[:len(batches)]] == [b for _, b in batches]
+    after = Holdings()
+    for _, batch in live:
+        after.apply(batch)
+    assert not after.media[GPU], "the pool's pages were let go at close without being announced"
+
+    # a restarted engine announces the disk tier's files before any request
+    files = {block_hash(bytes.fromhex(f.stem)) for f in (tmp_path / "disk").glob("*/*.kv")}
+    with LLM(model=NARROW, kv_layout=layout, kv_cache_memory=POOL, max_num_seqs=1,
+             kv_offloading_path=str(tmp_path / "disk"), kv_events_config=config) as llm:
+        llm.engine.publish_kv_events()
+        found = Holdings()
+        for _, batch in replay(rep):
+            found.apply(batch)
+        assert found.media[STORAGE] == files and files
+
+
+def test_without_tiers_sleep_clears_all_and_ranks_offset_ports(tmp_path):
+    rep = f"ipc://{tmp_path}/r"
+    config = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/p", "replay_endpoint": rep}
+    with LLM(model=NARROW, kv_cache_memory=POOL, kv_events_config=config, data_parallel_rank=3) as llm:
+        llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+        llm.sleep()
+        batches = [b for _, b in replay(rep)]
+    assert all(b.data_parallel_rank == 3 for b in batches)
+    kinds = [type(e).__name__ for b in batches for e in b.events]
+    assert kinds[0] == "BlockStored" and kinds[-1] == "AllBlocksCleared" and "BlockRemoved" not in kinds
+    assert rank_endpoint("tcp://*:5557", 2) == "tcp://*:5559" and rank_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
+
+
+def test_the_config_is_vllms_and_refuses_what_it_does_not_know():
+    c = KVEventsConfig.of({"enable_kv_cache_events": True})
+    assert c.publisher == "zmq" and c.endpoint.startswith("tcp://127.0.0.1")  # loopback by default
+    assert KVEventsConfig.of({"enable_kv_cache_events": False}).publishes is False
+    with pytest.raises(ValueError, match="unknown field.*'endpont'"):
+        KVEventsConfig.of({"enable_kv_cache_events": True, "endpont": "tcp://*:1"})
+    with pytest.raises(ValueError, match="unknown publisher 'kafka'"):
+        KVEventsConfig.of({"enable_kv_cache_events": True, "publisher": "kafka"})
+    with pytest.raises(ValueError, match="prefix caching"):
+        LLM(model=NARROW, enable_prefix_caching=False, kv_events_config={"enable_kv_cache_events": True})
+
+
+def test_a_tier_index_announces_every_way_an_entry_comes_and_goes():
+    log = KVEventLog()
+    log.start(16)
+    index = AnnouncedEntries(log, CPU)
+    index[b"a"] = 1
+    index[b"a"] = 2  # already there: nothing new
+    index[b"b"] = 3
+    index[b"c"] = 4
+    index.popitem(last=False)
+    index.pop(b"missing", None)
+    index.pop(b"b")
+    index.clear()
+    events = log.take()
+    assert [(type(e).__name__, e.names) for e in events] == [
+        ("Stored", [b"a", b"b", b"c"]), ("Removed", [b"a", b"b", b"c"])]
+    assert events[0].block_size == 16 and log.take() == []
+
+
+def test_metrics_routers_read_carry_vllms_names_and_meaning():
+    import dataclasses
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.serving.metrics import Metrics
+    with LLM(model=NARROW, kv_cache_memory=POOL) as llm:
+        stats = llm.stats()
+    busy = dataclasses.replace(stats, num_running=2, num_waiting=5, running_loras=("sql",), waiting_loras=("chat", "sql"),
+                               max_loras=2, kv=dataclasses.replace(stats.kv, pages_in_use=stats.kv.pages_total // 4))
+    pool = SimpleNamespace(pool=SimpleNamespace(num_pages=8, num_free=4))
+    for labelled, snapshot in ((False, busy), (True, {"smol": busy})):
+        metrics = Metrics(["smol"], pool) if labelled else Metrics()
+        families = {f.name: f for f in text_string_to_metric_families(metrics.render(snapshot).decode())}
+        value = lambda name: families[name].samples[0].value
+        assert value("vllm:num_requests_running") == 2 and value("vllm:num_requests_waiting") == 5
+        assert value("vllm:kv_cache_usage_perc") == pytest.approx(0.25, abs=1 / stats.kv.pages_total)
+        (info,) = families["vllm:lora_requests_info"].samples
+        assert info.labels["running_lora_adapters"] == "sql" and info.labels["waiting_lora_adapters"] == "chat,sql"
+        assert info.labels["max_lora"] == "2" and info.value > 1.7e9
+        assert ("model_name" in info.labels) == labelled
