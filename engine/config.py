@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 import ext
-from engine.kv.publisher import KVEventsConfig
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -32,6 +32,45 @@ def check_scheduling(policy: str, preemption_mode: str) -> None:
     if preemption_mode not in PREEMPTION_MODES:
         raise ValueError(f"unknown preemption_mode {preemption_mode!r}: choose one of {PREEMPTION_MODES}")
 DEFAULT_HOST_PAGE = 64 << 10  # small pages: the host backend's advantage over 2 MiB GPU pages
+
+
+@dataclasses.dataclass
+class KVEventsConfig:
+    """vLLM's KVEventsConfig: its fields, names and defaults (the endpoint's aside: loopback). What
+    the fields do: engine/kv/publisher.py."""
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; default: "zmq" when enabled
+    endpoint: str = "tcp://127.0.0.1:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the sending thread
+    topic: str = ""
+
+    @classmethod
+    def of(cls, value: dict | KVEventsConfig | None) -> KVEventsConfig | None:
+        """The config from a dict (CLI JSON, LLM kwargs); unknown fields refused by name."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(value) - known):
+            raise ValueError(f"kv_events_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        config = cls(**value)
+        if config.publisher is None:
+            config.publisher = "zmq" if config.enable_kv_cache_events else "null"
+        if config.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config: unknown publisher {config.publisher!r}: choose 'zmq' or 'null'")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"kv_events_config: {name} must be >= 1")
+        return config
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
 
 
 @dataclass

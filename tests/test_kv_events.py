@@ -10,7 +10,8 @@ from helpers import NARROW
 
 from engine import LLM, SamplingParams
 from engine.kv.events import CPU, GPU, STORAGE, AnnouncedEntries, KVEventLog
-from engine.kv.publisher import KVEventsConfig, block_hash, rank_endpoint
+from engine.config import KVEventsConfig
+from engine.kv.publisher import block_hash, rank_endpoint
 
 
 # vLLM's schema (vllm/distributed/kv_events.py, the array_like wire format with `medium` and

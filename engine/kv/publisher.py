@@ -22,7 +22,6 @@ queue drops the batch and counts it (`dropped`) rather than stall a step.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -33,6 +32,7 @@ from urllib.parse import urlsplit
 import msgspec
 import zmq
 
+from engine.config import KVEventsConfig
 from engine.kv.events import Cleared, Removed, Stored
 
 log = logging.getLogger("vkv.kv_events")
@@ -86,43 +86,6 @@ def to_wire(event) -> KVCacheEvent:
         return BlockRemoved([block_hash(n) for n in event.names], event.medium)
     assert isinstance(event, Cleared)
     return AllBlocksCleared()
-
-
-@dataclasses.dataclass
-class KVEventsConfig:
-    """vLLM's KVEventsConfig: its fields, names and defaults (the endpoint's aside: loopback)."""
-    enable_kv_cache_events: bool = False
-    publisher: str | None = None  # "zmq" or "null"; default: "zmq" when enabled
-    endpoint: str = "tcp://127.0.0.1:5557"
-    replay_endpoint: str | None = None
-    buffer_steps: int = 10_000  # batches kept for replay
-    hwm: int = 100_000  # the PUB socket's high-water mark
-    max_queue_size: int = 100_000  # batches waiting for the sending thread
-    topic: str = ""
-
-    @classmethod
-    def of(cls, value: dict | KVEventsConfig | None) -> KVEventsConfig | None:
-        """The config from a dict (CLI JSON, LLM kwargs); unknown fields refused by name."""
-        if value is None or isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        if unknown := sorted(set(value) - known):
-            raise ValueError(f"kv_events_config: unknown field(s) {unknown}; known: {sorted(known)}")
-        config = cls(**value)
-        if config.publisher is None:
-            config.publisher = "zmq" if config.enable_kv_cache_events else "null"
-        if config.publisher not in ("zmq", "null"):
-            raise ValueError(f"kv_events_config: unknown publisher {config.publisher!r}: choose 'zmq' or 'null'")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            if getattr(config, name) < 1:
-                raise ValueError(f"kv_events_config: {name} must be >= 1")
-        return config
-
-    @property
-    def publishes(self) -> bool:
-        return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
 def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
@@ -225,6 +188,5 @@ class ZmqEventPublisher:
                 sock.close(linger=200)  # ms for the last batches to leave
 
 
-def make_publisher(value: dict | KVEventsConfig | None, data_parallel_rank: int = 0) -> ZmqEventPublisher | None:
-    config = KVEventsConfig.of(value)
+def make_publisher(config: KVEventsConfig | None, data_parallel_rank: int = 0) -> ZmqEventPublisher | None:
     return ZmqEventPublisher(config, data_parallel_rank) if config and config.publishes else None
