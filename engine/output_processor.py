@@ -46,6 +46,7 @@ class RequestState:
     error: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (prompt_logprobs); the first None
     prompt_logprobs_sent: bool = False  # DELTA: they go out once, in the first output after the prompt
+    num_cached_tokens: int = 0  # prompt tokens found cached when its first sequence was admitted
 
     @property
     def finished(self) -> bool:
@@ -90,6 +91,8 @@ class OutputProcessor:
             if state is None:
                 continue
             touched[state.request_id] = state
+            if o.seq.index == 0 and o.seq.num_cached_tokens:
+                state.num_cached_tokens = max(state.num_cached_tokens, o.seq.num_cached_tokens)
             if o.error:
                 self._fail(state, o.error)
             elif not state.beam and not state.error and not state.completions[o.seq.index].finish_reason:
@@ -163,7 +166,8 @@ class OutputProcessor:
         if prompt_logprobs is not None and delta:
             prompt_logprobs, state.prompt_logprobs_sent = (None if state.prompt_logprobs_sent else prompt_logprobs), True
         return RequestOutput(state.request_id, state.prompt.text, state.prompt.token_ids, outputs,
-                             state.finished, state.error, list(prompt_logprobs) if prompt_logprobs else None)
+                             state.finished, state.error, list(prompt_logprobs) if prompt_logprobs else None,
+                             state.num_cached_tokens)
 
     def _beam_output(self, state: RequestState) -> BeamSearchOutput:
         start, prompt_text = len(state.prompt.token_ids), state.prompt.text

@@ -42,3 +42,4 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None  # why the request failed, when it did (finish_reason "error")
     prompt_logprobs: list[TokenLogprob | None] | None = None  # prompt_logprobs: per prompt token, the first None
+    num_cached_tokens: int = 0  # prompt tokens found cached (vLLM's name): not computed for this request

@@ -318,6 +318,8 @@ class Scheduler:
             if seq is None or not self._fits(seq, budget):
                 break
             seq.num_computed_tokens = self.kv.admit(seq)  # a cached prefix counts as computed
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = seq.num_computed_tokens
             if seq.num_pending_tokens <= 0:  # never expected: a step over no rows would fail the engine
                 log.warning("admitting %s (%d tokens) found %d computed: its last token is computed again",
                             seq.request_id, len(seq), seq.num_computed_tokens)

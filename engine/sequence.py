@@ -38,6 +38,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
+    num_cached_tokens: int | None = None  # prompt tokens its first admission found cached (pool or tiers)
     status: SequenceStatus = SequenceStatus.WAITING
     generator: torch.Generator | None = None
     finish_reason: str | None = None

@@ -33,6 +33,9 @@ class ServerOptions:
     data_parallel_size: int = 1  # > 1: engine processes over one KV pool behind this server (engine/serving/replicas.py)
     prefill_ranks: int = 0  # of those, replicas that only prefill; the others decode (the KV handed over by mapping)
     replica_rank: int | None = None  # set by the front door for the replicas it starts
+    data_parallel_backend: str = "mp"  # "ray": the replicas on a Ray cluster behind Ray Serve (engine/serving/ray_serve.py)
+    ray_address: str | None = None  # the Ray cluster to join (default: a local Ray of our own, stopped on exit)
+    ray_router: str = "prefix"  # "prefix" (vkv's, from the pages each replica holds) | "pow2" | "ray-prefix"
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -59,6 +62,15 @@ class ServerOptions:
                         help="replicas that only prefill: a request's prompt is computed there and its pages are "
                              "mapped by a decoding replica, not copied")
         dp.add_argument("--replica-rank", type=int, default=None, help=argparse.SUPPRESS)
+        dp.add_argument("--data-parallel-backend", choices=("mp", "ray"), default=d.data_parallel_backend,
+                        help="mp: engine processes on this host over one KV pool; ray: replicas placed by Ray on a "
+                             "cluster, Ray Serve in front (pip install -e '.[ray]')")
+        dp.add_argument("--ray-address", default=d.ray_address, help="the Ray cluster to join, e.g. 10.0.0.1:6379 "
+                        "(default: start a local Ray, stopped on exit)")
+        dp.add_argument("--ray-router", choices=("prefix", "pow2", "ray-prefix"), default=d.ray_router,
+                        help="prefix: to the replica holding the request's leading pages (from what each replica "
+                             "reports it holds), else the less loaded of two; pow2: Ray's power of two choices; "
+                             "ray-prefix: Ray's PrefixCacheAffinityRouter (needs ray.serve.llm to import)")
         m = p.add_argument_group("several models (--model NAME=SOURCE, more than once: one KV pool)")
         m.add_argument("--kv-limit", action="append", default=[], metavar="NAME=MIN:MAX",
                        help="a model's floor and cap of the pool, bytes or percent, e.g. chat=10%%:60%%")

@@ -342,7 +342,9 @@ def new_id(prefix: str) -> str:
 def usage(outputs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(getattr(o, "num_cached_tokens", 0) for o in outputs)  # (a beam search's output has none)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def envelope(kind: str, request_id: str, model: str, choices: list, extra: dict | None = None) -> dict:

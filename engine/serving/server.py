@@ -602,11 +602,35 @@ def _graceful_server(config: uvicorn.Config, engines: list[AsyncEngine], grace: 
 
 def serve(args) -> None:
     options = ServerOptions.from_cli_args(args)
+    if options.data_parallel_backend == "ray":  # replicas on a Ray cluster, Ray Serve in front
+        from engine.serving.ray_serve import serve_on_ray
+        return serve_on_ray(args, options)
     if options.data_parallel_size > 1:  # engine processes over one KV pool, this one their front door
         from engine.serving.replicas import serve_replicas
         return serve_replicas(args, options)
     if options.replica_rank is not None:
         _title(f"vkv: rank {options.replica_rank}")
+    app, async_engines, what = make_app(args, options)
+    protocol = type("GuardedH11", (GuardedH11Protocol,), {"header_timeout": options.header_timeout, "peers": Counter(),
+                                                          "max_per_peer": options.max_connections_per_peer})
+    print(f"vkv: serving {what} on http://{options.host}:{options.port}", flush=True)
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level, http=protocol,
+                            timeout_keep_alive=options.timeout_keep_alive,
+                            limit_concurrency=options.limit_concurrency,
+                            timeout_graceful_shutdown=options.shutdown_timeout)
+    # uvicorn re-raises SIGTERM/SIGINT once it has shut down, with the handler it found: make
+    # that a clean exit (status 0) rather than death by signal (143), as supervisors expect.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_cleanly)
+    try:
+        _graceful_server(config, list(async_engines.values()), options.shutdown_timeout).run()
+    finally:  # when uvicorn did not get as far as the app's shutdown
+        for async_engine in async_engines.values():
+            async_engine.shutdown()
+
+
+def make_app(args, options: ServerOptions) -> tuple[FastAPI, dict[str, AsyncEngine], str]:
+    """The app `vkv serve` serves, its engines (by served name), and a line saying what it is."""
     adapters = parse_lora_modules(options.lora_modules)
     models = dict(m.split("=", 1) for m in args.model or [] if "=" in m)
     if models:  # several models, one KV pool
@@ -633,22 +657,7 @@ def serve(args) -> None:
         what = f"{name} ({engine.config.kv_layout} KV, {engine.attention.name} attention)"
     if adapters:
         what += f", LoRA adapters {', '.join(adapters)}"
-    protocol = type("GuardedH11", (GuardedH11Protocol,), {"header_timeout": options.header_timeout, "peers": Counter(),
-                                                          "max_per_peer": options.max_connections_per_peer})
-    print(f"vkv: serving {what} on http://{options.host}:{options.port}", flush=True)
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level, http=protocol,
-                            timeout_keep_alive=options.timeout_keep_alive,
-                            limit_concurrency=options.limit_concurrency,
-                            timeout_graceful_shutdown=options.shutdown_timeout)
-    # uvicorn re-raises SIGTERM/SIGINT once it has shut down, with the handler it found: make
-    # that a clean exit (status 0) rather than death by signal (143), as supervisors expect.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _exit_cleanly)
-    try:
-        _graceful_server(config, list(async_engines.values()), options.shutdown_timeout).run()
-    finally:  # when uvicorn did not get as far as the app's shutdown
-        for async_engine in async_engines.values():
-            async_engine.shutdown()
+    return app, async_engines, what
 
 
 def parse_lora_modules(items: tuple[str, ...]) -> dict[str, str]:

@@ -1,0 +1,72 @@
+"""A Ray cluster of several nodes on this machine (a head and `ray start --address` nodes, each
+with its own CPUs), started and stopped whole: for tests/test_ray_serve.py and
+benchmarks/bench_ray_router.py. Stopping kills only this cluster's processes (found by its
+temporary directory and its port), never another Ray on the machine."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from engine.parallel import free_port
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+class LocalRayCluster:
+    def __init__(self, nodes: int = 2, cpus_per_node: int = 1, object_store_bytes: int = 100 << 20):
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.dir = tempfile.mkdtemp(prefix="vkvray-", dir="/tmp")  # short: Ray's socket paths live under it
+        self.env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "RAY_USAGE_STATS_ENABLED": "0",
+                    "RAY_AUTH_MODE": "token"}
+        small = ["--num-cpus", str(cpus_per_node), "--object-store-memory", str(object_store_bytes),
+                 "--temp-dir", self.dir]
+        try:
+            self._ray("start", "--head", "--port", str(self.port), "--include-dashboard", "false",
+                      "--disable-usage-stats", "--ray-client-server-port", str(free_port()), *small)
+            for _ in range(nodes - 1):
+                self._ray("start", "--address", self.address, *small)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _ray(self, *args: str) -> None:
+        done = subprocess.run([RAY, *args], env=self.env, capture_output=True, text=True, timeout=180)
+        if done.returncode:
+            raise RuntimeError(f"ray {' '.join(args[:2])} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+
+    def _pids(self) -> set[int]:
+        """This cluster's processes: those naming its directory or port, and their children."""
+        parents, mine = {}, set()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+                parents[int(pid)] = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if self.dir.encode() in cmdline or f":{self.port}".encode() in cmdline:
+                mine.add(int(pid))
+        grew = True
+        while grew:
+            children = {pid for pid, parent in parents.items() if parent in mine} - mine
+            mine |= children
+            grew = bool(children)
+        return mine - {os.getpid()}
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in self._pids():
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + 10
+            while self._pids() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        shutil.rmtree(self.dir, ignore_errors=True)

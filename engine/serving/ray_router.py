@@ -1,0 +1,72 @@
+"""vkv's Ray Serve request router (Note [Replicas on Ray Serve] in engine/serving/ray_serve.py):
+each request to the replica holding the most of its leading pages, else the less busy of two.
+A module of its own because Ray imports a router class by its path, and Ray is optional."""
+from __future__ import annotations
+
+import random
+import time
+
+from ray.serve.request_router import FIFOMixin, RequestRouter
+
+from engine.serving.ray_serve import BUSIER, EXPECT_SECONDS, MAX_REPORTED, RouteKey, page_names
+
+
+class PrefixRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, busier: int = BUSIER, expect_seconds: float = EXPECT_SECONDS):
+        self.busier, self.expect_seconds = busier, expect_seconds
+        self.sent: dict[int, tuple[object, float]] = {}  # page name -> (replica it was just sent to, when)
+        self.held: dict[object, tuple[tuple, set[int]]] = {}  # replica -> (its report, its names as a set)
+
+    def _load(self, replica) -> int:
+        queued = self.replica_queue_len_cache.get(replica.replica_id)
+        stats = replica.routing_stats or {}
+        return queued if queued is not None else stats.get("running", 0) + stats.get("waiting", 0)
+
+    def _holds(self, replica) -> set[int]:
+        stats = replica.routing_stats or {}
+        report = stats.get("held") or []
+        cached = self.held.get(replica.replica_id)
+        if cached is None or cached[0] is not report:
+            cached = self.held[replica.replica_id] = (report, set(report))
+        return cached[1]
+
+    def _names(self, pending, replicas) -> list[int]:
+        key = pending.args[-1] if pending is not None and pending.args else None
+        naming = next((r.routing_stats for r in replicas if (r.routing_stats or {}).get("page_ends")), None)
+        if not isinstance(key, RouteKey) or naming is None:
+            return []
+        return page_names(key, bytes.fromhex(naming["namespace"]), naming["page_ends"])
+
+    def _depth(self, replica, names: list[int], now: float) -> int:
+        held, depth = self._holds(replica), 0
+        for name in names:
+            where = self.sent.get(name)
+            if name not in held and not (where and where[0] == replica.replica_id
+                                         and now - where[1] < self.expect_seconds):
+                break
+            depth += 1
+        return depth
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if not candidate_replicas:
+            return []
+        now, names = time.monotonic(), self._names(pending_request, candidate_replicas)
+        load = {r.replica_id: self._load(r) for r in candidate_replicas}
+        least = min(load.values())
+        best = max(candidate_replicas, key=lambda r: (self._depth(r, names, now), -load[r.replica_id]))
+        if names and self._depth(best, names, now) and load[best.replica_id] <= least + self.busier:
+            chosen = [[best], sorted((r for r in candidate_replicas if r is not best), key=lambda r: load[r.replica_id])]
+        else:
+            two = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
+            chosen = [sorted(two, key=lambda r: load[r.replica_id])]
+        if pending_request is not None:
+            pending_request.routing_context.vkv_names = names  # for on_request_routed
+        return chosen
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        now = time.monotonic()
+        for name in getattr(pending_request.routing_context, "vkv_names", ()):
+            self.sent[name] = (replica_id, now)
+        if len(self.sent) > 4 * MAX_REPORTED:  # forget the oldest
+            for name in [n for n, (_, t) in self.sent.items() if now - t >= self.expect_seconds]:
+                del self.sent[name]

@@ -1,0 +1,109 @@
+"""`vkv serve --data-parallel-size 2 --data-parallel-backend ray` on a real Ray cluster of two
+nodes on this machine (a head and a second `ray start --address`, one CPU each, so one replica
+lands on each): a prompt's repeats land on the replica that computed its prefix (counted from
+that replica's cached tokens), greedy outputs equal one engine's, errors are the server's own,
+and a replica killed is replaced while the application keeps answering
+(engine/serving/ray_serve.py)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from ray_cluster import LocalRayCluster  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.parallel import free_port  # noqa: E402
+
+pytestmark = pytest.mark.ray
+KEY = "sk-ray"
+MODEL = ["--model", "random:smollm2-kv", "--kv-cache-memory", str(128 << 20), "--max-model-len", "512"]
+PROMPTS = [f"System prompt {i}: " + " ".join(f"rule{i}x{j}" for j in range(60)) for i in range(3)]  # ~3 pages each
+
+
+def replica_pids() -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and b"ServeReplica:vkv:VKVReplica" in open(f"/proc/{pid}/cmdline", "rb").read():
+                pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def complete(port: int, prompt: str, max_tokens: int = 6) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def app():
+    cluster, server, port = LocalRayCluster(nodes=2, cpus_per_node=1), None, free_port()
+    try:
+        server = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", *MODEL, "--port", str(port),
+                                   "--api-key", KEY, "-dp", "2", "--data-parallel-backend", "ray",
+                                   "--ray-address", cluster.address], env={**cluster.env, "OMP_NUM_THREADS": "1"},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in server.stdout:  # its log until it serves
+            if "vkv: serving" in line:
+                break
+        else:
+            raise AssertionError(f"vkv serve on Ray exited with {server.wait()}")
+        yield port
+    finally:
+        if server is not None:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        cluster.stop()
+
+
+def test_prefixes_land_where_they_were_computed_and_outputs_equal_one_engines(app):
+    where, answers = {}, {}
+    for round_ in range(3):
+        for i, prompt in enumerate(PROMPTS):
+            r = complete(app, prompt)
+            assert r.status_code == 200, r.text
+            where.setdefault(i, set()).add(r.headers["x-vkv-replica"])
+            cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert (cached > 0) == (round_ > 0), (round_, i, cached)  # computed once, found after
+            answers[prompt] = r.json()["choices"][0]["text"]
+    assert all(len(replicas) == 1 for replicas in where.values()), where
+    assert len(replica_pids()) == 2
+    with LLM(model=MODEL[1], kv_cache_memory=128 << 20, max_model_len=512) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert [o.outputs[0].text for o in outs] == [answers[p] for p in PROMPTS]
+    # the server's own checks and errors, through the ingress
+    bad = httpx.post(f"http://127.0.0.1:{app}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"prompt": "", "max_tokens": 2}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "the prompt is empty"
+    assert httpx.post(f"http://127.0.0.1:{app}/v1/completions", json={"prompt": "hi"}, timeout=60).status_code == 401
+    stream = httpx.post(f"http://127.0.0.1:{app}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                        json={"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "stream": True}, timeout=60)
+    assert stream.text.rstrip().endswith("data: [DONE]") and stream.text.count("data: ") == 7
+
+
+def test_a_killed_replica_is_replaced_and_the_application_keeps_answering(app):
+    victim = replica_pids()[0]
+    os.kill(victim, signal.SIGKILL)
+    answered, seen, deadline = [], set(), time.monotonic() + 120
+    while time.monotonic() < deadline:
+        r = complete(app, f"after the kill {len(answered)}", max_tokens=2)
+        answered.append(r.status_code)
+        seen.add(r.headers.get("x-vkv-replica"))
+        pids = replica_pids()
+        if len(pids) == 2 and victim not in pids and len(seen) == 2 and len(answered) >= 4:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"no second replica within 120 s; answers {answered}")
+    assert set(answered) == {200}, answered
