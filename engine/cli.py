@@ -37,9 +37,20 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from engine.serving.server import serve
+    """One server; engine processes over one KV pool behind a front door (engine/serving/replicas.py);
+    or replicas on a Ray cluster behind Ray Serve (engine/serving/ray_serve.py)."""
+    from engine.serving.options import ServerOptions
 
-    serve(args)
+    options = ServerOptions.from_cli_args(args)
+    if options.data_parallel_backend == "ray":
+        from engine.serving.ray_serve import serve_on_ray
+        serve_on_ray(args, options)
+    elif options.data_parallel_size > 1:
+        from engine.serving.replicas import serve_replicas
+        serve_replicas(args, options)
+    else:
+        from engine.serving.server import serve
+        serve(args, options)
 
 
 def cmd_tp_worker(args: argparse.Namespace) -> None:

@@ -600,14 +600,8 @@ def _graceful_server(config: uvicorn.Config, engines: list[AsyncEngine], grace: 
     return Server(config)
 
 
-def serve(args) -> None:
-    options = ServerOptions.from_cli_args(args)
-    if options.data_parallel_backend == "ray":  # replicas on a Ray cluster, Ray Serve in front
-        from engine.serving.ray_serve import serve_on_ray
-        return serve_on_ray(args, options)
-    if options.data_parallel_size > 1:  # engine processes over one KV pool, this one their front door
-        from engine.serving.replicas import serve_replicas
-        return serve_replicas(args, options)
+def serve(args, options: ServerOptions) -> None:
+    """One server (a replica of a front door's too) on uvicorn, until SIGTERM or SIGINT."""
     if options.replica_rank is not None:
         _title(f"vkv: rank {options.replica_rank}")
     app, async_engines, what = make_app(args, options)
