@@ -55,7 +55,7 @@ async def one_request(client: httpx.AsyncClient, url: str, req: BenchRequest) ->
     """One streamed request: its TTFT and tokens, or its error and whether any token had come."""
     body = {"prompt": req.prompt_ids, "max_tokens": req.output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    start, first, tokens = time.perf_counter(), None, 0
+    start, first, tokens, cached = time.perf_counter(), None, 0, 0
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
             return {"ok": False, "streamed": False, "error": (await response.aread()).decode()[:200]}
@@ -69,7 +69,9 @@ async def one_request(client: httpx.AsyncClient, url: str, req: BenchRequest) ->
                 first = first or time.perf_counter()
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-    return {"ok": True, "output_tokens": tokens, "ttft": (first or time.perf_counter()) - start}
+                cached = event["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {"ok": True, "output_tokens": tokens, "ttft": (first or time.perf_counter()) - start,
+            "prompt_tokens": len(req.prompt_ids), "cached_tokens": cached}
 
 
 def counters(url: str) -> dict[str, float]:
@@ -106,6 +108,7 @@ async def run(urls: list[str], requests: list[BenchRequest], rate: float, seed: 
             "failed_before_streaming": sum(1 for r in results if not r["ok"] and not r.get("streamed")),
             "errors": [r["error"] for r in results if not r["ok"]][:3],
             "duration_s": duration, "output_throughput": sum(r["output_tokens"] for r in ok) / duration,
+            "prompt_tokens": sum(r["prompt_tokens"] for r in ok), "cached_tokens": sum(r["cached_tokens"] for r in ok),
             "ttft": stats([r["ttft"] for r in ok])}
 
 

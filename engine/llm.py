@@ -107,6 +107,13 @@ class LLM:
     def wake_up(self) -> None:
         self.engine.wake_up()
 
+    def update_weights_from_tensor(self, named_tensors) -> None:
+        """New weights in place (LLMEngine.update_weights_from_tensor)."""
+        self.engine.update_weights_from_tensor(named_tensors)
+
+    def update_weights_from_disk(self, path: str) -> None:
+        self.engine.update_weights_from_disk(path)
+
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
 

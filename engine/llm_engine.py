@@ -12,6 +12,7 @@ the batch as a whole propagates: the engine is then broken.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 
@@ -22,7 +23,8 @@ from engine.core import EngineCore
 from engine.kv.build import attach_tiers, shared_names
 from engine.kv.publisher import make_publisher
 from engine.lora import LoRARegistry, LoRARequest
-from engine.models import load_tokenizer
+from engine.models import load_tokenizer, weights
+from engine.models.loader import checkpoint_dir, read_checkpoint
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.parallel import RecordedKV, start_ranks
@@ -70,6 +72,8 @@ class LLMEngine:
                                         self.grammars, self.kv.pages_for, self.kv.pool, self.loras)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.closed = False
+        self.paused = False  # pause_generation: no step runs until continue_generation
+        self.weights_version = 0  # updates since load: every page name chains from it
         self.counters = Counters()
         log.info("vkv: %s", "; ".join(f"{k}: {v}" for k, v in self.platform().items()))
 
@@ -159,6 +163,50 @@ class LLMEngine:
         self.kv.wake_up()
         self.sync_workers()
 
+    # -- new weights, pause and continue (RL loops: engine/models/weights.py) ----------------
+    def pause_generation(self, mode: str = "abort") -> None:
+        """No step runs until continue_generation (SGLang's and vLLM's pause). "abort": every
+        request in flight ends now; "retract": they keep their place, give their KV back, and
+        are computed again (under new weights, if updated meanwhile) when generation goes on."""
+        if mode not in ("abort", "retract"):
+            raise ValueError(f"pause_generation mode {mode!r}: choose 'abort' or 'retract'")
+        if mode == "abort":
+            for request_id in list(self.output_processor.requests):
+                self.abort(request_id)
+        else:
+            self.scheduler.retract_all()
+        self.paused = True
+
+    def continue_generation(self) -> None:
+        self.paused = False
+
+    def update_weights_from_tensor(self, named_tensors) -> None:
+        """New weights in place: {name: tensor} or (name, tensor) pairs named as the model's
+        Hugging Face checkpoint names them, all checked first (ValueError by name, nothing
+        changed). Every page name chains from the weights' version from now on, so no prefix
+        computed under the old weights is ever served. Sequences may not hold KV: pause with
+        "retract" (or "abort") first, or update between requests."""
+        update = weights.check(self.model, named_tensors)
+        if self.kv.active_sequences():
+            raise RuntimeError("requests in flight hold KV computed with the current weights: "
+                               "pause_generation('retract') or ('abort') first")
+        weights.apply(self.model, update)
+        self.weights_version += 1
+        self.kv.forget_prefixes(hashlib.sha256(self.kv.namespace + b"vkv/weights-update").digest())
+        self.publish_kv_events()
+        log.info("vkv: weights updated in place (%d tensors, version %d)", len(update), self.weights_version)
+
+    def update_weights_from_disk(self, path: str) -> None:
+        """update_weights_from_tensor with every tensor of a Hugging Face checkpoint directory
+        (or a .gguf file) of this model's shape."""
+        where = checkpoint_dir(path)
+        if where is None:
+            raise ValueError(f"{path!r} is a random model: it has no weights on disk")
+        state = read_checkpoint(where)
+        if self.model_config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # (as a load drops it)
+        self.update_weights_from_tensor(state)
+
     def sync_workers(self) -> None:
         """Tensor parallel: the other ranks apply the KV operations made outside a step now."""
         if self.workers:
@@ -179,6 +227,8 @@ class LLMEngine:
         """One forward pass over the scheduled batch; outputs of the requests it advanced.
         token_budget: at most this many tokens this step (below max_num_batched_tokens), so
         other models sharing the machine wait at most one short step (engine/multi.py)."""
+        if self.paused:
+            return []
         done = self.core.step(token_budget)
         self.publish_kv_events()
         if done is None:

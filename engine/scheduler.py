@@ -429,6 +429,15 @@ class Scheduler:
             return max(candidates, key=lambda s: (s.priority, s.arrival, s.seq_id))
         return candidates[-1]
 
+    def retract_all(self) -> None:
+        """Every running and swapped sequence gives its KV back and waits at the front, in the
+        order it had: computed again when scheduling goes on (pause_generation "retract")."""
+        retracted = [*self.running, *self.swapped]
+        self.running.clear()
+        self.swapped.clear()
+        for seq in reversed(retracted):
+            self._requeue(seq, to_front=True)
+
     def _requeue(self, seq: Sequence, to_front: bool) -> None:
         """seq gives its KV back and waits to compute all its tokens again."""
         self.kv.release(seq, keep_pages=False)

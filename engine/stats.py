@@ -47,6 +47,7 @@ class KVStats:
     tier_restore_seconds: float = 0.0  # admitting: looking up and copying entries back from the tiers
     tier_offload_seconds: float = 0.0  # evicting: copying entries into the tiers (disk: into its queue)
     prefix_cache_imported: int = 0  # pages mapped from a pool shared across processes, computed by another
+    prefix_cache_partial_hits: int = 0  # of the hits, tokens found in the first rows of a cached page (copied)
 
 
 @dataclass(slots=True)

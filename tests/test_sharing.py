@@ -31,6 +31,29 @@ def test_shared_prefix_maps_fewer_pages_and_changes_nothing(kv_layout):
     assert off.kv.prefix_cache_hits == 0
 
 
+@pytest.mark.parametrize("kv_layout", ["interleaved", "per_layer", "paged"])
+def test_a_prefix_that_ends_inside_a_page_is_a_hit_to_the_token(kv_layout):
+    """A cached page whose first rows are the prompt's next tokens is copied (copy-on-write of a
+    partial page), not computed; greedy text equals computing it."""
+    tokens = [(i * 37) % 5000 + 100 for i in range(400)]
+    prompts = [tokens[:300], tokens[:217] + [7, 8, 9, 10], tokens[:123], tokens[:40] + [11, 12]]
+    results = {}
+    for caching in (False, True):
+        with LLM(model=NARROW, kv_layout=kv_layout, enable_prefix_caching=caching, max_num_seqs=4) as llm:
+            llm.generate([prompts[0]], GREEDY, use_tqdm=False)  # computed whole (and cached, when on)
+            outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts[1:]]
+            results[caching] = [o.outputs[0].token_ids for o in outs]
+            cached = [o.num_cached_tokens for o in outs]
+            partial = llm.stats().kv.prefix_cache_partial_hits
+            assert_pool_whole(llm)
+    assert results[True] == results[False]
+    # every matched token (of the 123-token prompt, all but the last: its logits are computed), less
+    # one where the last matched token's row runs on into the next page (interleaved rows straddle pages)
+    for got, matched in zip(cached, [217, 122, 40]):
+        assert matched - 1 <= got <= matched, cached
+    assert partial > 0 or kv_layout == "interleaved"  # (an interleaved 64 KiB page holds 1.4 tokens: whole pages suffice)
+
+
 def test_parallel_samples_share_the_prompt_and_copy_its_last_page():
     llm = LLM(model=NARROW, kv_layout="interleaved", enable_prefix_caching=False)
     prompt = SYSTEM + QUESTIONS[0]

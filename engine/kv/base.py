@@ -6,8 +6,9 @@ A cache lays a sequence's KV out as pages 0, 1, 2, ... (virtual layouts: the pag
 its slot; paged: its block table). The scheduler alone drives the life cycle:
 
   admit          give the sequence a place, map the longest cached prefix, then restore the
-                 pages after it that the KV tiers hold (engine/kv/tiers.py); returns how
-                 many tokens those pages hold (the scheduler counts them computed). A
+                 pages after it that the KV tiers hold (engine/kv/tiers.py), then copy a
+                 cached page whose first rows are its next tokens (a hit to the token);
+                 returns how many tokens it holds (the scheduler counts them computed). A
                  sequence that scores its prompt (prompt_logprobs) gets a place alone
   ensure_mapped  before a step writes rows [computed, end): map missing pages, and copy any
                  page there that is shared (copy-on-write: a cached prefix's last page, the
@@ -54,6 +55,20 @@ from engine.stats import KVStats
 from vmm import PageAllocator, PoolExhausted
 
 
+def copy_bytes(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Copy the bytes of src's 1-D uint8 tensors, in order, into dst's (the same total length,
+    cut differently: an entry's views and a page's need not split alike)."""
+    i = j = at_dst = at_src = 0
+    while i < len(dst) and j < len(src):
+        n = min(dst[i].numel() - at_dst, src[j].numel() - at_src)
+        dst[i][at_dst:at_dst + n].copy_(src[j][at_src:at_src + n])
+        at_dst, at_src = at_dst + n, at_src + n
+        if at_dst == dst[i].numel():
+            i, at_dst = i + 1, 0
+        if at_src == src[j].numel():
+            j, at_src = j + 1, 0
+
+
 @dataclass(eq=False)
 class KVHandle:
     """A sequence's state in a KV cache, on the sequence (seq.kv) while it holds a place."""
@@ -83,6 +98,7 @@ class KVCacheBase(ABC):
         self.namespace = namespace  # page names chain from it (engine/kv/prefix_cache.py)
         self.map_seconds = 0.0
         self.cow_copies = 0
+        self.partial_tokens = 0  # prompt tokens found inside a cached page's first rows (`_partial`)
         self.swap_outs = self.swap_ins = 0  # sequences swapped out and back in
         self.handles: set[KVHandle] = set()  # every seq.kv given out and not yet released
         self.tiers: KVTiers | None = None
@@ -253,13 +269,57 @@ class KVCacheBase(ABC):
         hits = self._match_prefix(seq)
         self.install_many(seq, hits)
         self.after_install(seq, len(hits))
-        return self.tokens_in_pages(len(hits) + self._restore(seq, len(hits)))
+        return self._partial(seq, len(hits) + self._restore(seq, len(hits)))
+
+    def _partial(self, seq: Sequence, full: int) -> int:
+        """Prefix hits to the token: seq holds its first `full` pages; when a cached page after
+        them begins with some of seq's next tokens, its bytes are copied into a private page of
+        seq's (copy-on-write of a partial page: the rows past the match are written over as seq
+        computes them). Returns the tokens seq now holds."""
+        held = self.tokens_in_pages(full)
+        if not self.prefix_cache or seq.scores_prompt or self.window:
+            return held
+        start = self.page_end(full - 1) if full else 0
+        parent = seq.kv.names[full - 1] if full else self._root(seq)
+        found = self.prefix_cache.partial(parent, seq.token_ids[start:min(self.page_end(full), len(seq) - 1)])
+        if found is None:
+            return held
+        pages, matched = found
+        end = min(start + matched, self.tokens_in_pages(full + 1), len(seq) - 1)
+        if end <= held:
+            return held
+        for p in pages:  # making room must not evict the page copied from
+            self.pool.hold(p)
+        try:
+            if self.pages_at(seq, full) is None:
+                if not self.make_room(self.num_regions):
+                    return held
+                self.map_fresh(seq, [full])
+            with self.entry_views(pages) as parts:
+                copy_bytes(self.page_views(seq, full), parts)
+        except PoolExhausted:  # another process took the room first
+            return held
+        finally:
+            self.pool.drop_many(pages)
+        self.prefix_cache.hits += end - held
+        self.partial_tokens += end - held
+        return end
 
     def name_pages_in(self, namespace: bytes) -> None:
         """Pages are named in `namespace` from now on (a pool shared across processes, a tier
         that outlives the process). Only before the first sequence."""
         if self.handles:
             raise RuntimeError("pages are named before any sequence is admitted")
+        self.namespace = namespace
+
+    def forget_prefixes(self, namespace: bytes) -> None:
+        """New weights: every cached entry goes (not to the tiers: its KV is the old weights')
+        and pages are named in `namespace` from now on, so nothing computed before is found
+        again, here, in a tier or in a pool other processes share. No sequence may hold KV."""
+        if self.handles:
+            raise RuntimeError(f"{len(self.handles)} sequences still hold KV")
+        if self.prefix_cache:
+            self.prefix_cache.clear(offload=False)
         self.namespace = namespace
 
     # -- the tiers (engine/kv/tiers.py) ------------------------------------------------------
@@ -326,6 +386,10 @@ class KVCacheBase(ABC):
         self.prefix_cache.hits += self.tokens_in_pages(len(hits))
         return hits
 
+    def _root(self, seq: Sequence) -> bytes:
+        """The name seq's first page chains from (its namespace, salt and adapter)."""
+        return root_name(self.namespace, seq.cache_salt, seq.adapter_digest)
+
     def _page_hashes(self, seq: Sequence, known: int) -> list[bytes]:
         """Names of seq's pages whose tokens are all among its first `known` tokens."""
         return self._extend_names(seq, seq.kv.names, known)
@@ -333,7 +397,7 @@ class KVCacheBase(ABC):
     def _extend_names(self, seq: Sequence, names: list[bytes], known: int) -> list[bytes]:
         k = len(names)
         while self.page_end(k) <= known:
-            parent = names[-1] if names else root_name(self.namespace, seq.cache_salt, seq.adapter_digest)
+            parent = names[-1] if names else self._root(seq)
             names.append(chain_hash(parent, seq.token_ids[self.page_end(k - 1) if k else 0:self.page_end(k)]))
             k += 1
         return names
@@ -390,9 +454,9 @@ class KVCacheBase(ABC):
                 k = state.committed
                 pages = self.pages_at(seq, k)
                 if pages is not None:  # else the window has passed it already
-                    self.prefix_cache.insert(hashes[k], pages, hashes[k - 1] if k else None,
+                    self.prefix_cache.insert(hashes[k], pages, hashes[k - 1] if k else self._root(seq),
                                              seq.token_ids[self.page_end(k - 1) if k else 0:self.page_end(k)],
-                                             seq.lora.name if seq.lora is not None else None)
+                                             seq.lora.name if seq.lora is not None else None, first=not k)
                 state.committed += 1
         if self.window:
             self._slide(seq, state)
@@ -487,4 +551,4 @@ class KVCacheBase(ABC):
             tiers=tuple(dataclasses.replace(t, tokens_restored=self.restored_tokens[t.tier])
                         for t in (self.tiers.stats() if self.tiers else ())),
             tier_restore_seconds=self.restore_seconds, tier_offload_seconds=self.offload_seconds,
-            prefix_cache_imported=c.imported if c else 0)
+            prefix_cache_imported=c.imported if c else 0, prefix_cache_partial_hits=self.partial_tokens)

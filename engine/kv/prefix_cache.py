@@ -9,6 +9,10 @@ forged offline: Python's `hash()` of a tuple of ints is neither salted nor colli
 (vLLM's CVE-2025-25183 was exactly this). A request with a cache_salt only ever shares pages
 with requests that carry the same salt (vLLM's semantics). Hashing costs about 1 µs a page.
 
+A prefix that ends inside a page is a hit to the token: entries are also indexed by their
+parent's name with their tokens (`partial`), and the KV cache copies the cached page whose
+first rows are the sequence's next tokens into a page of its own (engine/kv/base.py `_partial`).
+
 The cache holds one reference on every page of an entry (an entry is the page of each KV
 region that covers those tokens), so a cached page outlives the sequence that wrote it. Entries
 sit in LRU order; `evict` drops the least recently used entries nobody else maps, only when
@@ -59,6 +63,10 @@ class PrefixCache:
         self.shared = hasattr(pool, "lookup")  # a pool several processes draw from: one directory of names
         self.on_evict = None  # called with (name, pages) before an entry's pages are let go (the KV tiers)
         self.entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        # each entry's tokens under its parent's name (a root for a first page), for hits that
+        # end inside a page (`partial`); entries imported from a shared pool have none
+        self.children: dict[bytes, dict[bytes, tuple[int, ...]]] = {}
+        self.parent_of: dict[bytes, bytes] = {}
         self.queries = self.hits = self.evictions = 0  # queries and hits count tokens
         self.imported = 0  # pages found in the shared directory, computed by another process
 
@@ -85,18 +93,38 @@ class PrefixCache:
         return found
 
     def insert(self, h: bytes, pages: tuple[int, ...], parent: bytes | None = None,
-               token_ids: list[int] = (), lora_name: str | None = None) -> None:
-        """Cache the entry named h (the pages of each region that hold token_ids, after the
-        page named parent)."""
+               token_ids: list[int] = (), lora_name: str | None = None, first: bool = False) -> None:
+        """Cache the entry named h: the pages of each region that hold token_ids, after the
+        page named parent (first: parent is the sequence's root, not a page)."""
         if h in self.entries:
             self.entries.move_to_end(h)
             return
         for page in pages:
             self.pool.hold(page)
         self.entries[h] = pages
-        self.events.stored([h], parent, list(token_ids), len(token_ids), lora_name, GPU)
+        if parent is not None and token_ids:
+            self.children.setdefault(parent, {})[h] = tuple(token_ids)
+            self.parent_of[h] = parent
+        self.events.stored([h], None if first else parent, list(token_ids), len(token_ids), lora_name, GPU)
         if self.shared:
             self.pool.publish([(h, pages)])
+
+    def partial(self, parent: bytes, token_ids: list[int]) -> tuple[tuple[int, ...], int] | None:
+        """The entry after `parent` whose tokens begin with the longest run of token_ids, and
+        how many match (none: None); now most recently used. A hit that ends inside a page."""
+        best, most = None, 0
+        for name, tokens in self.children.get(parent, {}).items():
+            n = 0
+            for a, b in zip(tokens, token_ids):
+                if a != b:
+                    break
+                n += 1
+            if n > most:
+                best, most = name, n
+        if best is None:
+            return None
+        self.entries.move_to_end(best)
+        return self.entries[best], most
 
     def evictable_pages(self) -> int:
         """Pages only the cache references: what evict() could free now."""
@@ -118,17 +146,22 @@ class PrefixCache:
         """Over a shared pool: let go of the entries no sequence here maps (the directory keeps them)."""
         idle = [h for h, pages in self.entries.items() if all(self.pool.own_refs(p) == 1 for p in pages)]
         self.pool.drop_many([p for h in idle for p in self.entries.pop(h)])  # one message to the owner
+        for h in idle:
+            self._forget(h)
         self.events.removed(idle, GPU)
 
     def held(self) -> Counter:
         return Counter(p for pages in self.entries.values() for p in pages)
 
-    def clear(self) -> None:
-        """Let every entry go (sleep, close): each goes to the tiers first, as an eviction would."""
-        if self.on_evict is None:  # nowhere for them to go: all gone at once
+    def clear(self, offload: bool = True) -> None:
+        """Let every entry go (sleep, close): each goes to the tiers first, as an eviction would
+        (offload=False: not, new weights made them stale)."""
+        if self.on_evict is None or not offload:  # nowhere for them to go: all gone at once
             if self.entries:
                 self.events.cleared()
             self.pool.drop_many([p for pages in self.entries.values() for p in pages])
+            self.children.clear()
+            self.parent_of.clear()
         else:
             for h, pages in self.entries.items():
                 self._let_go(h, pages)
@@ -136,7 +169,17 @@ class PrefixCache:
 
     def _let_go(self, h: bytes, pages: tuple[int, ...]) -> None:
         """An entry leaves the cache: its bytes to the tiers (if any), then its references."""
+        self._forget(h)
         self.events.removed([h], GPU)
         if self.on_evict:
             self.on_evict(h, pages)
         self.pool.drop_many(pages)
+
+    def _forget(self, h: bytes) -> None:
+        """h leaves the index of entries by parent."""
+        parent = self.parent_of.pop(h, None)
+        if parent is not None:
+            siblings = self.children[parent]
+            del siblings[h]
+            if not siblings:
+                del self.children[parent]

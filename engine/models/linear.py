@@ -88,6 +88,24 @@ class Linear(nn.Module):
         where the weight already is that)."""
         self.rows_weight = self.weight.detach().to(dtype).contiguous()
 
+    @torch.no_grad()
+    def assign(self, w: torch.Tensor) -> None:
+        """New values for the weight ([out, in] in the compute dtype), written into every copy
+        this projection keeps, in place: the plain weight (if kept), the rows kernel's copy, the
+        panels, oneDNN's packed weight. No tensor is replaced, so whatever holds one (the
+        one-call decode path) stays valid (engine/models/weights.py)."""
+        if self.weight.numel():
+            self.weight.data.copy_(w)
+        if self.rows_weight is not None:
+            self.rows_weight.copy_(w)
+        if self.panels is not None:
+            count, k, width = self.panels.shape
+            padded = torch.zeros(count * width, k, dtype=self.panels.dtype)
+            padded[:self.panels_n] = w
+            self.panels.copy_(padded.view(count, width, k).transpose(1, 2))
+        if self.packed is not None:
+            self.packed.copy_(torch.ops.mkldnn._reorder_linear_weight(w.to(self.packed.dtype), PACK_HINT))
+
     def tie(self, weight: nn.Parameter) -> None:
         """Share `weight` (an embedding's) instead of owning one; packing keeps it."""
         self.weight, self.tied = weight, True

@@ -166,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
         self.gemm_path = "torch F.linear"  # what the projections run on (set by `prepare`)
         self.rank = 0  # tensor-parallel rank: only rank 0 computes logits
         self.sharded = False  # a tensor-parallel shard (`shard`)
+        self.weights_dtype = self.compute_dtype = torch.float32  # what the weights are rounded to, and computed in (`prepare`)
 
     def load_checkpoint(self, state: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face state dict: q/k/v and gate/up projections are fused here."""
@@ -203,6 +204,7 @@ class LlamaForCausalLM(nn.Module):
         compute_dtype (bf16 weights on a CPU that computes bf16 in fp32), the weights are
         rounded to dtype and then widened, so the model computes with dtype's values."""
         compute_dtype = compute_dtype or dtype
+        self.weights_dtype, self.compute_dtype = dtype, compute_dtype
         self.to(device=device, dtype=dtype)
         if compute_dtype != dtype:
             self.to(dtype=compute_dtype)

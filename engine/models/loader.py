@@ -128,7 +128,7 @@ def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: 
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg)
         try:
-            model.load_checkpoint(_read_safetensors(path))
+            model.load_checkpoint(read_checkpoint(path))
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from exc
     if tp[1] > 1:
@@ -153,7 +153,7 @@ def weights_fingerprint(spec: str | None, seed: int = 0) -> bytes:
     return h.digest()
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     files = sorted(path.glob("*.safetensors"))

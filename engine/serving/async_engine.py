@@ -50,7 +50,7 @@ from engine.multi import idle_long_enough
 from engine.processor import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.serving.commands import (Abort, Add, Cancel, Command, EngineDeadError, Lifecycle, Phase, RequestCancelled,
-                                     Sleep, Snapshot, Stop, Wake)
+                                     Pause, Resume, Sleep, Snapshot, Stop, UpdateWeights, Wake)
 from engine.serving.metrics import Metrics
 from engine.serving.workers import FairWorkers, Turns
 from engine.stats import EngineStats
@@ -222,6 +222,18 @@ class AsyncEngine:
     async def wake_up(self) -> None:
         await self._ask(Wake)
 
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """No step until continue_generation; "abort" ends the requests in flight (their streams
+        end with RequestCancelled), "retract" keeps them to compute again (LLMEngine's)."""
+        await self._ask(lambda reply: Pause(reply, mode))
+
+    async def continue_generation(self) -> None:
+        await self._ask(Resume)
+
+    async def update_weights_from_disk(self, path: str) -> None:
+        """New weights in place from a checkpoint (LLMEngine's); ValueError by name, nothing changed."""
+        await self._ask(lambda reply: UpdateWeights(reply, path))
+
     async def _ask(self, command):
         if self.dead:
             raise self.dead
@@ -269,7 +281,7 @@ class AsyncEngine:
 
     def _run_steps(self) -> None:
         while self.phase is not Phase.STOPPED:
-            if not self.engine.has_unfinished() and self.commands.empty():
+            if (self.engine.paused or not self.engine.has_unfinished()) and self.commands.empty():
                 self.wake.wait(0.05)
                 self.wake.clear()
             with self.turns:
@@ -282,7 +294,7 @@ class AsyncEngine:
     def _turn(self) -> None:
         """Commands, then one step if there is work (with the models' turn held)."""
         self._apply_commands()
-        if self.phase is Phase.STOPPED:
+        if self.phase is Phase.STOPPED or self.engine.paused:
             return
         if self.sleep_waiters and not self.engine.has_unfinished():
             waiters, self.sleep_waiters = self.sleep_waiters, []
@@ -330,6 +342,16 @@ class AsyncEngine:
                     if self.phase in (Phase.DRAINING, Phase.ASLEEP, Phase.IDLE_ASLEEP):
                         self._become(Phase.SERVING)
                     _settle(reply, self.engine.wake_up)
+                case Pause(reply, mode):
+                    _settle(reply, self.engine.pause_generation, mode)
+                    if mode == "abort":  # (the engine forgot them: their streams end here)
+                        for stream in self.streams.values():
+                            self._put(stream, RequestCancelled("the request was aborted: generation was paused"))
+                        self.streams.clear()
+                case Resume(reply):
+                    _settle(reply, self.engine.continue_generation)
+                case UpdateWeights(reply, path):
+                    _settle(reply, self.engine.update_weights_from_disk, path)
                 case Snapshot(reply):
                     self.stats = self.engine.stats()
                     reply.get_loop().call_soon_threadsafe(_resolve, reply, self.stats)

@@ -57,6 +57,23 @@ class Wake:
 
 
 @dataclass(frozen=True)
+class Pause:
+    reply: asyncio.Future
+    mode: str  # "abort" | "retract" (LLMEngine.pause_generation)
+
+
+@dataclass(frozen=True)
+class Resume:
+    reply: asyncio.Future
+
+
+@dataclass(frozen=True)
+class UpdateWeights:
+    reply: asyncio.Future
+    path: str  # a checkpoint of the model's shape (LLMEngine.update_weights_from_disk)
+
+
+@dataclass(frozen=True)
 class Snapshot:
     reply: asyncio.Future  # gets EngineStats
 
@@ -71,4 +88,4 @@ class Stop:
     pass
 
 
-Command = Add | Abort | Sleep | Wake | Snapshot | Cancel | Stop
+Command = Add | Abort | Sleep | Wake | Pause | Resume | UpdateWeights | Snapshot | Cancel | Stop

@@ -29,6 +29,7 @@ class ServerOptions:
     idle_sleep_seconds: float | None = None  # several models: a model idle this long gives its KV pages back
     lora_modules: tuple[str, ...] = ()  # NAME=PATH: LoRA adapters served over the model (needs --enable-lora)
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
+    enable_weight_updates: bool = False  # /pause_generation, /continue_generation, /update_weights_from_disk answer
     health_stall_seconds: float = 30.0  # /health is 503 when the engine thread has made no progress this long
     data_parallel_size: int = 1  # > 1: engine processes over one KV pool behind this server (engine/serving/replicas.py)
     prefill_ranks: int = 0  # of those, replicas that only prefill; the others decode (the KV handed over by mapping)
@@ -82,6 +83,10 @@ class ServerOptions:
         lo.add_argument("--allow-runtime-lora-updating", action="store_true",
                         help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key): "
                              "they read a directory of this machine")
+        rl = p.add_argument_group("reinforcement-learning loops")
+        rl.add_argument("--enable-weight-updates", action="store_true",
+                        help="answer POST /pause_generation, /continue_generation and /update_weights_from_disk "
+                             "(behind the API key): they stop generation and read a directory of this machine")
         g = p.add_argument_group("limits")
         g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body accepted")
         g.add_argument("--body-timeout", type=float, default=d.body_timeout, help="seconds for a body to arrive")

@@ -60,6 +60,21 @@ STRICT = ConfigDict(extra="forbid", strict=True)
 _SamplingFields = create_model("_SamplingFields", __config__=STRICT, **_sampling_fields())
 
 
+class PauseRequest(BaseModel):
+    """POST /pause_generation (SGLang's): "abort" ends the requests in flight, "retract" keeps
+    them to compute again when generation continues."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    mode: typing.Literal["abort", "retract"] = "abort"
+    model: str | None = None
+
+
+class UpdateWeightsRequest(BaseModel):
+    """POST /update_weights_from_disk (SGLang's): a checkpoint of the model's shape."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model_path: str
+    model: str | None = None
+
+
 class KVLimitRequest(BaseModel):
     """POST /kv_limits: one model's floor and cap of the shared KV pool, each bytes ("1073741824",
     1073741824) or a share of the pool ("25%"); one left out keeps its current value."""

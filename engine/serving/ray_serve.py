@@ -280,6 +280,16 @@ def ingress_class(options: ServerOptions, model: str | None):
     return VKVIngress
 
 
+def _serve_address() -> tuple[str, int] | None:
+    """Where the cluster's Serve proxies listen (a Serve already running keeps its own)."""
+    try:
+        from ray.serve.context import _get_global_client
+        http = _get_global_client().http_config
+        return http.host, http.port
+    except Exception:  # (a private API of Ray's: if it moves, the check is skipped)
+        return None
+
+
 # -- the command ---------------------------------------------------------------------------
 def serve_on_ray(args, options: ServerOptions) -> None:
     """Deploy N replicas and the ingress as one Ray Serve application, and serve until stopped."""
@@ -296,6 +306,10 @@ def serve_on_ray(args, options: ServerOptions) -> None:
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)) // options.data_parallel_size)
     try:
         serve.start(http_options={"host": options.host, "port": options.port})
+        listening = _serve_address()
+        if listening not in (None, (options.host, options.port)):
+            raise SystemExit(f"vkv serve: Ray Serve on this cluster already listens on {listening[0]}:{listening[1]} "
+                             f"(one HTTP address a cluster): serve there (--host/--port) or `serve shutdown` it first")
         replica_args = {k: v for k, v in vars(args).items() if k not in ("func",)}
         replica_args.update(data_parallel_size=1, data_parallel_backend="mp")
         replicas = serve.deployment(VKVReplica, name="VKVReplica").options(

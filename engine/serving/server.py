@@ -49,8 +49,8 @@ from engine.serving.options import ServerOptions
 from engine.serving.tools import calls_in, guide, render, tool_use
 from engine.structured import StructuredOutputsParams
 from engine.serving.protocol import (ChatCompletionRequest, CompletionRequest, KVLimitRequest, LoadLoRARequest,
-                                     NamedToolChoice,
-                                     TokenText, UnloadLoRARequest, envelope, error_body, new_id, parse_limit, usage)
+                                     NamedToolChoice, PauseRequest, TokenText, UnloadLoRARequest, UpdateWeightsRequest,
+                                     envelope, error_body, new_id, parse_limit, usage)
 
 log = logging.getLogger("vkv.server")
 
@@ -294,6 +294,39 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
     @app.get("/is_sleeping", dependencies=[Depends(authorize)], include_in_schema=False)
     async def is_sleeping(model: str | None = None):
         return {"is_sleeping": all(e.is_sleeping for e in named(model).values())}
+
+    # An RL loop's routes (SGLang's names; engine/models/weights.py), behind the key and
+    # --enable-weight-updates: they stop generation and read a directory of the server's machine.
+    def weight_updates() -> None:
+        if not options.enable_weight_updates:
+            raise HTTPError(403, "weight updates are off: start the server with --enable-weight-updates",
+                            "permission_error")
+
+    @app.post("/pause_generation", dependencies=[Depends(authorize)], include_in_schema=False)
+    async def pause_generation(body: PauseRequest):
+        weight_updates()
+        for e in named(body.model).values():
+            await e.pause_generation(body.mode)
+        return {"paused": True, "mode": body.mode}
+
+    @app.post("/continue_generation", dependencies=[Depends(authorize)], include_in_schema=False)
+    async def continue_generation(model: str | None = None):
+        weight_updates()
+        for e in named(model).values():
+            await e.continue_generation()
+        return {"paused": False}
+
+    @app.post("/update_weights_from_disk", dependencies=[Depends(authorize)], include_in_schema=False)
+    async def update_weights_from_disk(body: UpdateWeightsRequest):
+        weight_updates()
+        try:
+            for e in named(body.model).values():
+                await e.update_weights_from_disk(body.model_path)
+        except (ValueError, FileNotFoundError) as exc:
+            raise HTTPError(400, str(exc)) from exc
+        except RuntimeError as exc:  # requests in flight: pause first
+            raise HTTPError(409, str(exc), "conflict") from exc
+        return {"success": True, "weights_version": [e.engine.weights_version for e in named(body.model).values()]}
 
     # kvcached's kvctl: each model's floor and cap of the shared KV pool, read and set at run time.
     @app.get("/kv_limits", dependencies=[Depends(authorize)], include_in_schema=False)
@@ -545,6 +578,7 @@ async def _stream(engine: AsyncEngine, rid: str, requests: list[EngineRequest], 
     tasks = [asyncio.ensure_future(pump(i)) for i in range(len(requests))]
     sent: dict[tuple[int, int], int] = {}  # (prompt, completion) -> tokens generated so far
     ended: set[tuple[int, int]] = set()  # completions whose finish_reason was sent
+    cached: dict[int, int] = {}  # prompt -> its tokens found in the prefix cache
     try:
         running = len(tasks)
         while running:
@@ -557,6 +591,7 @@ async def _stream(engine: AsyncEngine, rid: str, requests: list[EngineRequest], 
                 yield _error_event(failure)
                 break
             choices = []
+            cached[i] = max(cached.get(i, 0), getattr(out, "num_cached_tokens", 0))
             for c in out.outputs:
                 key = (i, c.index)
                 if key in ended:
@@ -573,7 +608,8 @@ async def _stream(engine: AsyncEngine, rid: str, requests: list[EngineRequest], 
             if body.stream_options and body.stream_options.include_usage:
                 prompt = sum(len(r.prompt.token_ids) for r in requests)
                 counts = {"prompt_tokens": prompt, "completion_tokens": sum(sent.values()),
-                          "total_tokens": prompt + sum(sent.values())}
+                          "total_tokens": prompt + sum(sent.values()),
+                          "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
                 yield f"data: {json.dumps(envelope(kind, rid, model, [], {'usage': counts}))}\n\n"
         yield "data: [DONE]\n\n"
     finally:

@@ -1,0 +1,124 @@
+"""New weights in place: a trainer's weights into the serving model between rounds of an RL loop.
+
+Note [Weights in place]
+-----------------------
+Rationale. Reinforcement-learning post-training alternates sampling (the engine) and training
+(a trainer): after every optimizer step the engine must serve the new weights. A fresh engine
+pays a start each round (load, pack, warm up) and rebuilds everything that holds a weight's
+address (the one-call decode path keeps each layer's tensors).
+
+Approach. `check(model, named_tensors)` reads every tensor first: its name as the model's
+Hugging Face checkpoint has it, its full (unsharded) shape from the config, a floating-point
+dtype; anything else is refused by name and nothing changes. `apply` then writes each value
+into the model's own tensors, in place: q/k/v into their rows of the fused qkv projection,
+gate/up into gate_up, and every copy a projection keeps for its kernels (the rows kernel's
+plain copy, the GEMM panels, oneDNN's packed weight; engine/models/linear.py `Linear.assign`)
+made again from it and copied over the old, so every address stays. Values are rounded as a
+fresh load rounds them (to the model's dtype, then widened to its compute dtype), so the
+engine computes what a fresh engine on the same weights computes.
+
+Limitations. A fused projection is written whole: a layer's q, k and v come together, as do
+gate and up (a packed projection keeps no plain weight to patch a part into). Tensor-parallel
+shards are not wired (ranks 1..N-1 live in other processes).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.models.config import ModelConfig
+from engine.models.linear import Linear
+
+FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+         "self_attn.v_proj": ("self_attn.qkv_proj", 2), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+         "mlp.up_proj": ("mlp.gate_up_proj", 1)}
+PARTS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2}
+
+
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model's Hugging Face checkpoint, by name, with its full shape."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for n in range(cfg.num_layers):
+        pre = f"model.layers.{n}."
+        layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                 "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                 "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+                 "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+        if cfg.attention_bias:
+            layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+        if cfg.qk_norm:
+            layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+        shapes |= {pre + name: shape for name, shape in layer.items()}
+    return shapes
+
+
+def check(model, named_tensors) -> dict[str, torch.Tensor]:
+    """The update as {name: tensor}, every name, shape and dtype checked; ValueError naming the
+    first that does not fit (nothing is changed)."""
+    if model.sharded:
+        raise ValueError("updating the weights of a tensor-parallel engine is not wired (its other ranks "
+                         "are other processes)")
+    shapes = checkpoint_shapes(model.config)
+    update: dict[str, torch.Tensor] = {}
+    for name, tensor in (named_tensors.items() if isinstance(named_tensors, dict) else named_tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor, got {type(tensor).__name__}")
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            raise ValueError("lm_head.weight: this model ties it to model.embed_tokens.weight; update that")
+        if name not in shapes:
+            raise ValueError(f"{name}: not a weight of this {model.config.model_type} model's checkpoint")
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {shapes[name]}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name}: dtype {tensor.dtype}, expected a floating-point tensor")
+        if name in update:
+            raise ValueError(f"{name}: given twice")
+        update[name] = tensor
+    for name in update:  # fused projections come whole
+        pre, _, rest = name.partition(".layers.")
+        layer, _, local = rest.partition(".")
+        module, _, kind = local.rpartition(".")
+        if module in FUSED:
+            fused = FUSED[module][0]
+            siblings = [f"{pre}.layers.{layer}.{m}.{kind}" for m, (f, _) in FUSED.items() if f == fused]
+            missing = [s for s in siblings if s not in update]
+            if missing:
+                raise ValueError(f"{name}: given without {', '.join(missing)} (a fused projection is updated whole)")
+    return update
+
+
+@torch.no_grad()
+def apply(model, update: dict[str, torch.Tensor]) -> None:
+    """Write a checked update into the model in place (see the note above)."""
+    dtype, compute = model.weights_dtype, model.compute_dtype
+    rounded = {name: t.detach().to(model_device(model)).to(dtype).to(compute) for name, t in update.items()}
+    fused: dict[str, dict[int, torch.Tensor]] = {}
+    for name, value in rounded.items():
+        pre, _, rest = name.partition(".layers.")
+        layer, _, local = rest.partition(".")
+        module, _, kind = local.rpartition(".")
+        if rest and module in FUSED:
+            target, index = FUSED[module]
+            fused.setdefault(f"{pre}.layers.{layer}.{target}.{kind}", {})[index] = value
+            continue
+        owner = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(owner, Linear) and kind == "weight":
+            owner.assign(value)
+        else:
+            getattr(owner, name.rpartition(".")[2]).data.copy_(value)
+        if name == "model.embed_tokens.weight" and model.lm_head.tied:  # its packed copies too
+            model.lm_head.assign(value)
+    for name, parts in fused.items():
+        owner, kind = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        whole = torch.cat([parts[i] for i in range(len(parts))])
+        if kind == "weight":
+            owner.assign(whole)
+        else:
+            owner.bias.data.copy_(whole)
+
+
+def model_device(model) -> torch.device:
+    return model.model.norm.weight.device

@@ -1,0 +1,155 @@
+"""New weights in place (engine/models/weights.py, Note [Weights in place]): after
+update_weights_from_tensor / update_weights_from_disk, greedy outputs equal a fresh engine's on
+the new weights, on every layout, with prefix caching and a KV tier on; no prefix computed
+under the old weights is served; a mismatched update is refused by name and changes nothing;
+pause_generation / continue_generation abort or retract requests in flight."""
+import json
+
+import pytest
+import torch
+from helpers import assert_pool_whole
+from safetensors.torch import save_file
+
+from engine import LLM, SamplingParams
+from engine.models.config import ModelConfig
+from engine.models.presets import PRESETS
+from engine.models.weights import checkpoint_shapes
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+PROMPTS = [[(i * 31 + j * 7) % 4000 + 50 for j in range(120)] for i in range(3)]
+SHAPE = dict(PRESETS["tiny"], num_hidden_layers=3)
+
+
+def checkpoint(path, seed: int) -> dict[str, torch.Tensor]:
+    """A Hugging Face checkpoint of random weights (the tiny preset's shape) at path."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in checkpoint_shapes(ModelConfig.from_hf(SHAPE)).items():
+        if len(shape) == 1:
+            tensors[name] = 1 + 0.1 * torch.randn(shape, generator=g)
+        else:
+            tensors[name] = torch.randn(shape, generator=g) / shape[1] ** 0.5
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(SHAPE))
+    save_file(tensors, str(path / "model.safetensors"))
+    return tensors
+
+
+def greedy(llm) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "paged"])
+def test_updated_weights_give_a_fresh_engines_outputs_and_no_stale_prefix(tmp_path, layout):
+    old, new = checkpoint(tmp_path / "old", 0), checkpoint(tmp_path / "new", 1)
+    opts = dict(kv_layout=layout, kv_cache_memory=16 << 20, kv_offloading_size=0.02, page_size=4096)  # 32 tokens a page
+    with LLM(model=str(tmp_path / "new"), **opts) as fresh:
+        expected = greedy(fresh)
+    with LLM(model=str(tmp_path / "old"), **opts) as llm:
+        before = greedy(llm)
+        assert before != expected  # the two checkpoints differ
+        assert llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].num_cached_tokens > 0  # cached under old
+        version = llm.engine.weights_version
+        llm.update_weights_from_tensor(list(new.items()))
+        assert llm.engine.weights_version == version + 1
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.num_cached_tokens for o in outs] == [0, 0, 0]  # nothing computed under the old weights
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert greedy(llm) == expected  # and hits under the new weights are right
+        llm.update_weights_from_disk(str(tmp_path / "old"))
+        assert greedy(llm) == before
+        assert_pool_whole(llm)
+
+
+def test_a_mismatched_update_is_refused_by_name_and_changes_nothing(tmp_path):
+    old, new = checkpoint(tmp_path / "old", 0), checkpoint(tmp_path / "new", 1)
+    with LLM(model=str(tmp_path / "old"), kv_cache_memory=16 << 20) as llm:
+        before = greedy(llm)
+        q = "model.layers.1.self_attn.q_proj.weight"
+        cases = {
+            "model.layers.9.mlp.up_proj.weight: not a weight": {**new, "model.layers.9.mlp.up_proj.weight": new[q]},
+            f"{q}: shape \\(64, 32\\), expected \\(64, 64\\)": {**new, q: new[q][:, :32]},
+            "model.norm.weight: dtype torch.int64": {**new, "model.norm.weight": torch.ones(64, dtype=torch.long)},
+            f"{q}: given without model.layers.1.self_attn.k_proj.weight": {q: new[q]},
+            "lm_head.weight: this model ties it": {**new, "lm_head.weight": new["model.embed_tokens.weight"]},
+        }
+        for message, update in cases.items():
+            with pytest.raises(ValueError, match=message):
+                llm.update_weights_from_tensor(update)
+        assert greedy(llm) == before and llm.engine.weights_version == 0
+        with pytest.raises(FileNotFoundError):
+            llm.update_weights_from_disk(str(tmp_path / "nowhere"))
+
+
+def test_pause_retract_recomputes_under_the_new_weights_and_abort_ends_requests(tmp_path):
+    checkpoint(tmp_path / "old", 0)
+    new = checkpoint(tmp_path / "new", 1)
+    with LLM(model=str(tmp_path / "old"), kv_cache_memory=16 << 20) as llm:
+        engine = llm.engine
+        engine.add_request("r", PROMPTS[0], SamplingParams(temperature=0, max_tokens=12))
+        early = []
+        while len(early) < 4:  # a few tokens under the old weights
+            for out in engine.step():
+                early = out.outputs[0].token_ids
+        engine.pause_generation("retract")
+        assert engine.step() == [] and engine.scheduler.running == []  # retracted: nothing runs, nothing held
+        engine.update_weights_from_tensor(new)
+        engine.continue_generation()
+        final = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                final = out
+        tokens = final.outputs[0].token_ids
+        assert tokens[:len(early)] == early and len(tokens) == 12
+        # the rest is what the new weights continue from the prompt and the early tokens
+        with LLM(model=str(tmp_path / "new"), kv_cache_memory=16 << 20) as fresh:
+            rest = fresh.generate([PROMPTS[0] + early], SamplingParams(temperature=0, max_tokens=12 - len(early)),
+                                  use_tqdm=False)[0].outputs[0].token_ids
+        assert tokens[len(early):] == rest
+
+        engine.add_request("a", PROMPTS[1], SamplingParams(temperature=0, max_tokens=50))
+        engine.step()
+        engine.pause_generation("abort")
+        assert not engine.has_unfinished()
+        with pytest.raises(ValueError, match="mode"):
+            engine.pause_generation("sideways")
+        engine.continue_generation()
+        assert_pool_whole(llm)
+
+
+def test_over_http_behind_the_key_and_the_flag(tmp_path):
+    import httpx
+    from helpers import serving
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.serving.async_engine import AsyncEngine
+    from engine.serving.options import ServerOptions
+    from engine.serving.server import build_app
+
+    checkpoint(tmp_path / "old", 0)
+    checkpoint(tmp_path / "new", 1)
+    with LLM(model=str(tmp_path / "new"), kv_cache_memory=16 << 20) as fresh:
+        expected = fresh.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].text
+    key = {"Authorization": "Bearer sk-rl"}
+    for enabled in (False, True):
+        engine = AsyncEngine(LLMEngine(EngineConfig(model=str(tmp_path / "old"), kv_cache_memory=16 << 20)))
+        app = build_app(engine, "m", ServerOptions(api_key="sk-rl", enable_weight_updates=enabled))
+        with serving(app) as base:
+            post = lambda path, **kw: httpx.post(base + path, headers=key, timeout=60, **kw)
+            if not enabled:
+                r = post("/update_weights_from_disk", json={"model_path": str(tmp_path / "new")})
+                assert r.status_code == 403 and "--enable-weight-updates" in r.json()["error"]["message"]
+                assert post("/pause_generation", json={"mode": "abort"}).status_code == 403
+            else:
+                assert httpx.post(base + "/pause_generation", json={}, timeout=60).status_code == 401
+                assert post("/pause_generation", json={"mode": "sideways"}).status_code == 400
+                assert post("/pause_generation", json={"mode": "retract"}).json() == {"paused": True, "mode": "retract"}
+                bad = post("/update_weights_from_disk", json={"model_path": str(tmp_path / "nowhere")})
+                assert bad.status_code == 400 and "nowhere" in bad.json()["error"]["message"]
+                r = post("/update_weights_from_disk", json={"model_path": str(tmp_path / "new")})
+                assert r.status_code == 200 and r.json()["weights_version"] == [1], r.text
+                assert post("/continue_generation").json() == {"paused": False}
+                r = post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
+                assert r.json()["choices"][0]["text"] == expected
+        engine.shutdown()
