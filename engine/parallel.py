@@ -72,6 +72,7 @@ class SeqState:
     cache_salt: str | None
     scores_prompt: bool = False  # prompt_logprobs: admitted without its cached prefix
     adapter_digest: str | None = None  # names its pages (TP > 1 refuses LoRA today; kept for the names' sake)
+    adapter_name: str | None = None  # announced with its pages (KV events)
     kv: object = None  # the worker's KV cache keeps its handle here, as rank 0's keeps it on the Sequence
 
     def __len__(self) -> int:
@@ -80,7 +81,7 @@ class SeqState:
     @classmethod
     def of(cls, seq: Sequence) -> SeqState:
         return cls(seq.seq_id, list(seq.token_ids), seq.num_computed_tokens, seq.num_prompt_tokens, seq.cache_salt,
-                   seq.scores_prompt, seq.adapter_digest)
+                   seq.scores_prompt, seq.adapter_digest, seq.adapter_name)
 
     def live(self, seqs: dict[int, SeqState]) -> SeqState:
         """The worker's one object for this sequence (the caches key their state by seq_id),

@@ -65,6 +65,11 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def adapter_name(self) -> str | None:
+        """Its adapter's name (announced with its pages: engine/kv/events.py), if any."""
+        return self.lora.name if self.lora is not None else None
+
+    @property
     def adapter_digest(self) -> str | None:
         """What names its pages apart from the base model's (its adapter's SHA-256), if any."""
         return self.lora.digest if self.lora is not None else None

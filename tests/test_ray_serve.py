@@ -75,7 +75,8 @@ def test_prefixes_land_where_they_were_computed_and_outputs_equal_one_engines(ap
             assert r.status_code == 200, r.text
             where.setdefault(i, set()).add(r.headers["x-vkv-replica"])
             cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-            assert (cached > 0) == (round_ > 0), (round_, i, cached)  # computed once, found after
+            assert (cached >= 100) == (round_ > 0), (round_, i, cached)  # computed once, found after
+            # (a first round's prompt may find its first few tokens, "System prompt", in another's page)
             answers[prompt] = r.json()["choices"][0]["text"]
     assert all(len(replicas) == 1 for replicas in where.values()), where
     assert len(replica_pids()) == 2

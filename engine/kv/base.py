@@ -456,7 +456,7 @@ class KVCacheBase(ABC):
                 if pages is not None:  # else the window has passed it already
                     self.prefix_cache.insert(hashes[k], pages, hashes[k - 1] if k else self._root(seq),
                                              seq.token_ids[self.page_end(k - 1) if k else 0:self.page_end(k)],
-                                             seq.lora.name if seq.lora is not None else None, first=not k)
+                                             seq.adapter_name, first=not k)
                 state.committed += 1
         if self.window:
             self._slide(seq, state)
