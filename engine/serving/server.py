@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -278,7 +278,9 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
     # Admin routes, as in vLLM: left out of the OpenAPI schema.
     # With several models, ?model=NAME picks one (default: all of them).
     @app.post("/sleep", dependencies=[Depends(authorize)], include_in_schema=False)
-    async def sleep(level: int = 1, model: str | None = None):
+    async def sleep(level: int = Query(1, ge=1, le=1, description="1: the KV cache's pages go (level 2, the "
+                                                                  "weights too, is not implemented)"),
+                    model: str | None = None):
         try:
             asleep = [await e.sleep(level) for e in named(model).values()]
         except ValueError as exc:
