@@ -71,7 +71,7 @@ def test_a_mismatched_update_is_refused_by_name_and_changes_nothing(tmp_path):
             f"{q}: shape \\(64, 32\\), expected \\(64, 64\\)": {**new, q: new[q][:, :32]},
             "model.norm.weight: dtype torch.int64": {**new, "model.norm.weight": torch.ones(64, dtype=torch.long)},
             f"{q}: given without model.layers.1.self_attn.k_proj.weight": {q: new[q]},
-            "lm_head.weight: this model ties it": {**new, "lm_head.weight": new["model.embed_tokens.weight"]},
+            "lm_head.weight: this model ties it": {**new, "lm_head.weight": new["model.embed_tokens.weight"] + 1},
         }
         for message, update in cases.items():
             with pytest.raises(ValueError, match=message):
@@ -153,3 +153,35 @@ def test_over_http_behind_the_key_and_the_flag(tmp_path):
                 r = post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
                 assert r.json()["choices"][0]["text"] == expected
         engine.shutdown()
+
+
+def test_sampled_tokens_logprobs_agree_with_a_transformers_trainer_before_and_after_an_update():
+    """An RL loop's invariant: the engine's logprob of each token it sampled equals the
+    trainer's (transformers, fp32, the same weights) within 1e-3, before and after the trainer's
+    weights are pushed with update_weights_from_tensor (its state_dict as it is, the tied
+    lm_head.weight included)."""
+    from helpers import bundled_dir, hf_model
+
+    trainer = hf_model(bundled_dir())
+    prompt = trainer.config.bos_token_id, 504, 3458, 282, 4649, 314  # a few tokens of text
+    params = SamplingParams(temperature=1.0, max_tokens=12, logprobs=0, seed=3)
+
+    def gap(llm) -> float:
+        out = llm.generate([list(prompt)], params, use_tqdm=False)[0].outputs[0]
+        ids = torch.tensor([list(prompt) + out.token_ids])
+        with torch.no_grad():
+            logits = trainer(ids).logits[0, len(prompt) - 1:-1].float()
+        theirs = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt):, None])[:, 0]
+        ours = torch.tensor([lp.logprob for lp in out.logprobs])
+        return (ours - theirs).abs().max().item()
+
+    with LLM(kv_cache_memory=64 << 20) as llm:
+        assert gap(llm) <= 1e-3
+        optimizer = torch.optim.SGD(trainer.parameters(), lr=1e-2)  # one step of a toy loss: new weights
+        ids = torch.tensor([list(prompt) * 2])
+        trainer(ids, labels=ids).loss.backward()
+        optimizer.step()
+        trainer.zero_grad()
+        assert gap(llm) > 0.1  # the engine's old weights no longer agree: the step moved them
+        llm.update_weights_from_tensor(trainer.state_dict())
+        assert gap(llm) <= 1e-3

@@ -63,11 +63,13 @@ def check(model, named_tensors) -> dict[str, torch.Tensor]:
                          "are other processes)")
     shapes = checkpoint_shapes(model.config)
     update: dict[str, torch.Tensor] = {}
+    tied: list[torch.Tensor] = []
     for name, tensor in (named_tensors.items() if isinstance(named_tensors, dict) else named_tensors):
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name}: expected a tensor, got {type(tensor).__name__}")
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            raise ValueError("lm_head.weight: this model ties it to model.embed_tokens.weight; update that")
+            tied.append(tensor)  # a trainer's state_dict lists the tied tensor twice: checked below
+            continue
         if name not in shapes:
             raise ValueError(f"{name}: not a weight of this {model.config.model_type} model's checkpoint")
         if tuple(tensor.shape) != shapes[name]:
@@ -77,6 +79,11 @@ def check(model, named_tensors) -> dict[str, torch.Tensor]:
         if name in update:
             raise ValueError(f"{name}: given twice")
         update[name] = tensor
+    for tensor in tied:  # the same tensor as the embedding's, or a contradiction
+        embedding = update.get("model.embed_tokens.weight")
+        if embedding is None or not (tensor is embedding or torch.equal(tensor, embedding)):
+            raise ValueError("lm_head.weight: this model ties it to model.embed_tokens.weight; update that "
+                             "(lm_head.weight is taken only equal to it)")
     for name in update:  # fused projections come whole
         pre, _, rest = name.partition(".layers.")
         layer, _, local = rest.partition(".")
