@@ -1,0 +1,135 @@
+"""A small GRPO-style loop: vkv samples, a transformers trainer learns, the new weights are pushed
+into the running engine in place (update_weights_from_tensor), and the engine's logprobs of the
+tokens it sampled are held against the trainer's.
+
+Each round: vkv samples --group completions for each of --prompts prompts (temperature 1,
+logprobs of the sampled tokens); the toy verifiable reward is the share of a completion's
+characters that are digits; advantages are rewards less their group's mean (GRPO); the trainer
+(the bundled model in transformers, fp32) recomputes the sampled tokens' logprobs, and one Adam
+step follows on -advantage x logprob. Then the engine sleeps (level 1: its KV pages go), wakes, and
+takes the trainer's weights. Reported per round: the mean and max absolute difference between
+vkv's and the trainer's logprobs of the sampled tokens (before the step: the same weights); the
+seconds to sleep, wake and update; the process's resident memory awake and asleep; and, once, the
+seconds a fresh engine takes to start on the same weights.
+
+    python benchmarks/rl_loop.py --json benchmarks/results/cpu/rl_loop.json --plot benchmarks/results/cpu/rl_loop.png
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import machine_info, save  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.models.loader import checkpoint_dir  # noqa: E402
+
+PROMPTS = ["Count from one to ten:", "The year the war ended was", "My phone number is", "Add 17 and 25:",
+           "The answer to the puzzle is", "In 1969, the crew"]
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--group", type=int, default=4, help="completions per prompt (GRPO's group)")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--plot", dest="plot_path")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+    path = checkpoint_dir(None)
+    trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    optimizer = torch.optim.Adam(trainer.parameters(), lr=args.lr)
+    started = time.perf_counter()
+    llm = LLM(kv_cache_memory=256 << 20)
+    fresh_start_s = time.perf_counter() - started
+    tokenizer = llm.tokenizer
+    rounds = []
+    for r in range(args.rounds):
+        prompts = [tokenizer.encode(p) for p in PROMPTS[:args.prompts]]
+        params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, logprobs=0, n=args.group, seed=r)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        trainer.train()
+        gaps, loss, rewards = [], 0.0, []
+        for prompt, out in zip(prompts, outs):
+            group = [(c.token_ids, [lp.logprob for lp in c.logprobs], sum(ch.isdigit() for ch in c.text) / max(1, len(c.text)))
+                     for c in out.outputs]
+            mean = sum(g[2] for g in group) / len(group)
+            for tokens, sampled, reward in group:
+                ids = torch.tensor([prompt + tokens])
+                logits = trainer(ids).logits[0, len(prompt) - 1:-1]
+                logprobs = torch.log_softmax(logits.float(), -1).gather(1, ids[0, len(prompt):, None])[:, 0]
+                gaps += (torch.tensor(sampled) - logprobs.detach()).abs().tolist()
+                loss = loss - (reward - mean) * logprobs.sum()
+                rewards.append(reward)
+        optimizer.zero_grad()
+        (loss / len(rewards)).backward()
+        optimizer.step()
+        trainer.eval()
+        awake = rss()
+        t0 = time.perf_counter()
+        llm.sleep(1)
+        t1 = time.perf_counter()
+        asleep = rss()
+        llm.wake_up()
+        t2 = time.perf_counter()
+        llm.update_weights_from_tensor(trainer.state_dict())
+        t3 = time.perf_counter()
+        rounds.append({"round": r, "mean_reward": sum(rewards) / len(rewards), "logprob_gap_mean": sum(gaps) / len(gaps),
+                       "logprob_gap_max": max(gaps), "sleep_s": t1 - t0, "wake_s": t2 - t1, "update_s": t3 - t2,
+                       "rss_awake_bytes": awake, "rss_asleep_bytes": asleep})
+        print(f"round {r}: reward {rounds[-1]['mean_reward']:.3f}, logprob gap mean {rounds[-1]['logprob_gap_mean']:.2e} "
+              f"max {rounds[-1]['logprob_gap_max']:.2e}; sleep {t1 - t0:.3f} s, wake {t2 - t1:.3f} s, update "
+              f"{t3 - t2:.3f} s (a fresh start: {fresh_start_s:.2f} s); RSS {awake >> 20} MiB awake, "
+              f"{asleep >> 20} MiB asleep", flush=True)
+    llm.close()
+    result = {"benchmark": "rl_loop", "command": "python benchmarks/rl_loop.py " + " ".join(argv or sys.argv[1:]),
+              "machine": machine_info(), "threads": torch.get_num_threads(),
+              "model": "bundled SmolLM2-135M-Instruct (Q4_1 weights dequantized to fp32), fp32 in vkv and in the trainer",
+              "fresh_start_s": fresh_start_s, "rounds": rounds,
+              "update_over_fresh_start": [x["update_s"] / fresh_start_s for x in rounds]}
+    save(result, args.json_path, args.plot_path, plot)
+    return result
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = result["rounds"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    x = [r["round"] for r in rounds]
+    axes[0].semilogy(x, [r["logprob_gap_max"] for r in rounds], "o-", label="max")
+    axes[0].semilogy(x, [r["logprob_gap_mean"] for r in rounds], "s-", label="mean")
+    axes[0].axhline(1e-3, color="grey", ls="--", lw=0.8, label="1e-3")
+    axes[0].set_xlabel("round")
+    axes[0].set_ylabel("|vkv - trainer| logprob")
+    axes[0].legend(fontsize=8)
+    width = 0.25
+    axes[1].bar([i - width for i in x], [r["update_s"] for r in rounds], width, label="update in place")
+    axes[1].bar(x, [r["sleep_s"] + r["wake_s"] for r in rounds], width, label="sleep + wake")
+    axes[1].bar([i + width for i in x], [result["fresh_start_s"]] * len(x), width, label="fresh engine start")
+    axes[1].set_xlabel("round")
+    axes[1].set_ylabel("seconds")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"RL loop: vkv sampling, transformers training ({result['machine'].get('cpu_model', '')})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
