@@ -89,21 +89,28 @@ class Linear(nn.Module):
         self.rows_weight = self.weight.detach().to(dtype).contiguous()
 
     @torch.no_grad()
-    def assign(self, w: torch.Tensor) -> None:
-        """New values for the weight ([out, in] in the compute dtype), written into every copy
-        this projection keeps, in place: the plain weight (if kept), the rows kernel's copy, the
-        panels, oneDNN's packed weight. No tensor is replaced, so whatever holds one (the
-        one-call decode path) stays valid (engine/models/weights.py)."""
+    def assign(self, w: torch.Tensor, start: int = 0) -> None:
+        """New values for rows [start, start + len(w)) of the weight ([out, in], in the compute
+        dtype), written into every copy this projection keeps, in place and in one pass each:
+        the plain weight (if kept), the rows kernel's copy, the panels, oneDNN's packed weight
+        (that one whole: start 0 and every row). No tensor is replaced, so whatever holds one
+        (the one-call decode path) stays valid (engine/models/weights.py)."""
+        end = start + w.shape[0]
         if self.weight.numel():
-            self.weight.data.copy_(w)
+            self.weight.data[start:end].copy_(w)
         if self.rows_weight is not None:
-            self.rows_weight.copy_(w)
-        if self.panels is not None:
-            count, k, width = self.panels.shape
-            padded = torch.zeros(count * width, k, dtype=self.panels.dtype)
-            padded[:self.panels_n] = w
-            self.panels.copy_(padded.view(count, width, k).transpose(1, 2))
+            self.rows_weight[start:end].copy_(w)
+        if self.panels is not None:  # row r of the weight is column r % width of panel r // width
+            rows = self.panels.transpose(1, 2)  # [count, width, k], a view
+            width, r = rows.shape[1], start
+            while r < end:
+                panel, at = divmod(r, width)
+                n = min(width - at, end - r)
+                rows[panel, at:at + n].copy_(w[r - start:r - start + n])
+                r += n
         if self.packed is not None:
+            if (start, end) != (0, self.out_features):
+                raise ValueError("oneDNN's packed weight is written whole")
             self.packed.copy_(torch.ops.mkldnn._reorder_linear_weight(w.to(self.packed.dtype), PACK_HINT))
 
     def tie(self, weight: nn.Parameter) -> None:

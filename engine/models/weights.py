@@ -81,7 +81,7 @@ def check(model, named_tensors) -> dict[str, torch.Tensor]:
         update[name] = tensor
     for tensor in tied:  # the same tensor as the embedding's, or a contradiction
         embedding = update.get("model.embed_tokens.weight")
-        if embedding is None or not (tensor is embedding or torch.equal(tensor, embedding)):
+        if embedding is None or not (tensor.data_ptr() == embedding.data_ptr() or torch.equal(tensor, embedding)):
             raise ValueError("lm_head.weight: this model ties it to model.embed_tokens.weight; update that "
                              "(lm_head.weight is taken only equal to it)")
     for name in update:  # fused projections come whole
@@ -118,13 +118,18 @@ def apply(model, update: dict[str, torch.Tensor]) -> None:
             getattr(owner, name.rpartition(".")[2]).data.copy_(value)
         if name == "model.embed_tokens.weight" and model.lm_head.tied:  # its packed copies too
             model.lm_head.assign(value)
-    for name, parts in fused.items():
+    for name, parts in fused.items():  # each part into its rows (oneDNN's packed weight: whole)
         owner, kind = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
-        whole = torch.cat([parts[i] for i in range(len(parts))])
-        if kind == "weight":
-            owner.assign(whole)
+        ordered = [parts[i] for i in range(len(parts))]
+        if kind == "bias":
+            owner.bias.data.copy_(torch.cat(ordered))
+        elif owner.packed is not None:
+            owner.assign(torch.cat(ordered))
         else:
-            owner.bias.data.copy_(whole)
+            start = 0
+            for part in ordered:
+                owner.assign(part, start)
+                start += part.shape[0]
 
 
 def model_device(model) -> torch.device:
