@@ -202,7 +202,12 @@ class LLMEngine:
         where = checkpoint_dir(path)
         if where is None:
             raise ValueError(f"{path!r} is a random model: it has no weights on disk")
-        state = read_checkpoint(where)
+        try:
+            state = read_checkpoint(where)
+        except (OSError, ValueError, FileNotFoundError):
+            raise
+        except Exception as exc:  # a damaged file: the reader's own error (safetensors'), said as ours
+            raise ValueError(f"{path}: cannot read its weights ({type(exc).__name__}: {exc})") from None
         if self.model_config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # (as a load drops it)
         self.update_weights_from_tensor(state)

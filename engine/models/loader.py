@@ -160,8 +160,9 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
+    for f in files:  # copied out of the file's mapping: a checkpoint rewritten in place (a trainer
+        # saving its next weights there) must not pull pages from under the running model (SIGBUS)
+        state.update((name, t.clone()) for name, t in load_file(str(f)).items())
     return state
 
 
