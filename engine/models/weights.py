@@ -34,6 +34,15 @@ FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("se
 PARTS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2}
 
 
+def split(name: str) -> tuple[str, str, str, str]:
+    """"model.layers.3.self_attn.q_proj.weight" -> ("model", "3", "self_attn.q_proj", "weight");
+    a name outside the layers has an empty layer and module."""
+    pre, _, rest = name.partition(".layers.")
+    layer, _, local = rest.partition(".")
+    module, _, kind = local.rpartition(".")
+    return pre, layer, module, kind
+
+
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the model's Hugging Face checkpoint, by name, with its full shape."""
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -85,9 +94,7 @@ def check(model, named_tensors) -> dict[str, torch.Tensor]:
             raise ValueError("lm_head.weight: this model ties it to model.embed_tokens.weight; update that "
                              "(lm_head.weight is taken only equal to it)")
     for name in update:  # fused projections come whole
-        pre, _, rest = name.partition(".layers.")
-        layer, _, local = rest.partition(".")
-        module, _, kind = local.rpartition(".")
+        pre, layer, module, kind = split(name)
         if module in FUSED:
             fused = FUSED[module][0]
             siblings = [f"{pre}.layers.{layer}.{m}.{kind}" for m, (f, _) in FUSED.items() if f == fused]
@@ -104,10 +111,8 @@ def apply(model, update: dict[str, torch.Tensor]) -> None:
     rounded = {name: t.detach().to(model_device(model)).to(dtype).to(compute) for name, t in update.items()}
     fused: dict[str, dict[int, torch.Tensor]] = {}
     for name, value in rounded.items():
-        pre, _, rest = name.partition(".layers.")
-        layer, _, local = rest.partition(".")
-        module, _, kind = local.rpartition(".")
-        if rest and module in FUSED:
+        pre, layer, module, kind = split(name)
+        if layer and module in FUSED:
             target, index = FUSED[module]
             fused.setdefault(f"{pre}.layers.{layer}.{target}.{kind}", {})[index] = value
             continue

@@ -33,6 +33,20 @@ async def send_error(send, status: int, message: str, kind: str = "invalid_reque
     await send({"type": "http.response.body", "body": body})
 
 
+def body_once(body: bytes, then):
+    """An ASGI receive that hands the app the whole body once, then whatever `then()` gives (the
+    client's disconnect, when it comes)."""
+    given = False
+
+    async def receive():
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await then()
+    return receive
+
+
 class BodyGuard:
     def __init__(self, app, max_bytes: int, timeout: float):
         self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
@@ -58,16 +72,7 @@ class BodyGuard:
             body.decode("utf-8")
         except UnicodeDecodeError as exc:
             return await send_error(send, 400, f"the request body is not valid UTF-8 (byte {exc.start})")
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: wait for the disconnect, as ASGI does
-
-        await self.app(scope, replay, send)
+        await self.app(scope, body_once(body, receive), send)  # after the body: the disconnect, as ASGI does
 
     async def _read(self, receive) -> bytes | None:
         chunks, seen = [], 0

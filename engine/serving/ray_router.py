@@ -31,6 +31,10 @@ class PrefixRouter(FIFOMixin, RequestRouter):
         return cached[1]
 
     def _names(self, pending, replicas) -> list[int]:
+        """The request's page names, computed once (Ray may ask again for the same request)."""
+        named = getattr(pending.routing_context, "vkv_names", None) if pending is not None else None
+        if named:
+            return named
         key = pending.args[-1] if pending is not None and pending.args else None
         naming = next((r.routing_stats for r in replicas if (r.routing_stats or {}).get("page_ends")), None)
         if not isinstance(key, RouteKey) or naming is None:

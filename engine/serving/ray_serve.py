@@ -54,6 +54,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.kv.prefix_cache import chain_hash, root_name
 from engine.kv.publisher import block_hash
+from engine.serving.http import body_once
 from engine.serving.options import ServerOptions
 
 log = logging.getLogger("vkv.ray")
@@ -139,13 +140,8 @@ class VKVReplica:
         """The app's answer: first {"status", "headers"}, then the body's chunks as it writes them."""
         sent: asyncio.Queue = asyncio.Queue()
         gone = asyncio.Event()
-        delivered = False
 
-        async def receive():
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
+        async def disconnect():
             await gone.wait()
             return {"type": "http.disconnect"}
 
@@ -153,7 +149,7 @@ class VKVReplica:
                  "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query.encode(),
                  "root_path": "", "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
                  "client": (client, 0), "server": ("127.0.0.1", 0)}
-        task = asyncio.ensure_future(self.app(scope, receive, sent.put))
+        task = asyncio.ensure_future(self.app(scope, body_once(body, disconnect), sent.put))
         try:
             while True:
                 getter = asyncio.ensure_future(sent.get())
