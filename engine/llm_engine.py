@@ -73,7 +73,6 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.closed = False
         self.paused = False  # pause_generation: no step runs until continue_generation
-        self.weights_version = 0  # updates since load: every page name chains from it
         self.counters = Counters()
         log.info("vkv: %s", "; ".join(f"{k}: {v}" for k, v in self.platform().items()))
 
@@ -180,6 +179,11 @@ class LLMEngine:
     def continue_generation(self) -> None:
         self.paused = False
 
+    @property
+    def weights_version(self) -> int:
+        """Updates written into the model since it loaded: every page name chains from it."""
+        return self.model.weights_version
+
     def update_weights_from_tensor(self, named_tensors) -> None:
         """New weights in place: {name: tensor} or (name, tensor) pairs named as the model's
         Hugging Face checkpoint names them, all checked first (ValueError by name, nothing
@@ -191,7 +195,6 @@ class LLMEngine:
             raise RuntimeError("requests in flight hold KV computed with the current weights: "
                                "pause_generation('retract') or ('abort') first")
         weights.apply(self.model, update)
-        self.weights_version += 1
         self.kv.forget_prefixes(hashlib.sha256(self.kv.namespace + b"vkv/weights-update").digest())
         self.publish_kv_events()
         log.info("vkv: weights updated in place (%d tensors, version %d)", len(update), self.weights_version)

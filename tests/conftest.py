@@ -45,7 +45,9 @@ def pool(backend):
 def weights_load_once():
     """Every engine of a test run over the same model, device, dtype and seed shares one loaded
     copy of the weights (read-only once prepared), so each model loads once per run instead of
-    once per engine. Tensor-parallel shards load as usual."""
+    once per engine. Tensor-parallel shards load as usual. A copy whose weights an engine
+    updated in place (update_weights_from_tensor) is not handed out again: a later engine of
+    the same worker would run the updated weights (a chat in test_server.py answered garbage)."""
     import engine.rank as rank
 
     load, loaded = rank.load_model, {}
@@ -54,7 +56,7 @@ def weights_load_once():
         if tp != (0, 1):
             return load(spec, cfg, device, dtype, seed, tp, compute_dtype)
         key = (spec, str(device), dtype, seed, compute_dtype)
-        if key not in loaded:
+        if key not in loaded or loaded[key].weights_version:  # never share weights updated in place
             loaded[key] = load(spec, cfg, device, dtype, seed, tp, compute_dtype)
         return loaded[key]
 

@@ -167,6 +167,7 @@ class LlamaForCausalLM(nn.Module):
         self.rank = 0  # tensor-parallel rank: only rank 0 computes logits
         self.sharded = False  # a tensor-parallel shard (`shard`)
         self.weights_dtype = self.compute_dtype = torch.float32  # what the weights are rounded to, and computed in (`prepare`)
+        self.weights_version = 0  # updates written in place since load (engine/models/weights.py `apply`)
 
     def load_checkpoint(self, state: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face state dict: q/k/v and gate/up projections are fused here."""

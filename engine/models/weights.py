@@ -135,6 +135,7 @@ def apply(model, update: dict[str, torch.Tensor]) -> None:
             for part in ordered:
                 owner.assign(part, start)
                 start += part.shape[0]
+    model.weights_version += 1
 
 
 def model_device(model) -> torch.device:
