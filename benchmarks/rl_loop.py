@@ -6,13 +6,17 @@ Each round: vkv samples --group completions for each of --prompts prompts (tempe
 logprobs of the sampled tokens); the toy verifiable reward is the share of a completion's
 characters that are digits; advantages are rewards less their group's mean (GRPO); the trainer
 (the bundled model in transformers, fp32) recomputes the sampled tokens' logprobs, and one Adam
-step follows on -advantage x logprob. Then the engine sleeps (level 1: its KV pages go), wakes, and
-takes the trainer's weights. Reported per round: the mean and max absolute difference between
-vkv's and the trainer's logprobs of the sampled tokens (before the step: the same weights); the
-seconds to sleep, wake and update; the process's resident memory awake and asleep; and, once, the
-seconds a fresh engine takes to start on the same weights.
+step follows on -advantage x logprob. Then the engine sleeps (level 2, vLLM's RL recipe: its KV
+pages and its weights' pages go; --sleep-level 1 keeps the weights), wakes its weights
+(`wake_up(["weights"])`, empty pages at the same addresses), takes the trainer's weights, and wakes
+its KV cache. Reported per round: the mean and max absolute difference between vkv's and the
+trainer's logprobs of the sampled tokens (before the step: the same weights); the seconds to
+sleep, wake and update; the memory the process holds awake and asleep (every page its memfd
+pools hold, and apart from it its anonymous resident memory, the trainer's included); and, once,
+the seconds a fresh engine takes to start on the same weights, with sleep mode and without.
 
     python benchmarks/rl_loop.py --json benchmarks/results/cpu/rl_loop.json --plot benchmarks/results/cpu/rl_loop.png
+    python benchmarks/rl_loop.py --dtype bfloat16 --json benchmarks/results/cpu/rl_loop_bf16.json --plot ...
 """
 from __future__ import annotations
 
@@ -33,9 +37,19 @@ PROMPTS = ["Count from one to ten:", "The year the war ended was", "My phone num
            "The answer to the puzzle is", "In 1969, the crew"]
 
 
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def held_bytes() -> tuple[int, int]:
+    """What the process holds: its anonymous resident memory (the trainer's too), and the pages
+    of its memfd pools (the KV pool's and the weights', committed whether mapped or not)."""
+    with open("/proc/self/status") as f:
+        anon = next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon"))
+    pools = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:vkv-pages"):
+                pools += os.fstat(int(fd)).st_blocks * 512
+        except OSError:
+            continue
+    return anon, pools
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -45,6 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--group", type=int, default=4, help="completions per prompt (GRPO's group)")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--sleep-level", type=int, choices=(1, 2), default=2)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="vkv's (the trainer: fp32)")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--plot", dest="plot_path")
     args = parser.parse_args(argv)
@@ -53,8 +69,12 @@ def main(argv: list[str] | None = None) -> dict:
     path = checkpoint_dir(None)
     trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     optimizer = torch.optim.Adam(trainer.parameters(), lr=args.lr)
+    LLM(kv_cache_memory=256 << 20, dtype=args.dtype).close()  # imports and first-call costs, untimed
     started = time.perf_counter()
-    llm = LLM(kv_cache_memory=256 << 20)
+    LLM(kv_cache_memory=256 << 20, dtype=args.dtype).close()  # a fresh start without sleep mode
+    fresh_start_plain_s = time.perf_counter() - started
+    started = time.perf_counter()
+    llm = LLM(kv_cache_memory=256 << 20, dtype=args.dtype, enable_sleep_mode=args.sleep_level == 2)
     fresh_start_s = time.perf_counter() - started
     tokenizer = llm.tokenizer
     rounds = []
@@ -79,27 +99,41 @@ def main(argv: list[str] | None = None) -> dict:
         (loss / len(rewards)).backward()
         optimizer.step()
         trainer.eval()
-        awake = rss()
+        awake = held_bytes()
         t0 = time.perf_counter()
-        llm.sleep(1)
+        llm.sleep(args.sleep_level)
         t1 = time.perf_counter()
-        asleep = rss()
-        llm.wake_up()
+        asleep = held_bytes()
+        llm.wake_up(["weights"])
         t2 = time.perf_counter()
         llm.update_weights_from_tensor(trainer.state_dict())
         t3 = time.perf_counter()
+        llm.wake_up(["kv_cache"])
+        t4 = time.perf_counter()
         rounds.append({"round": r, "mean_reward": sum(rewards) / len(rewards), "logprob_gap_mean": sum(gaps) / len(gaps),
-                       "logprob_gap_max": max(gaps), "sleep_s": t1 - t0, "wake_s": t2 - t1, "update_s": t3 - t2,
-                       "rss_awake_bytes": awake, "rss_asleep_bytes": asleep})
+                       "logprob_gap_max": max(gaps), "sleep_s": t1 - t0, "wake_s": (t2 - t1) + (t4 - t3),
+                       "update_s": t3 - t2, "anon_awake_bytes": awake[0], "anon_asleep_bytes": asleep[0],
+                       "pools_awake_bytes": awake[1], "pools_asleep_bytes": asleep[1]})
         print(f"round {r}: reward {rounds[-1]['mean_reward']:.3f}, logprob gap mean {rounds[-1]['logprob_gap_mean']:.2e} "
-              f"max {rounds[-1]['logprob_gap_max']:.2e}; sleep {t1 - t0:.3f} s, wake {t2 - t1:.3f} s, update "
-              f"{t3 - t2:.3f} s (a fresh start: {fresh_start_s:.2f} s); RSS {awake >> 20} MiB awake, "
-              f"{asleep >> 20} MiB asleep", flush=True)
+              f"max {rounds[-1]['logprob_gap_max']:.2e}; sleep {t1 - t0:.3f} s, wake {t2 - t1 + t4 - t3:.3f} s, update "
+              f"{t3 - t2:.3f} s (a fresh start: {fresh_start_s:.2f} s, {fresh_start_plain_s:.2f} s without sleep mode); "
+              f"memfd pools {awake[1] >> 20} -> {asleep[1] >> 20} MiB, anonymous {awake[0] >> 20} -> {asleep[0] >> 20} MiB",
+              flush=True)
+    weights = llm.engine.model.pages.nbytes if llm.engine.model.pages else 0
+    kv = llm.engine.kv.pool.num_pages * llm.engine.kv.pool.page_size
     llm.close()
     result = {"benchmark": "rl_loop", "command": "python benchmarks/rl_loop.py " + " ".join(argv or sys.argv[1:]),
               "machine": machine_info(), "threads": torch.get_num_threads(),
-              "model": "bundled SmolLM2-135M-Instruct (Q4_1 weights dequantized to fp32), fp32 in vkv and in the trainer",
-              "fresh_start_s": fresh_start_s, "rounds": rounds,
+              "model": f"bundled SmolLM2-135M-Instruct (Q4_1 weights dequantized to fp32), {args.dtype} in vkv, "
+                       "fp32 in the trainer",
+              "sleep_level": args.sleep_level, "dtype": args.dtype, "fresh_start_s": fresh_start_s,
+              "fresh_start_without_sleep_mode_s": fresh_start_plain_s, "rounds": rounds,
+              "weights_bytes": weights, "kv_bytes": kv,
+              "pools_dropped_over_weights_and_kv": [(x["pools_awake_bytes"] - x["pools_asleep_bytes"]) / (weights + kv)
+                                                    for x in rounds],
+              "wake_and_update_over_fresh_start": [(x["wake_s"] + x["update_s"]) / fresh_start_s for x in rounds],
+              "wake_and_update_over_fresh_start_without_sleep_mode": [(x["wake_s"] + x["update_s"]) / fresh_start_plain_s
+                                                                       for x in rounds],
               "update_over_fresh_start": [x["update_s"] / fresh_start_s for x in rounds]}
     save(result, args.json_path, args.plot_path, plot)
     return result

@@ -88,6 +88,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: min(model's, 2048)
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    enable_sleep_mode: bool = False  # weights in pages that sleep(level=2) gives back (engine/models/weight_pages.py)
     attention_backend: str | None = None  # one of ATTENTION_BACKENDS; default: best present
     scheduling_policy: str = "fcfs"  # "priority": a request's priority value, lower first; "lpm": longest cached prefix first
     preemption_mode: str = "recompute"  # or "swap": private pages to the swap tier (virtual layouts)
@@ -145,6 +146,9 @@ class EngineConfig:
         if self.preemption_mode == "swap" and self.kv_layout == "paged":
             raise ValueError("preemption_mode='swap' needs a virtual kv_layout (interleaved or per_layer): "
                              "it brings pages back at the same virtual addresses")
+        if self.enable_sleep_mode and self.tensor_parallel_size > 1:
+            raise ValueError("enable_sleep_mode with tensor_parallel_size > 1: the other ranks' weights are other "
+                             "processes' memory, which sleep level 2 cannot give back yet")
         if self.kv_offloading_size < 0 or self.kv_offloading_path_size <= 0:
             raise ValueError("kv_offloading_size must be >= 0 GiB and kv_offloading_path_size > 0 GiB, got "
                              f"{self.kv_offloading_size} and {self.kv_offloading_path_size}")
@@ -269,6 +273,8 @@ class EngineConfig:
         g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
         g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        g.add_argument("--enable-sleep-mode", action="store_true", help="keep the weights in pages that "
+                       "sleep level 2 gives back (RL loops; off: the weights keep the C heap's huge pages)")
         g.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, choices=SCHEDULING_POLICIES,
                        help="priority: requests' priority values decide admission and preemption; "
                        "lpm: the longest cached prefix (in any tier) is admitted first")
@@ -313,7 +319,7 @@ class EngineConfig:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = ("model", "device", "dtype", "kv_cache_dtype", "kv_layout", "kv_cache_memory", "page_size", "block_size",
                  "max_num_seqs", "max_model_len", "max_num_batched_tokens", "attention_backend",
-                 "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
+                 "enable_prefix_caching", "enable_sleep_mode", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
                  "kv_offloading_size", "kv_offloading_path", "kv_offloading_path_size", "kv_pool",
                  "tensor_parallel_size", "distributed_init", "tensor_parallel_workers", "map_ahead_tokens", "speculative_config",
                  "kv_events_config", "data_parallel_rank", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")

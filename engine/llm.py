@@ -100,12 +100,19 @@ class LLM:
         return self.engine.stats()
 
     def sleep(self, level: int = 1) -> None:
-        """Release the KV cache's physical memory (vLLM's sleep mode); generate() refuses until
-        wake_up(). Everything above the KV cache stays built."""
+        """vLLM's sleep mode: level 1 releases the KV cache's physical memory, level 2 the
+        weights' too (LLM(enable_sleep_mode=True)); generate() refuses until wake_up().
+        Everything above stays built, at the same addresses."""
         self.engine.sleep(level)
 
-    def wake_up(self) -> None:
-        self.engine.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Map memory back: tags "weights" and "kv_cache", default both. Weights that slept at
+        level 2 come back empty: update_weights_from_* or reload_weights() before generating."""
+        self.engine.wake_up(tags)
+
+    def reload_weights(self) -> None:
+        """Read the engine's own checkpoint into place again (after sleep level 2)."""
+        self.engine.reload_weights()
 
     def update_weights_from_tensor(self, named_tensors) -> None:
         """New weights in place (LLMEngine.update_weights_from_tensor)."""

@@ -36,6 +36,9 @@ from engine.structured import Grammars
 log = logging.getLogger("vkv.engine")
 
 
+WAKE_TAGS = ("weights", "kv_cache")  # what wake_up maps back (vLLM's tags)
+
+
 class EngineSleeping(RuntimeError):
     """A request came while the engine sleeps."""
 
@@ -123,6 +126,9 @@ class LLMEngine:
         """Queue a request that process_inputs made."""
         if self.is_sleeping:
             raise EngineSleeping("the engine is sleeping: wake it up first")
+        if self.model.pages is not None and self.model.pages.empty:
+            raise EngineSleeping("the weights woke up empty after sleep level 2: load them first "
+                                 "(update_weights_from_disk, update_weights_from_tensor or reload_weights)")
         if request.request_id in self.output_processor.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         first = self.processor.sequence(request, time.monotonic())
@@ -144,23 +150,48 @@ class LLMEngine:
 
     # -- sleep (vLLM's sleep mode) ---------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
-        """Release every physical KV page; reservations, views and weights stay, so waking up
-        rebuilds nothing above the KV cache. Requests in flight are not touched: sleeping with
+        """vLLM's sleep mode. Level 1: every physical KV page goes; reservations, views and
+        weights stay, so waking up rebuilds nothing above the KV cache. Level 2: the weights'
+        pages go too (sleep mode only: engine/models/weight_pages.py); they come back empty at
+        the same addresses, for new weights. Requests in flight are not touched: sleeping with
         any unfinished raises (finish or abort them first; the server drains them)."""
-        if level != 1:
-            raise ValueError(f"sleep level {level} is not supported: level 1 releases the KV cache and "
-                             f"keeps the weights (level 2, dropping weights too, is not implemented)")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level}: choose 1 (the KV cache) or 2 (the KV cache and the weights)")
+        if level not in self.sleep_levels:
+            raise ValueError("sleep level 2 gives the weights' memory back: start the engine with "
+                             "enable_sleep_mode=True (--enable-sleep-mode)")
         if self.has_unfinished():
             raise RuntimeError(f"cannot sleep with {len(self.output_processor.requests)} requests in flight: "
                                f"finish or abort them")
-        if not self.is_sleeping:
+        if not self.kv.asleep:
             self.kv.sleep()
             self.sync_workers()
             self.publish_kv_events()
+        if level == 2:
+            self.model.pages.release()
 
-    def wake_up(self) -> None:
-        self.kv.wake_up()
-        self.sync_workers()
+    @property
+    def sleep_levels(self) -> tuple[int, ...]:
+        """1 always; 2 with the weights in pages (enable_sleep_mode)."""
+        return (1, 2) if self.model.pages is not None else (1,)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Map memory back: tags "kv_cache" and "weights" (vLLM's), default both. Weights that
+        slept at level 2 come back empty: load them (update_weights_from_disk / _from_tensor,
+        reload_weights) before generating."""
+        tags = list(WAKE_TAGS) if tags is None else list(tags)
+        unknown = [t for t in tags if t not in WAKE_TAGS]
+        if unknown:
+            raise ValueError(f"wake_up tags {unknown}: choose from {list(WAKE_TAGS)}")
+        if "weights" in tags and self.model.pages is not None:
+            self.model.pages.restore()
+        if "kv_cache" in tags:
+            self.kv.wake_up()
+            self.sync_workers()
+
+    def reload_weights(self) -> None:
+        """Read this engine's own checkpoint into place again (after sleep level 2)."""
+        self.update_weights_from_disk(self.config.model)
 
     # -- new weights, pause and continue (RL loops: engine/models/weights.py) ----------------
     def pause_generation(self, mode: str = "abort") -> None:
@@ -190,11 +221,16 @@ class LLMEngine:
         changed). Every page name chains from the weights' version from now on, so no prefix
         computed under the old weights is ever served. Sequences may not hold KV: pause with
         "retract" (or "abort") first, or update between requests."""
-        update = weights.check(self.model, named_tensors)
+        if self.model.pages is not None and self.model.pages.asleep:
+            raise EngineSleeping("the weights sleep (level 2): wake_up(tags=['weights']) before writing new ones")
+        empty = self.model.pages is not None and self.model.pages.empty
+        update = weights.check(self.model, named_tensors, whole=empty)
         if self.kv.active_sequences():
             raise RuntimeError("requests in flight hold KV computed with the current weights: "
                                "pause_generation('retract') or ('abort') first")
         weights.apply(self.model, update)
+        if empty:
+            self.model.pages.filled()
         self.kv.forget_prefixes(hashlib.sha256(self.kv.namespace + b"vkv/weights-update").digest())
         self.publish_kv_events()
         log.info("vkv: weights updated in place (%d tensors, version %d)", len(update), self.weights_version)
@@ -228,7 +264,8 @@ class LLMEngine:
 
     @property
     def is_sleeping(self) -> bool:
-        return self.kv.asleep
+        """The KV cache or the weights (level 2) are asleep."""
+        return self.kv.asleep or (self.model.pages is not None and self.model.pages.asleep)
 
     # -- the loop -------------------------------------------------------------------------
     def step(self, token_budget: int | None = None) -> list[RequestOutput | BeamSearchOutput]:

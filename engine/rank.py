@@ -56,7 +56,8 @@ def build_rank(c: EngineConfig, rank: int = 0, model=None, pool: vmm.PoolShare |
     mc, tp = load_config(c.model), c.tensor_parallel_size  # (LLMEngine checked that tp divides the model)
     max_model_len = c.resolve_max_model_len(mc.max_position_embeddings)
     if model is None:
-        model = load_model(c.model, mc, c.device, c.dtype, c.seed, (rank, tp), c.compute_dtype)
+        model = load_model(c.model, mc, c.device, c.dtype, c.seed, (rank, tp), c.compute_dtype,
+                           sleep_mode=c.enable_sleep_mode)
     attention = pick_attention(c.attention_backend, c.device, c.compute_dtype, c.kv_layout, mc.head_dim,
                                c.block_size, mc.sliding_window, c.kv_dtype)
     peak = 0

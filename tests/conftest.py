@@ -52,9 +52,9 @@ def weights_load_once():
 
     load, loaded = rank.load_model, {}
 
-    def load_once(spec, cfg, device, dtype, seed=0, tp=(0, 1), compute_dtype=None):
-        if tp != (0, 1):
-            return load(spec, cfg, device, dtype, seed, tp, compute_dtype)
+    def load_once(spec, cfg, device, dtype, seed=0, tp=(0, 1), compute_dtype=None, sleep_mode=False):
+        if tp != (0, 1) or sleep_mode:  # (weights that sleep are one engine's)
+            return load(spec, cfg, device, dtype, seed, tp, compute_dtype, sleep_mode)
         key = (spec, str(device), dtype, seed, compute_dtype)
         if key not in loaded or loaded[key].weights_version:  # never share weights updated in place
             loaded[key] = load(spec, cfg, device, dtype, seed, tp, compute_dtype)

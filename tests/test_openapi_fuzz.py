@@ -34,7 +34,8 @@ REFUSABLE = {
     "token ids outside the model's vocabulary, or negative": (400, r"token ids"),
     "an empty prompt, or one with no tokens": (400, r"prompt (must not be empty|is empty|has no tokens)"),
     "n, best_of or prompts past the server's --max-n / --max-prompts-per-request":
-        (400, r"(n|best_of) must be in \[1, \d+\]|best_of must be an integer >= n|prompts? per request"),
+        (400, r"(n|best_of) must be in \[1, \d+\]|best_of must be an integer >= n|prompts? per request|"
+              r"prompts x \d+ sequences exceed the \d+ one request may ask for"),
     "a field that needs another (stream_options without stream, length_penalty without beam search, "
     "min_tokens above max_tokens, top_logprobs without logprobs, echo with streaming, ...)":
         (400, r"needs|applies to beam search only|min_tokens must be in|top_logprobs|echo|cannot be streamed"),
@@ -51,7 +52,8 @@ REFUSABLE = {
     "logit_bias keys that are not plain token ids": (400, r"logit_bias"),
     "stop strings that are not valid Unicode": (400, r"stop strings"),
     "cache_salt must name something": (400, r"cache_salt"),
-    "sleep level 2 (dropping weights: refused by name)": (400, r"level"),
+    "sleep level 2 (the weights too) on a server without --enable-weight-updates": (403, r"--enable-weight-updates"),
+    "wake_up tags other than weights and kv_cache (a free-form list in the schema)": (400, r"wake_up tags"),
 }
 
 

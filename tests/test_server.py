@@ -438,7 +438,8 @@ def test_sleep_drains_the_stream_in_flight_releases_the_kv_memory_and_wakes_up(c
                   if line.startswith(("vkv:pages_in_use ", "vkv:pages_free ", "vkv:asleep ", "vkv:kv_cache_usage_ratio ")))
     assert {k: float(v) for k, v in gauges.items()} == {"vkv:pages_in_use": 0, "vkv:pages_free": 0, "vkv:asleep": 1,
                                                          "vkv:kv_cache_usage_ratio": 0}, gauges
-    assert httpx.post(url + "/sleep?level=2", headers=headers).status_code == 400
+    level2 = httpx.post(url + "/sleep?level=2", headers=headers)  # the weights too: the RL flag's
+    assert level2.status_code == 403 and "--enable-weight-updates" in level2.json()["error"]["message"]
 
     assert httpx.post(url + "/wake_up", headers=headers).json() == {"is_sleeping": False}
     assert not httpx.get(url + "/is_sleeping", headers=headers).json()["is_sleeping"]

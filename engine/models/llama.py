@@ -28,6 +28,7 @@ from torch import nn
 from engine import ops
 from engine.models.config import ModelConfig
 from engine.models.linear import ROWS_MAX, Linear
+from engine.models.weight_pages import WeightPages, backend_for
 
 
 class RMSNorm(nn.Module):
@@ -168,6 +169,7 @@ class LlamaForCausalLM(nn.Module):
         self.sharded = False  # a tensor-parallel shard (`shard`)
         self.weights_dtype = self.compute_dtype = torch.float32  # what the weights are rounded to, and computed in (`prepare`)
         self.weights_version = 0  # updates written in place since load (engine/models/weights.py `apply`)
+        self.pages: WeightPages | None = None  # the weights in pages that sleep (sleep mode; set by `prepare`)
 
     def load_checkpoint(self, state: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face state dict: q/k/v and gate/up projections are fused here."""
@@ -199,11 +201,13 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.shard(rank, world)
         self.rank = rank
 
-    def prepare(self, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+    def prepare(self, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None,
+                sleep_mode: bool = False) -> LlamaForCausalLM:
         """Move to the device and dtype, then put every projection's weight in the layout its
         GEMM runs fastest from, and decide whether the native small ops run. With a wider
         compute_dtype (bf16 weights on a CPU that computes bf16 in fp32), the weights are
-        rounded to dtype and then widened, so the model computes with dtype's values."""
+        rounded to dtype and then widened, so the model computes with dtype's values. With
+        sleep_mode, the weights then move into pages that sleep (engine/models/weight_pages.py)."""
         compute_dtype = compute_dtype or dtype
         self.weights_dtype, self.compute_dtype = dtype, compute_dtype
         self.to(device=device, dtype=dtype)
@@ -218,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
                 module.keep_rows(dtype)
         panels = self.native and compute_dtype == torch.float32  # vkv's GEMM (engine/models/linear.py)
         paths = sorted({module.pack_panels(dtype) if panels else module.pack() for module in linears})
+        if sleep_mode:  # before anything takes views of the weights
+            self.pages = WeightPages(self, backend_for(device))
         if rows and not self.config.qk_norm and not self.sharded:
             self.decode = [layer.decode_weights() for layer in self.model.layers]
         self.gemm_path = "; ".join(paths) + (f" (steps of <= {ROWS_MAX} rows: vkv rows kernel, "

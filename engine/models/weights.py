@@ -64,9 +64,10 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check(model, named_tensors) -> dict[str, torch.Tensor]:
+def check(model, named_tensors, whole: bool = False) -> dict[str, torch.Tensor]:
     """The update as {name: tensor}, every name, shape and dtype checked; ValueError naming the
-    first that does not fit (nothing is changed)."""
+    first that does not fit (nothing is changed). whole: every weight must be there (weights
+    that woke up empty after sleep level 2)."""
     if model.sharded:
         raise ValueError("updating the weights of a tensor-parallel engine is not wired (its other ranks "
                          "are other processes)")
@@ -93,6 +94,10 @@ def check(model, named_tensors) -> dict[str, torch.Tensor]:
         if embedding is None or not (tensor.data_ptr() == embedding.data_ptr() or torch.equal(tensor, embedding)):
             raise ValueError("lm_head.weight: this model ties it to model.embed_tokens.weight; update that "
                              "(lm_head.weight is taken only equal to it)")
+    missing = [name for name in shapes if name not in update] if whole else []
+    if missing:
+        raise ValueError(f"the weights are empty after sleep level 2, so an update must bring every weight: "
+                         f"{len(missing)} missing, e.g. {', '.join(missing[:3])}")
     for name in update:  # fused projections come whole
         pre, layer, module, kind = split(name)
         if module in FUSED:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.inputs import Prompt, chat_prompt, tokenize
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import EngineSleeping, LLMEngine
 from engine.lora import LoRARequest
 from engine.outputs import RequestOutput, RequestOutputKind
 from engine.multi import idle_long_enough
@@ -97,7 +97,7 @@ class AsyncEngine:
         # round every 50 ms when idle), and the bound past which a step is logged as slow
         self.progress_at = time.monotonic()
         self.stall_seconds = stall_seconds
-        self.sleep_waiters: list[asyncio.Future] = []  # sleep once nothing is in flight, then tell them
+        self.sleep_waiters: list[tuple[asyncio.Future, int]] = []  # (reply, level): sleep once nothing is in flight
         self.preprocessor = FairWorkers(PREPROCESS_THREADS, lambda: copy.deepcopy(engine.tokenizer))
         self.thread = threading.Thread(target=self._loop, name="vkv-engine", daemon=True)
         self.thread.start()
@@ -212,15 +212,22 @@ class AsyncEngine:
     def is_sleeping(self) -> bool:
         """Asleep, or going to sleep once the requests in flight are done (a model that slept
         for being idle is not: its next request wakes it)."""
-        return self.phase in (Phase.DRAINING, Phase.ASLEEP)
+        return self.phase in (Phase.DRAINING, Phase.ASLEEP) or (self.phase is Phase.SERVING and self.engine.is_sleeping)
 
     async def sleep(self, level: int = 1) -> bool:
         """Returns True once asleep, or False if a wake-up came while the requests in flight were
         draining (the last command wins); ValueError for a level the engine does not have."""
         return await self._ask(lambda reply: Sleep(reply, level))
 
-    async def wake_up(self) -> None:
-        await self._ask(Wake)
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Map memory back ("weights", "kv_cache"; default both: LLMEngine.wake_up)."""
+        await self._ask(lambda reply: Wake(reply, None if tags is None else tuple(tags)))
+
+    @property
+    def weights_empty(self) -> bool:
+        """The weights woke up empty after sleep level 2: new ones must be loaded first."""
+        pages = self.engine.model.pages
+        return pages is not None and pages.empty
 
     async def pause_generation(self, mode: str = "abort") -> None:
         """No step until continue_generation; "abort" ends the requests in flight (their streams
@@ -298,8 +305,9 @@ class AsyncEngine:
             return
         if self.sleep_waiters and not self.engine.has_unfinished():
             waiters, self.sleep_waiters = self.sleep_waiters, []
-            for future in waiters:
-                _settle(future, self._sleep_now)
+            level = max(level for _, level in waiters)
+            for future, _ in waiters:
+                _settle(future, self._sleep_now, level)
         if not self.engine.has_unfinished():
             if self.idle_sleep is not None and idle_long_enough(self.engine, self.last_active, self.idle_sleep,
                                                                 time.monotonic()):
@@ -329,19 +337,19 @@ class AsyncEngine:
                     self.streams.pop(request_id, None)
                 case Add(request):
                     self._add(request)
-                case Sleep(reply, level) if level != 1:  # the engine refuses it: say so now, not after the drain
+                case Sleep(reply, level) if level not in self.engine.sleep_levels:  # refused: now, not after the drain
                     _settle(reply, self.engine.sleep, level)
-                case Sleep(reply, _):
-                    self.sleep_waiters.append(reply)
+                case Sleep(reply, level):
+                    self.sleep_waiters.append((reply, level))
                     if self.phase in (Phase.SERVING, Phase.IDLE_ASLEEP, Phase.ASLEEP):
                         self._become(Phase.DRAINING)
-                case Wake(reply):  # a sleep still draining is called off: the last command wins
+                case Wake(reply, tags):  # a sleep still draining is called off: the last command wins
                     waiters, self.sleep_waiters = self.sleep_waiters, []
-                    for future in waiters:
+                    for future, _ in waiters:
                         future.get_loop().call_soon_threadsafe(_resolve, future, False)
                     if self.phase in (Phase.DRAINING, Phase.ASLEEP, Phase.IDLE_ASLEEP):
                         self._become(Phase.SERVING)
-                    _settle(reply, self.engine.wake_up)
+                    _settle(reply, self.engine.wake_up, tags)
                 case Pause(reply, mode):
                     _settle(reply, self.engine.pause_generation, mode)
                     if mode == "abort":  # (the engine forgot them: their streams end here)
@@ -365,8 +373,8 @@ class AsyncEngine:
                     self._become(Phase.STOPPED)
                     return
 
-    def _sleep_now(self) -> bool:
-        self.engine.sleep(1)
+    def _sleep_now(self, level: int) -> bool:
+        self.engine.sleep(level)
         if self.phase is Phase.DRAINING:
             self._become(Phase.ASLEEP)  # asked for: requests are refused until a wake-up
         return True
@@ -382,6 +390,8 @@ class AsyncEngine:
             self.metrics.of(self.metrics.wake, self.model).observe(time.monotonic() - self.last_active)
         try:
             self.engine.add(request)
+        except EngineSleeping as exc:  # half awake (wake_up with one tag), or weights not loaded yet: a 503
+            self._put(self.streams.pop(request.request_id, None), RequestCancelled(str(exc)))
         except Exception as exc:  # refused: the handler raises it as an HTTP error
             self._put(self.streams.pop(request.request_id, None), exc)
 

@@ -54,6 +54,7 @@ class Sleep:
 @dataclass(frozen=True)
 class Wake:
     reply: asyncio.Future
+    tags: tuple[str, ...] | None = None  # "weights", "kv_cache" (vLLM's); None: both
 
 
 @dataclass(frozen=True)

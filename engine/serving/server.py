@@ -202,6 +202,9 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
     def check(engine: AsyncEngine, body, best_of: int | None = None) -> None:
         if engine.is_sleeping:
             raise HTTPError(503, SLEEPING, "service_unavailable")
+        if engine.weights_empty:
+            raise HTTPError(503, "the weights woke up empty after sleep level 2: POST /update_weights_from_disk "
+                            "first", "service_unavailable")
         for name, value in (("n", body.n), ("best_of", best_of)):
             if value is not None and not 1 <= value <= limits.max_n:
                 raise HTTPError(400, f"{name} must be in [1, {limits.max_n}], got {value}")
@@ -274,24 +277,30 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
         return Response(text, media_type="text/plain; version=0.0.4")
 
     # vLLM's sleep mode: /sleep drains the requests in flight (new ones get 503), then releases
-    # every physical KV page; /wake_up maps memory back. Nothing above the KV cache is rebuilt.
-    # Admin routes, as in vLLM: left out of the OpenAPI schema.
-    # With several models, ?model=NAME picks one (default: all of them).
+    # every physical KV page (level 1) and the weights' pages too (level 2: sleep mode and
+    # --enable-weight-updates); /wake_up?tags=weights&tags=kv_cache maps memory back at the same
+    # addresses. Nothing above is rebuilt. Admin routes, as in vLLM: left out of the OpenAPI
+    # schema. With several models, ?model=NAME picks one (default: all of them).
     @app.post("/sleep", dependencies=[Depends(authorize)], include_in_schema=False)
-    async def sleep(level: int = Query(1, ge=1, le=1, description="1: the KV cache's pages go (level 2, the "
-                                                                  "weights too, is not implemented)"),
+    async def sleep(level: int = Query(1, ge=1, le=2, description="1: the KV cache's pages go; 2: the weights' too"),
                     model: str | None = None):
+        engines = named(model)
+        if level == 2:
+            weight_updates()  # (the weights must come back through an update)
         try:
-            asleep = [await e.sleep(level) for e in named(model).values()]
+            asleep = [await e.sleep(level) for e in engines.values()]
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
         return {"is_sleeping": all(asleep)}  # False: a wake-up came while the requests in flight drained
 
     @app.post("/wake_up", dependencies=[Depends(authorize)], include_in_schema=False)
-    async def wake_up(model: str | None = None):
-        for e in named(model).values():
-            await e.wake_up()
-        return {"is_sleeping": False}
+    async def wake_up(model: str | None = None, tags: list[str] | None = Query(None)):
+        try:
+            for e in named(model).values():
+                await e.wake_up(tags)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc)) from exc
+        return {"is_sleeping": any(e.engine.is_sleeping for e in named(model).values())}
 
     @app.get("/is_sleeping", dependencies=[Depends(authorize)], include_in_schema=False)
     async def is_sleeping(model: str | None = None):

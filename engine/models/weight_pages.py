@@ -1,0 +1,183 @@
+"""The model's weights in physical pages that can be given back: vLLM's sleep level 2.
+
+Note [Weights that sleep]
+-------------------------
+Rationale. An RL loop alternates sampling with training on one machine: while the trainer runs,
+the inference engine should hold no memory at all, and when sampling resumes it should take
+new weights without being rebuilt. vLLM's `sleep(level=2)` drops weights and KV and rebuilds
+tensors at wake-up; SGLang's memory saver keeps the same virtual addresses so nothing above is
+rebuilt. vkv's KV cache already sleeps that way (level 1, vmm's `release_memory`); this puts the
+weights on the same footing.
+
+Approach. With sleep mode on (`EngineConfig.enable_sleep_mode`), once the model is prepared
+every tensor an update writes (each parameter, and each copy the kernels read: the rows
+kernel's plain weight, the GEMM panels) is moved into one `vmm.Reservation` over a page pool
+of its own (host: memfd pages; CUDA: `cuMemCreate`). Each tensor keeps its Python object: its
+storage is `set_` to its slice of the reservation, so whoever holds it (a tied lm_head, the
+one-call decode path's per-layer lists) holds valid memory. `release()` unmaps every page and
+gives the pool's pages back: the process's memory really drops. `restore()` creates pages and
+maps them at the same addresses: every tensor is valid again, its values zero (host) or
+undefined (CUDA) until new weights are written (`update_weights_from_*`, `reload_weights`),
+which the engine asks for before it generates again.
+
+Implementation. Tensors are grouped by storage (a tied weight and its alias move once), each
+storage at a 64-byte-aligned offset. Who writes what: `WeightPages` alone maps, unmaps and
+moves; the engine calls `release`/`restore` from `sleep(2)`/`wake_up(["weights"])` and
+`filled()` after a complete update. On a failure while moving nothing is lost: a tensor's
+storage is switched only after its bytes are copied, and a half-made pool is released.
+
+Limitations. oneDNN's packed weights (bf16 arithmetic on a CPU that has it; no native kernels)
+are opaque tensors that cannot live in a reservation: `release()` drops them (and trims the
+C heap so their memory leaves the process) and `restore()` makes new ones, held only by their
+`Linear`. The host's shared memory gets no transparent huge pages (`shmem_enabled` is usually
+`never`), so sleep mode is off by default: weights streamed once a token pay 4 KiB TLB entries.
+Tensor-parallel ranks are other processes: level 2 is refused there.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+
+import torch
+
+import vmm
+from engine.models.linear import PACK_HINT, Linear
+
+ALIGN = 64  # bytes: a cache line, and every dtype's item size divides it
+HOST_PAGE = 2 << 20  # bytes per physical page of the host's weight pool
+
+
+class WeightPages:
+    """The model's weight tensors, moved into one reservation whose pages can be given back."""
+
+    def __init__(self, model: torch.nn.Module, backend: vmm.Backend):
+        groups = _storages(model)
+        offsets, end = [], 0
+        for storage, _ in groups:
+            offsets.append(end)
+            end = _aligned(end + storage.nbytes())
+        self.model, self.nbytes, self.state = model, max(end, 1), "loaded"
+        self.pool = vmm.PagePool(backend, math.ceil(self.nbytes / backend.page_size))
+        try:
+            self.range = vmm.Reservation(self.pool, self.nbytes)
+            self._map()
+            whole = self.range.view(torch.uint8, (self.range.nbytes,))
+            for (storage, tensors), offset in zip(groups, offsets):
+                whole[offset:offset + storage.nbytes()].copy_(_bytes(storage, whole.device))
+                for t in tensors:
+                    _point(t, whole.untyped_storage(), offset)
+        except BaseException:
+            self.pool.close()  # (no tensor points into it before its bytes are there)
+            raise
+
+    @property
+    def asleep(self) -> bool:
+        return self.state == "released"
+
+    @property
+    def empty(self) -> bool:
+        """Woken without weights: the pages are mapped but hold nothing yet."""
+        return self.state == "empty"
+
+    def release(self) -> None:
+        """Give every page back; the tensors keep their addresses (touching them now faults)."""
+        if self.state == "released":
+            return
+        _packed(self.model, drop=True)
+        self.pool.backend.synchronize()
+        self.range.unmap(0, self.range.num_pages)
+        self.pool.release_memory()
+        _trim_heap()
+        self.state = "released"
+
+    def restore(self) -> None:
+        """Fresh pages at the same addresses (zero on the host): new weights must be written."""
+        if self.state != "released":
+            return
+        self.pool.restore_memory()
+        try:
+            self._map()
+        except BaseException:
+            self.pool.release_memory()
+            raise
+        _packed(self.model, drop=False)
+        self.state = "empty"
+
+    def _map(self) -> None:
+        """Every page, faulted in at once: the weights are all written right after."""
+        self.range.map_new(0, self.range.num_pages)
+        self.pool.backend.populate(self.range.addr, self.range.nbytes)
+
+    def filled(self) -> None:
+        """Every weight was written since `restore` (the engine checked the update was whole)."""
+        self.state = "loaded"
+
+    def resident_bytes(self) -> int:
+        return 0 if self.asleep else self.range.nbytes
+
+    def close(self) -> None:
+        self.range.release()
+        self.pool.close()
+
+
+def _storages(model: torch.nn.Module) -> list[tuple[torch.UntypedStorage, list[torch.Tensor]]]:
+    """Every tensor an update writes, grouped by the storage it lives in (oneDNN's opaque packed
+    weights excepted: see the note's limitations)."""
+    groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        tensors = list(module._parameters.values())
+        if isinstance(module, Linear):
+            tensors += [module.rows_weight, module.panels]
+        for t in tensors:
+            if t is None or id(t) in seen or t.is_mkldnn or t.untyped_storage().nbytes() == 0:
+                continue
+            seen.add(id(t))
+            storage = t.untyped_storage()
+            groups.setdefault(storage.data_ptr(), (storage, []))[1].append(t)
+    return list(groups.values())
+
+
+def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+@torch.no_grad()
+def _point(t: torch.Tensor, storage: torch.UntypedStorage, offset: int) -> None:
+    """t's storage becomes storage, its bytes starting at `offset` (same shape, strides, view offset)."""
+    itemsize = t.element_size()
+    t.set_(storage, offset // itemsize + t.storage_offset(), t.shape, t.stride())
+
+
+def _packed(model: torch.nn.Module, drop: bool) -> None:
+    """oneDNN's packed weights: dropped at release, made again (zero) at restore."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.packed is not None:
+            if drop:
+                module.packed = torch.empty(0)  # (a placeholder: `packed is None` means "never packed")
+            else:
+                dtype = module.weight.dtype
+                zeros = torch.zeros(module.out_features, module.in_features, dtype=dtype)
+                module.packed = torch.ops.mkldnn._reorder_linear_weight(zeros, PACK_HINT)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc): freed packed weights below
+    malloc's mmap threshold would otherwise stay resident."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def backend_for(device: torch.device) -> vmm.Backend:
+    """The weight pool's backend: memfd pages on the host, the driver's on a GPU."""
+    if device.type == "cuda":
+        return vmm.CudaBackend(device.index or 0)
+    return vmm.HostBackend(HOST_PAGE)

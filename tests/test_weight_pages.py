@@ -1,0 +1,195 @@
+"""Weights that sleep (engine/models/weight_pages.py, Note [Weights that sleep]): with sleep
+mode, sleep(level=2) gives the weights' physical pages back (the pool's memfd holds nothing),
+wake_up(tags=["weights"]) maps fresh ones at the same addresses, the engine refuses to generate
+until new weights are written whole, and then answers as before; over the host's pages and
+CUDA's (the driver emulator where there is no GPU); over HTTP behind the flag; and under random
+sequences of sleeps, wake-ups, updates and requests (hypothesis)."""
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from helpers import assert_pool_whole, serving
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import EngineSleeping
+from engine.models import load_config, load_model
+from engine.models.weight_pages import WeightPages
+from test_weights_update import GREEDY, PROMPTS, SHAPE, checkpoint, greedy
+
+
+def weight_tensors(model) -> list[torch.Tensor]:
+    """Every tensor an update writes (what WeightPages holds)."""
+    found = []
+    for m in model.modules():
+        for t in (*m._parameters.values(), getattr(m, "rows_weight", None), getattr(m, "panels", None)):
+            if t is not None and t.numel() and not t.is_mkldnn:
+                found.append(t)
+    return found
+
+
+def held_bytes(pages: WeightPages) -> int:
+    """Physical bytes behind the weights' host pool: its memfd's allocated blocks."""
+    return os.fstat(pages.pool.backend.fd).st_blocks * 512
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "paged"])
+def test_sleep_level_2_gives_the_weights_back_and_wakes_them_at_the_same_addresses(tmp_path, layout):
+    checkpoint(tmp_path / "w", seed=1)
+    with LLM(model=str(tmp_path / "w"), kv_layout=layout, kv_cache_memory=4 << 20, enable_sleep_mode=True,
+             kv_offloading_size=0.01) as llm:
+        before = greedy(llm)
+        model, pages = llm.engine.model, llm.engine.model.pages
+        tensors = weight_tensors(model)
+        addresses = [t.data_ptr() for t in tensors]
+        assert all(pages.range.addr <= a < pages.range.addr + pages.range.nbytes for a in addresses)
+        distinct = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        assert held_bytes(pages) == pages.range.nbytes >= sum(distinct.values())
+        llm.sleep(2)
+        assert held_bytes(pages) == 0 and llm.is_sleeping()
+        with pytest.raises(EngineSleeping):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        with pytest.raises(EngineSleeping, match="wake_up"):  # writing into pages that are not there
+            llm.update_weights_from_disk(str(tmp_path / "w"))
+        llm.wake_up(["weights"])
+        assert held_bytes(pages) == pages.range.nbytes and llm.is_sleeping()  # the KV cache still sleeps
+        llm.wake_up(["kv_cache"])
+        with pytest.raises(EngineSleeping, match="empty"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match="every weight"):  # empty weights take a whole update only
+            llm.update_weights_from_tensor({"model.norm.weight": torch.ones(SHAPE["hidden_size"])})
+        llm.update_weights_from_disk(str(tmp_path / "w"))
+        assert [t.data_ptr() for t in tensors] == addresses
+        assert greedy(llm) == before
+        assert_pool_whole(llm)
+        pages.pool.audit([pages.range])
+
+
+def test_sleep_level_2_and_wake_tags_are_refused_by_name():
+    with LLM(model="random:tiny", kv_cache_memory=1 << 20) as llm:
+        with pytest.raises(ValueError, match="enable_sleep_mode"):
+            llm.sleep(2)
+        with pytest.raises(ValueError, match="sleep level 3"):
+            llm.sleep(3)
+        with pytest.raises(ValueError, match="'everything'"):
+            llm.wake_up(["everything"])
+        assert not llm.is_sleeping()
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(model="random:tiny", enable_sleep_mode=True, tensor_parallel_size=2)
+
+
+def test_weight_pages_over_each_backend_keep_addresses_and_take_new_values(backend):
+    """Over the host's memfd pages and CUDA's (cuMemCreate/cuMemMap; the emulator here)."""
+    model = load_model("random:tiny", load_config("random:tiny"), torch.device("cpu"), torch.float32)
+    tensors = weight_tensors(model)
+    values = [t.clone() for t in tensors]
+    pages = WeightPages(model, backend)
+    addresses = [t.data_ptr() for t in tensors]
+    assert all(pages.range.addr <= a < pages.range.addr + pages.range.nbytes for a in addresses)
+    assert all(torch.equal(t, v) for t, v in zip(tensors, values))  # moved, not changed
+    pages.release()
+    assert pages.asleep and pages.pool.asleep and not pages.range.mapped_pages()
+    pages.restore()
+    assert pages.empty and [t.data_ptr() for t in tensors] == addresses
+    with torch.no_grad():
+        for t, v in zip(tensors, values):
+            t.copy_(v)
+    assert all(torch.equal(t, v) for t, v in zip(tensors, values))
+    pages.pool.audit([pages.range])
+    pages.close()
+
+
+def test_over_http_level_2_is_behind_the_flag_and_the_weights_come_back_through_an_update(tmp_path):
+    import httpx
+
+    from engine.llm_engine import LLMEngine
+    from engine.serving.async_engine import AsyncEngine
+    from engine.serving.options import ServerOptions
+    from engine.serving.server import build_app
+
+    checkpoint(tmp_path / "w", seed=2)
+    ask = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    for flag in (False, True):  # (a server's end stops its engine: one each)
+        engine = AsyncEngine(LLMEngine(EngineConfig(model=str(tmp_path / "w"), kv_cache_memory=4 << 20,
+                                                    enable_sleep_mode=True)))
+        options = ServerOptions(api_key="k", enable_weight_updates=flag)
+        with serving(build_app(engine, "m", options)) as base:
+            with httpx.Client(base_url=base, headers={"Authorization": "Bearer k"}, timeout=60) as http:
+                if not flag:
+                    r = http.post("/sleep", params={"level": 2})
+                    assert r.status_code == 403 and "--enable-weight-updates" in r.json()["error"]["message"]
+                    assert http.post("/sleep", params={"level": 3}).status_code in (400, 422)
+                    expected = http.post("/v1/completions", json=ask).json()["choices"][0]["text"]
+                    continue
+                assert http.post("/sleep", params={"level": 2}).json() == {"is_sleeping": True}
+                assert http.post("/v1/completions", json=ask).status_code == 503
+                r = http.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "w")})
+                assert r.status_code == 409 and "wake_up" in r.json()["error"]["message"]
+                r = http.post("/wake_up", params={"tags": "sideways"})
+                assert r.status_code == 400 and "sideways" in r.json()["error"]["message"]
+                assert http.post("/wake_up", params={"tags": "weights"}).json() == {"is_sleeping": True}
+                assert http.post("/wake_up", params={"tags": "kv_cache"}).json() == {"is_sleeping": False}
+                r = http.post("/v1/completions", json=ask)
+                assert r.status_code == 503 and "empty" in r.json()["error"]["message"]
+                r = http.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "w")})
+                assert r.status_code == 200, r.text
+                assert http.post("/v1/completions", json=ask).json()["choices"][0]["text"] == expected
+        engine.shutdown()
+
+
+OPS = st.lists(st.sampled_from(["sleep1", "sleep2", "wake", "wake_weights", "wake_kv", "load_a", "load_b",
+                                "generate"]), min_size=1, max_size=10)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weights")
+    checkpoint(root / "a", seed=3)
+    checkpoint(root / "b", seed=4)
+    expected = {}
+    for name in ("a", "b"):
+        with LLM(model=str(root / name), kv_cache_memory=2 << 20) as llm:
+            expected[name] = greedy(llm)
+    engine = LLM(model=str(root / "a"), kv_cache_memory=2 << 20, enable_sleep_mode=True)
+    yield root, expected, engine
+    engine.close()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=OPS)
+def test_random_sleeps_wakes_and_updates_keep_the_invariants(two_checkpoints, ops):
+    """After every operation: the weights' pool holds all its pages or none, as they sleep or
+    not; no tensor moves; a request is answered only when the KV cache and the weights are awake
+    and loaded, and then exactly as a fresh engine on the loaded weights answers; an update
+    into sleeping weights is refused; the KV pool is whole."""
+    root, expected, llm = two_checkpoints
+    pages = llm.engine.model.pages
+    tensors = weight_tensors(llm.engine.model)
+    addresses = [t.data_ptr() for t in tensors]
+    llm.wake_up()
+    if pages.empty:
+        llm.update_weights_from_disk(str(root / "a"))
+    loaded = "a" if greedy(llm) == expected["a"] else "b"
+    for op in ops:
+        weights_asleep, empty = pages.asleep, pages.empty
+        if op.startswith("sleep"):
+            llm.sleep(int(op[-1]))
+        elif op.startswith("wake"):
+            llm.wake_up({"wake": None, "wake_weights": ["weights"], "wake_kv": ["kv_cache"]}[op])
+        elif op.startswith("load"):
+            if weights_asleep:
+                with pytest.raises(EngineSleeping):
+                    llm.update_weights_from_disk(str(root / op[-1]))
+            else:
+                llm.update_weights_from_disk(str(root / op[-1]))
+                loaded = op[-1]
+        elif llm.is_sleeping() or empty:
+            with pytest.raises(EngineSleeping):
+                llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+        else:
+            assert greedy(llm) == expected[loaded]
+        assert held_bytes(pages) == (0 if pages.asleep else pages.range.nbytes)
+        assert [t.data_ptr() for t in tensors] == addresses
+        if not llm.engine.kv.asleep:
+            assert_pool_whole(llm)
