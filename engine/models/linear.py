@@ -9,21 +9,18 @@ The hint matters: with a hint below 32, every row count ran 10x slower.
 
 Decode steps of a few rows are bound by reading the weights, and there oneDNN's packed GEMM
 reads them slowly: on an AVX2 EPYC (2 cores, 23.8 GB/s) a whole SmolLM2 forward's projections
-took 22.9 ms for one row against 14.4 ms for vkv's rows kernel (ext: `linear_rows`, which
-streams the plain weight once) and 11.1 ms with the weight in bf16. So on the CPU, with fp32
-arithmetic and the native kernels built, a projection may also keep its weight in the plain
-layout (`rows_weight`, fp32 or the checkpoint's bf16) and run steps of up to ROWS_MAX rows
-through it; larger steps stay on oneDNN, which is faster from 8 rows up. The plain copy costs
-memory: the engine keeps it only while it fits (`LlamaForCausalLM.prepare`).
-
-Steps of more rows (decode batches, prefill) are bound by arithmetic, and there oneDNN's packed
-GEMM reached 35-70 GFLOP/s at 5-32 rows on that EPYC, a third of its FMA peak. With the native
-kernels built and fp32 arithmetic, the weight is instead packed into column panels for vkv's
-register-tiled GEMM (ext: `linear_panels`), which replaces oneDNN's copy (no more memory): on
-the same CPU it measured 1.12-1.95x oneDNN's GFLOP/s at 5-32 rows over SmolLM2's shapes and the
-LM head, 1.04-1.28x at 64-512 rows (`benchmarks/bench_gemm.py`). Panels of bf16 weights stay
-bf16 (widened on load: half the bytes). With fp32 arithmetic unavailable natively (bf16 on a
-CPU that has it, a GPU), oneDNN or torch runs as before.
+took 22.9 ms for one row against 14.4 ms for a kernel streaming the plain weight. Steps of more
+rows (decode batches, prefill) are bound by arithmetic, and there oneDNN's packed GEMM reached
+35-70 GFLOP/s at 5-32 rows on that EPYC, a third of its FMA peak. With the native kernels built
+and fp32 arithmetic, the weight is instead packed into column panels for vkv's register-tiled
+GEMM (ext: `linear_panels`), which replaces oneDNN's copy (no more memory) and serves every
+step: it measured 1.12-1.95x oneDNN's GFLOP/s at 5-32 rows over SmolLM2's shapes and the LM
+head, 1.04-1.28x at 64-512 rows (`benchmarks/bench_gemm.py`), and at one row each thread
+streams its run of panels front to back, faster than a kernel streaming the plain rows (which
+vkv kept beside the panels until it measured: decode 62 against 49 tok/s in fp32 on an AVX-512
+EPYC, `benchmarks/README.md`). Panels of bf16 weights stay bf16 (widened on load: half the
+bytes). With fp32 arithmetic unavailable natively (bf16 on a CPU that has it, a GPU), oneDNN
+or torch runs as before.
 """
 from __future__ import annotations
 
@@ -32,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 PACK_HINT = 128  # rows the packed layout is tuned for; good from 1 row to hundreds here
-ROWS_MAX = 4  # steps of at most this many rows run on the rows kernel where it is kept
 
 
 class Linear(nn.Module):
@@ -45,7 +41,6 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
-        self.rows_weight: torch.Tensor | None = None  # plain [out, in] for the rows kernel (see above)
         self.panels: torch.Tensor | None = None  # [ceil(n / width), k, width] for linear_panels (see above)
         self.panels_n = 0  # the packed weight's rows (a tensor-parallel shard's n, not out_features)
         self.tied = False
@@ -83,23 +78,16 @@ class Linear(nn.Module):
         if not self.tied:
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
-    def keep_rows(self, dtype: torch.dtype) -> None:
-        """Keep the weight in the plain layout, in dtype, for steps of a few fp32 rows (no copy
-        where the weight already is that)."""
-        self.rows_weight = self.weight.detach().to(dtype).contiguous()
-
     @torch.no_grad()
     def assign(self, w: torch.Tensor, start: int = 0) -> None:
         """New values for rows [start, start + len(w)) of the weight ([out, in], in the compute
         dtype), written into every copy this projection keeps, in place and in one pass each:
-        the plain weight (if kept), the rows kernel's copy, the panels, oneDNN's packed weight
-        (that one whole: start 0 and every row). No tensor is replaced, so whatever holds one
+        the plain weight (if kept), the panels, oneDNN's packed weight (that one whole: start 0
+        and every row). No tensor is replaced, so whatever holds one
         (the one-call decode path) stays valid (engine/models/weights.py)."""
         end = start + w.shape[0]
         if self.weight.numel():
             self.weight.data[start:end].copy_(w)
-        if self.rows_weight is not None:
-            self.rows_weight[start:end].copy_(w)
         if self.panels is not None:  # row r of the weight is column r % width of panel r // width
             rows = self.panels.transpose(1, 2)  # [count, width, k], a view
             width, r = rows.shape[1], start
@@ -118,10 +106,6 @@ class Linear(nn.Module):
         self.weight, self.tied = weight, True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows_weight is not None and x.shape[0] <= ROWS_MAX and x.dim() == 2 and x.is_contiguous():
-            out = x.new_empty(x.shape[0], self.rows_weight.shape[0])  # a tensor-parallel shard's rows
-            torch.ops.vkv.linear_rows(x, self.rows_weight, self.bias, out)
-            return out
         if self.panels is not None:
             rows = x.reshape(-1, self.panels.shape[1]).contiguous()
             out = rows.new_empty(rows.shape[0], self.panels_n)

@@ -27,9 +27,10 @@ from torch import nn
 
 from engine import ops
 from engine.models.config import ModelConfig
-from engine.models.linear import ROWS_MAX, Linear
+from engine.models.linear import Linear
 from engine.models.weight_pages import WeightPages, backend_for
 
+ONE_CALL_ROWS = 4  # decode steps of at most this many rows run each layer in one native call
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -132,11 +133,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def decode_weights(self) -> tuple:
-        """The layer's weights as the native `decode_layer` takes them (rows-kernel copies)."""
+        """The layer's weights as the native `decode_layer` takes them (the projections' panels)."""
         a, m = self.self_attn, self.mlp
         return (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
-                a.qkv_proj.rows_weight, a.qkv_proj.bias, a.o_proj.rows_weight, m.gate_up_proj.rows_weight,
-                m.down_proj.rows_weight, a.num_heads, a.num_kv_heads)
+                a.qkv_proj.panels, a.qkv_proj.bias, a.o_proj.panels, m.gate_up_proj.panels,
+                m.down_proj.panels, a.num_heads, a.num_kv_heads)
 
     def forward(self, x, residual, attn, native: bool, lora=None):
         x, residual = self.input_layernorm.forward(x, residual, native)
@@ -216,31 +217,15 @@ class LlamaForCausalLM(nn.Module):
         self.eval()
         self.native = ops.native(device) is not None and compute_dtype in (torch.float32, torch.bfloat16)
         linears = [module for module in self.modules() if isinstance(module, Linear)]
-        rows = self.native and compute_dtype == torch.float32 and self._rows_kernel(linears, dtype)
-        if rows:  # the plain copies first: packing drops the weight
-            for module in linears:
-                module.keep_rows(dtype)
         panels = self.native and compute_dtype == torch.float32  # vkv's GEMM (engine/models/linear.py)
         paths = sorted({module.pack_panels(dtype) if panels else module.pack() for module in linears})
         if sleep_mode:  # before anything takes views of the weights
             self.pages = WeightPages(self, backend_for(device))
-        if rows and not self.config.qk_norm and not self.sharded:
+        if panels and not self.config.qk_norm and not self.sharded:
             self.decode = [layer.decode_weights() for layer in self.model.layers]
-        self.gemm_path = "; ".join(paths) + (f" (steps of <= {ROWS_MAX} rows: vkv rows kernel, "
-                                             f"{str(dtype).removeprefix('torch.')} weights)" if rows else "")
+        self.gemm_path = "; ".join(paths) + (f" (steps of <= {ONE_CALL_ROWS} rows: a layer in one native call)"
+                                             if self.decode else "")
         return self
-
-    @staticmethod
-    def _rows_kernel(linears: list[Linear], dtype: torch.dtype) -> bool:
-        """Whether the plain weight copies for decode's few-row steps fit: at most a quarter of
-        the memory available now (they cost as much as the weights, or half in bf16)."""
-        need = sum(m.weight.numel() for m in linears) * torch.empty((), dtype=dtype).element_size()
-        try:
-            with open("/proc/meminfo") as f:
-                available = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable"))
-        except (OSError, StopIteration):
-            return False
-        return need <= available // 4
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attn, logits_indices: torch.Tensor, lora=None) -> torch.Tensor:
@@ -248,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         `attn(layer, q, k, v)` rotates, stores the new K/V and attends over the cached context;
         `lora` (engine/lora.py LoRABatch), if any, adds its rows' adapter deltas to the projections."""
         x, residual = self.model.embed_tokens(input_ids), None
-        few = self.decode and input_ids.shape[0] <= ROWS_MAX and lora is None
+        few = self.decode and input_ids.shape[0] <= ONE_CALL_ROWS and lora is None
         step = getattr(attn, "native_args", None) if few else None
         if step is not None and step(0) is not None:  # a few rows: each layer in one native call
             residual = torch.empty_like(x)

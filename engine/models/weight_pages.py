@@ -10,8 +10,7 @@ rebuilt. vkv's KV cache already sleeps that way (level 1, vmm's `release_memory`
 weights on the same footing.
 
 Approach. With sleep mode on (`EngineConfig.enable_sleep_mode`), once the model is prepared
-every tensor an update writes (each parameter, and each copy the kernels read: the rows
-kernel's plain weight, the GEMM panels) is moved into one `vmm.Reservation` over a page pool
+every tensor an update writes (each parameter, and the GEMM panels the kernels read) is moved into one `vmm.Reservation` over a page pool
 of its own (host: memfd pages; CUDA: `cuMemCreate`). Each tensor keeps its Python object: its
 storage is `set_` to its slice of the reservation, so whoever holds it (a tied lm_head, the
 one-call decode path's per-layer lists) holds valid memory. `release()` unmaps every page and
@@ -129,7 +128,7 @@ def _storages(model: torch.nn.Module) -> list[tuple[torch.UntypedStorage, list[t
     for module in model.modules():
         tensors = list(module._parameters.values())
         if isinstance(module, Linear):
-            tensors += [module.rows_weight, module.panels]
+            tensors.append(module.panels)
         for t in tensors:
             if t is None or id(t) in seen or t.is_mkldnn or t.untyped_storage().nbytes() == 0:
                 continue

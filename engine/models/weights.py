@@ -11,8 +11,8 @@ Approach. `check(model, named_tensors)` reads every tensor first: its name as th
 Hugging Face checkpoint has it, its full (unsharded) shape from the config, a floating-point
 dtype; anything else is refused by name and nothing changes. `apply` then writes each value
 into the model's own tensors, in place: q/k/v into their rows of the fused qkv projection,
-gate/up into gate_up, and every copy a projection keeps for its kernels (the rows kernel's
-plain copy, the GEMM panels, oneDNN's packed weight; engine/models/linear.py `Linear.assign`)
+gate/up into gate_up, and every copy a projection keeps for its kernels (the plain weight if
+kept, the GEMM panels, oneDNN's packed weight; engine/models/linear.py `Linear.assign`)
 made again from it and copied over the old, so every address stays. Values are rounded as a
 fresh load rounds them (to the model's dtype, then widened to its compute dtype), so the
 engine computes what a fresh engine on the same weights computes.

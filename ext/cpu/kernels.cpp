@@ -10,8 +10,8 @@
 //   add_rms_norm         residual += x; x = rmsnorm(residual) * weight (the first layer's
 //                        norm has no residual)
 //   silu_and_mul         silu(gate) * up over a fused [gate | up] projection
-//   linear_rows          x W^T for a few rows, streaming W (fp32 or bf16) at memory bandwidth
-//   linear_panels        x W^T for more rows: register tiles over W packed in column panels
+//   linear_panels        x W^T: register tiles over W packed in column panels; at a few rows
+//                        (decode) each thread streams its panels once, at memory bandwidth
 //   decode_layer         a whole decoder layer of a few-row step, the kernels above in one call
 //   lora_segments        out[rows] += (x[rows] A^T) B for each LoRA adapter's segment of rows
 //
@@ -819,155 +819,12 @@ void silu_and_mul(const at::Tensor& gate_up, at::Tensor out) {
 
 
 // ---------------------------------------------------------------------------------------------
-// out = x W^T (+ bias) for a few rows of x (decode): W [N, K] fp32 or bf16 in its checkpoint
-// layout, x and out fp32. With few rows a projection reads every weight once and does little
-// arithmetic on it, so it is bound by memory bandwidth: each thread streams its share of W's
-// rows once, NB rows at a time, and dots them with up to 4 rows of x held in L1. Blocks of
-// (rows of x) x (rows of W) keep MB x NB accumulators in registers (8-9: enough independent
-// FMA chains to cover their latency). bf16 weights are widened as they are loaded: half the
-// bytes of fp32 for the same arithmetic.
-constexpr int64_t kLinearRows = 4;  // rows of x per block; more rows read W again (from cache)
-
-// bf16 weights are widened without shuffles: a vector of 2W bf16 read as W 32-bit lanes holds
-// element 2i in its low half and 2i+1 in its high half, so a shift gives the even elements as
-// fp32 and a mask the odd ones. x is permuted to match once per call (`xe`: per block of 2W,
-// its even elements then its odd ones), so each weight costs one load, one shift or mask, and
-// one FMA per row.
-#if defined(VKV_VEC)
-#if defined(VKV_AVX512)
-VKV_INLINE void load_pairs(const c10::BFloat16* p, __m512& even, __m512& odd) {
-  const __m512i raw = _mm512_loadu_si512(p);
-  even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-  odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-#else
-VKV_INLINE void load_pairs(const c10::BFloat16* p, __m256& even, __m256& odd) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-#endif
-constexpr int64_t kPairBlock = 2 * Vec::W;  // bf16 weights per even/odd pair of vectors
-#else
-constexpr int64_t kPairBlock = 0;  // no vector layer: no permutation
-#endif
-
-// out[m][j] = x_m . w_j (+ bias_j) for MB rows of x and NB rows of W. xe: x permuted for bf16
-// weights (see above), else x itself.
-template <typename TW, int MB, int NB>
-VKV_INLINE void linear_block(const float* x, const float* xe, int64_t K, const TW* w, const float* bias, float* out,
-                             int64_t N) {
-  int64_t k = 0;
-#if defined(VKV_VEC)
-  typename Vec::R acc[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = Vec::set1(0.0f);
-  if constexpr (std::is_same_v<TW, float>) {
-    for (; k + Vec::W <= K; k += Vec::W) {
-      typename Vec::R xv[MB];
-      for (int m = 0; m < MB; ++m) xv[m] = Vec::load(x + m * K + k);
-      for (int j = 0; j < NB; ++j) {
-        const typename Vec::R wv = Vec::load(w + j * K + k);
-        for (int m = 0; m < MB; ++m) acc[m][j] = Vec::fmadd(xv[m], wv, acc[m][j]);
-      }
-    }
-  } else {
-    for (; k + kPairBlock <= K; k += kPairBlock) {
-      typename Vec::R xa[MB], xb[MB];
-      for (int m = 0; m < MB; ++m) {
-        xa[m] = Vec::load(xe + m * K + k);
-        xb[m] = Vec::load(xe + m * K + k + Vec::W);
-      }
-      for (int j = 0; j < NB; ++j) {
-        typename Vec::R even, odd;
-        load_pairs(w + j * K + k, even, odd);
-        for (int m = 0; m < MB; ++m) acc[m][j] = Vec::fmadd(xb[m], odd, Vec::fmadd(xa[m], even, acc[m][j]));
-      }
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) {
-      float dot = Vec::sum(acc[m][j]);
-      for (int64_t kk = k; kk < K; ++kk) dot += x[m * K + kk] * load(w[j * K + kk]);
-      out[m * N + j] = bias ? dot + bias[j] : dot;
-    }
-#else
-  (void)xe;
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) {
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t kk = 0; kk < K; ++kk) dot += x[m * K + kk] * load(w[j * K + kk]);
-      out[m * N + j] = bias ? dot + bias[j] : dot;
-    }
-#endif
-}
-
-// Rows [n_lo, n_hi) of W against MB rows of x: NB rows of W at a time, then one by one.
-template <typename TW, int MB, int NB>
-void linear_strip(const float* x, const float* xe, int64_t K, const TW* w, const float* bias, float* out, int64_t N,
-                  int64_t n_lo, int64_t n_hi) {
-  int64_t n = n_lo;
-  for (; n + NB <= n_hi; n += NB)
-    linear_block<TW, MB, NB>(x, xe, K, w + n * K, bias ? bias + n : nullptr, out + n, N);
-  for (; n < n_hi; ++n) linear_block<TW, MB, 1>(x, xe, K, w + n * K, bias ? bias + n : nullptr, out + n, N);
-}
-
-template <typename TW>
-void linear_rows_impl(const at::Tensor& x, const at::Tensor& weight, const float* bias, at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const float* xp = x.data_ptr<float>();
-  const TW* wp = weight.data_ptr<TW>();
-  float* op = out.data_ptr<float>();
-  std::vector<float> permuted;
-  const float* xe = xp;
-  if (std::is_same_v<TW, c10::BFloat16> && kPairBlock) {  // even elements then odd ones, per block
-    permuted.assign(xp, xp + M * K);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k + kPairBlock <= K; k += kPairBlock)
-        for (int64_t i = 0; i < kPairBlock / 2; ++i) {
-          permuted[m * K + k + i] = xp[m * K + k + 2 * i];
-          permuted[m * K + k + kPairBlock / 2 + i] = xp[m * K + k + 2 * i + 1];
-        }
-    xe = permuted.data();
-  }
-  at::parallel_for(0, N, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t m = 0; m < M; m += kLinearRows) {
-      const float* xm = xp + m * K;
-      const float* xem = xe + m * K;
-      float* om = op + m * N;
-      switch (std::min<int64_t>(kLinearRows, M - m)) {
-        case 1: linear_strip<TW, 1, 8>(xm, xem, K, wp, bias, om, N, lo, hi); break;
-        case 2: linear_strip<TW, 2, 4>(xm, xem, K, wp, bias, om, N, lo, hi); break;
-        case 3: linear_strip<TW, 3, 3>(xm, xem, K, wp, bias, om, N, lo, hi); break;
-        default: linear_strip<TW, 4, 2>(xm, xem, K, wp, bias, om, N, lo, hi); break;
-      }
-    }
-  });
-}
-
-void linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, at::Tensor out) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be [rows, K] fp32 contiguous");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
-              "weight must be [N, K] contiguous");
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == x.size(0) &&
-              out.size(1) == weight.size(0), "out must be [rows, N] fp32 contiguous");
-  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == weight.size(0)),
-              "bias must be [N] fp32");
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  if (weight.scalar_type() == at::kFloat)
-    linear_rows_impl<float>(x, weight, b, out);
-  else if (weight.scalar_type() == at::kBFloat16)
-    linear_rows_impl<c10::BFloat16>(x, weight, b, out);
-  else
-    TORCH_CHECK(false, "linear_rows reads fp32 or bf16 weights");
-}
-
-
-// ---------------------------------------------------------------------------------------------
-// linear_panels: x W^T for steps of more rows than linear_rows takes (decode batches, prefill).
-// oneDNN's packed GEMM reaches a third of this CPU's FMA peak at 32 rows; a register tile does
-// better. The weight is packed once (engine/models/linear.py `Linear.pack_panels`) into panels
+// linear_panels: x W^T for every step, decode's few rows to prefill's hundreds. oneDNN's packed
+// GEMM reaches a third of this CPU's FMA peak at 32 rows; a register tile does better. At one
+// row the step only streams W: each thread reads its run of panels front to back (one long
+// stream, the next panel fetched ahead), which measured faster than streaming W's plain rows
+// (decode of the bundled model, 2 threads: 62 against 49 tok/s in fp32, 102 against 70 with
+// bf16 weights on an AVX-512 EPYC; 60 against 52 and 99 against 57 with the AVX2 kernels). The weight is packed once (engine/models/linear.py `Linear.pack_panels`) into panels
 // of kPanel output columns, [ceil(N / kPanel), K, kPanel], zero-padded, so for each k a panel's
 // weights are adjacent. A tile of MR rows x kPanel columns lives in 2 * MR accumulator
 // registers across the whole of K: per k, two weight vectors are loaded and each row's x[m][k]
@@ -1090,7 +947,8 @@ int64_t panel_width() { return kPanel; }
 //   q, k, v = x W_qkv^T (+ b)   rope_store    attention    x = attn W_o^T
 //   x, residual = add_rms_norm(x, residual)   x = silu_and_mul(x W_gu^T) W_down^T
 //
-// x and residual are [rows, hidden] fp32, updated in place; returns the layer's output.
+// x and residual are [rows, hidden] fp32, updated in place; returns the layer's output. The
+// weights are the projections' panels (linear_panels).
 at::Tensor decode_layer(at::Tensor x, at::Tensor residual, bool first, const at::Tensor& input_norm,
                         const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight,
                         const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
@@ -1107,24 +965,24 @@ at::Tensor decode_layer(at::Tensor x, at::Tensor residual, bool first, const at:
   } else {
     add_rms_norm(x, residual, input_norm, eps);
   }
-  at::Tensor qkv = x.new_empty({M, qkv_weight.size(0)});
-  linear_rows(x, qkv_weight, qkv_bias, qkv);
-  const int64_t nq = num_heads * D, nk = num_kv_heads * D;
+  const int64_t nq = num_heads * D, nk = num_kv_heads * D, hidden = x.size(1), inter = down_weight.size(1);
+  at::Tensor qkv = x.new_empty({M, nq + 2 * nk});
+  linear_panels(x, qkv_weight, qkv_bias, qkv);
   at::Tensor q = qkv.narrow(1, 0, nq).view({M, num_heads, D});
   at::Tensor k = qkv.narrow(1, nq, nk).view({M, num_kv_heads, D});
   at::Tensor v = qkv.narrow(1, nq + nk, nk).view({M, num_kv_heads, D});
   rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, block_table, block_size, token_seq);
   at::Tensor attended = x.new_empty({M, num_heads, D});
   attention(q, k_cache, v_cache, block_table, block_size, q_start, q_len, ctx_len, scale, attended);
-  at::Tensor h = x.new_empty({M, o_weight.size(0)});
-  linear_rows(attended.view({M, nq}), o_weight, std::nullopt, h);
+  at::Tensor h = x.new_empty({M, hidden});
+  linear_panels(attended.view({M, nq}), o_weight, std::nullopt, h);
   add_rms_norm(h, residual, post_norm, eps);
-  at::Tensor gate_up = x.new_empty({M, gate_up_weight.size(0)});
-  linear_rows(h, gate_up_weight, std::nullopt, gate_up);
-  at::Tensor act = x.new_empty({M, gate_up_weight.size(0) / 2});
+  at::Tensor gate_up = x.new_empty({M, 2 * inter});
+  linear_panels(h, gate_up_weight, std::nullopt, gate_up);
+  at::Tensor act = x.new_empty({M, inter});
   silu_and_mul(gate_up, act);
-  at::Tensor out = x.new_empty({M, down_weight.size(0)});
-  linear_rows(act, down_weight, std::nullopt, out);
+  at::Tensor out = x.new_empty({M, hidden});
+  linear_panels(act, down_weight, std::nullopt, out);
   return out;
 }
 
@@ -1200,7 +1058,6 @@ TORCH_LIBRARY(vkv, m) {
         "Tensor(d!) v_cache, Tensor block_table, int block_size, Tensor token_seq) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
-  m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("decode_layer(Tensor(a!) x, Tensor(b!) residual, bool first, Tensor input_norm, Tensor post_norm, float eps, "
         "Tensor qkv_weight, Tensor? qkv_bias, Tensor o_weight, Tensor gate_up_weight, Tensor down_weight, "
         "int num_heads, int num_kv_heads, Tensor positions, Tensor cos_sin, Tensor(c!) k_cache, Tensor(d!) v_cache, "
@@ -1216,7 +1073,6 @@ TORCH_LIBRARY_IMPL(vkv, CPU, m) {
   m.impl("rope_store", &rope_store);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("linear_rows", &linear_rows);
   m.impl("decode_layer", &decode_layer);
   m.impl("lora_segments", &lora_segments);
   m.impl("linear_panels", &linear_panels);
