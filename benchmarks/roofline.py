@@ -1,7 +1,8 @@
 """The machine's limits, measured where the benchmark runs, and a model's cost per token.
 
     memory bandwidth   a STREAM triad (a = b + s*c) over arrays far larger than the caches, all
-                       threads; bytes = 3 arrays (the write-allocate is not counted, as STREAM)
+                       threads; bytes = 3 arrays (the write-allocate is not counted, as STREAM);
+                       and reading alone (a sum over one such array), what decode does
     FMA peak           cores x clock x FMA units x fp32 lanes x 2 (the clock from /proc/cpuinfo;
                        FMA units: 2 on Zen 2+ and on Xeons with two AVX-512 ports, else given)
     best GEMM          oneDNN with packed weights (what the engine's projections run) at a large
@@ -32,6 +33,19 @@ def stream_triad_gbps(mib: int = 256, repeats: int = 5) -> float:
         torch.add(b, c, alpha=3.0, out=a)
         best = min(best, time.perf_counter() - start)
     return 3 * n * 4 / best / 1e9
+
+
+def read_gbps(mib: int = 512, repeats: int = 5) -> float:
+    """Read-only bandwidth, all threads: the dot product of two arrays far larger than the
+    caches (what single-stream decode does to its weights; measured here above a sum's 30 GB/s
+    and a max's 33)."""
+    a, b = torch.rand((mib << 20) // 8), torch.rand((mib << 20) // 8)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.dot(a, b)
+        best = min(best, time.perf_counter() - start)
+    return (mib << 20) / best / 1e9
 
 
 def clock_ghz() -> float:

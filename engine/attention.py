@@ -251,6 +251,7 @@ class NativeStep:
 
     def __init__(self, k_caches, v_caches, batch: StepBatch, cos_sin: torch.Tensor, window: int | None):
         self.k_caches, self.v_caches, self.batch, self.cos_sin, self.window = k_caches, v_caches, batch, cos_sin, window
+        self.cos_sin_f32 = None  # the table in fp32, for decode_layer (made at its first use)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache, b = self.k_caches[layer], self.v_caches[layer], self.batch
@@ -267,7 +268,9 @@ class NativeStep:
         if self.window:
             return None
         b, k_cache = self.batch, self.k_caches[layer]
-        return (b.positions, self.cos_sin, k_cache, self.v_caches[layer], b.block_table, b.block_size, b.token_seq,
+        if self.cos_sin_f32 is None:  # decode_layer runs fp32 (bf16's cos and sin widened, once a step)
+            self.cos_sin_f32 = self.cos_sin.float()
+        return (b.positions, self.cos_sin_f32, k_cache, self.v_caches[layer], b.block_table, b.block_size, b.token_seq,
                 b.q_start, b.q_len, b.ctx_len, k_cache.shape[-1] ** -0.5)
 
 

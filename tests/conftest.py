@@ -45,9 +45,9 @@ def pool(backend):
 def weights_load_once():
     """Every engine of a test run over the same model, device, dtype and seed shares one loaded
     copy of the weights (read-only once prepared), so each model loads once per run instead of
-    once per engine. Tensor-parallel shards load as usual. A copy whose weights an engine
-    updated in place (update_weights_from_tensor) is not handed out again: a later engine of
-    the same worker would run the updated weights (a chat in test_server.py answered garbage)."""
+    once per engine. Tensor-parallel shards load as usual. A test that updates weights in place
+    takes `own_weights`; a copy updated anyway is not handed out again (a later engine of the
+    same worker would run the updated weights: a chat in test_server.py answered garbage)."""
     import engine.rank as rank
 
     load, loaded = rank.load_model, {}
@@ -63,3 +63,13 @@ def weights_load_once():
     rank.load_model = load_once
     yield
     rank.load_model = load
+
+
+@pytest.fixture
+def own_weights(monkeypatch):
+    """For a test whose engine writes its weights in place: its engines load a copy of their own
+    (the shared one may still be running in an engine another test of this worker made)."""
+    import engine.rank as rank
+    from engine.models import load_model
+
+    monkeypatch.setattr(rank, "load_model", load_model)

@@ -38,6 +38,16 @@ def hf_model(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def hf_trainer(path):
+    """hf_model whose parameters are its own, for a test that trains it: transformers hands a
+    later from_pretrained of the same file in this process the same parameters (measured: after
+    one SGD step on a model, a fresh from_pretrained returned all 272 tensors stepped, at the
+    trainer's addresses, even with each parameter's data cloned first), so training in place
+    would change every later reference model of the pytest worker. A deep copy owns its own."""
+    import copy
+    return copy.deepcopy(hf_model(path))
+
+
 def hf_greedy(path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generation of one prompt: the reference."""
     model = hf_model(path)

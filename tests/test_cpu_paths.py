@@ -12,7 +12,7 @@ from engine import ops
 from engine import LLM, SamplingParams
 from engine.models.linear import Linear
 from helpers import assert_pool_whole
-from lossy import (Tolerance, assert_agree_until_a_near_tie, assert_close, continuations, greedy_with_gaps,
+from lossy import (Scored, Tolerance, assert_agree_until_a_near_tie, assert_close, continuations, greedy_with_gaps,
                    teacher_forced)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -96,13 +96,28 @@ def test_an_isa_the_cpu_lacks_is_refused_with_the_reason(monkeypatch):
     ext.kernel_isa.cache_clear()
 
 
-def test_native_bf16_arithmetic_runs_the_gemm_library_not_the_one_call_decode():
-    """Where the CPU computes bf16 natively, the projections run oneDNN's bf16 GEMM and the
-    fp32 one-call decode path is off (it would widen every weight again)."""
+def test_native_bf16_runs_onednn_for_batches_and_bf16_panels_in_fp32_for_decode():
+    """Where the CPU computes bf16 natively, steps of more than a few rows run oneDNN's bf16 GEMM;
+    decode steps of a few rows run each layer in one native call over bf16 panels kept beside
+    it, in fp32 arithmetic (streaming them decodes faster: engine/models/linear.py). Every
+    generated token's logprob (the prefill's through oneDNN, the rest through the panels) is held
+    to the fp32 engine's on the same tokens by bf16's computed tolerance (tests/lossy.py)."""
     if not ext.bf16_gemm()[0] or ext.cpu_kernels() is None:
         pytest.skip(f"this CPU computes bf16 in fp32: {ext.bf16_gemm()[1]}")
     llm = LLM(dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=4)
-    assert llm.stats().platform["compute_dtype"] == "bfloat16" and not llm.engine.model.decode
+    model = llm.engine.model
+    assert llm.stats().platform["compute_dtype"] == "bfloat16" and model.decode
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.packed is not None and m.panels.dtype == torch.bfloat16 for m in linears)
+    params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=2)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)  # decode steps of 3 rows and fewer
+    got = [[Scored(lp.logprob, lp.top[0][0], lp.top[0][1] - lp.top[1][1]) for lp in o.outputs[0].logprobs]
+           for o in outs]
+    fp32 = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
+    want = teacher_forced(fp32, [o.prompt_token_ids + o.outputs[0].token_ids for o in outs],
+                          [len(o.prompt_token_ids) for o in outs])
+    print(assert_close(got, want, Tolerance.computed(torch.bfloat16)))
+    assert_pool_whole(llm)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

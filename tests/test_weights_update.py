@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import assert_pool_whole, bundled_dir, hf_model
+from helpers import assert_pool_whole, bundled_dir, hf_trainer
 from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
@@ -159,12 +159,12 @@ def test_over_http_behind_the_key_and_the_flag(tmp_path):
         engine.shutdown()
 
 
-def test_sampled_tokens_logprobs_agree_with_a_transformers_trainer_before_and_after_an_update():
+def test_sampled_tokens_logprobs_agree_with_a_transformers_trainer_before_and_after_an_update(own_weights):
     """An RL loop's invariant: the engine's logprob of each token it sampled equals the
     trainer's (transformers, fp32, the same weights) within 1e-3, before and after the trainer's
     weights are pushed with update_weights_from_tensor (its state_dict as it is, the tied
     lm_head.weight included)."""
-    trainer = hf_model(bundled_dir())
+    trainer = hf_trainer(bundled_dir())
     prompt = trainer.config.bos_token_id, 504, 3458, 282, 4649, 314  # a few tokens of text
     params = SamplingParams(temperature=1.0, max_tokens=12, logprobs=0, seed=3)
 

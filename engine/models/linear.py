@@ -19,8 +19,11 @@ head, 1.04-1.28x at 64-512 rows (`benchmarks/bench_gemm.py`), and at one row eac
 streams its run of panels front to back, faster than a kernel streaming the plain rows (which
 vkv kept beside the panels until it measured: decode 62 against 49 tok/s in fp32 on an AVX-512
 EPYC, `benchmarks/README.md`). Panels of bf16 weights stay bf16 (widened on load: half the
-bytes). With fp32 arithmetic unavailable natively (bf16 on a CPU that has it, a GPU), oneDNN
-or torch runs as before.
+bytes). Where bf16 arithmetic is native (oneDNN's bf16 GEMM on AVX512-BF16 or AMX), oneDNN's
+packed bf16 weight serves steps of more than FEW_ROWS rows, where arithmetic bounds them; decode
+steps of at most FEW_ROWS rows stream bf16 panels kept beside it, in fp32 arithmetic (bf16 x bf16
+products are exact in fp32): on the AVX-512 EPYC with AVX512-BF16, oneDNN decoded 59 tok/s and
+the panels 104. On a GPU, torch runs as before.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 PACK_HINT = 128  # rows the packed layout is tuned for; good from 1 row to hundreds here
+FEW_ROWS = 4  # beside oneDNN's bf16 weight, panels serve steps of at most this many rows (decode)
 
 
 class Linear(nn.Module):
@@ -60,9 +64,10 @@ class Linear(nn.Module):
         self._drop_plain()
         return f"oneDNN packed {str(w.dtype).removeprefix('torch.')}"
 
-    def pack_panels(self, dtype: torch.dtype) -> str:
+    def pack_panels(self, dtype: torch.dtype, drop: bool = True) -> str:
         """Pack the weight, in dtype, into the column panels of vkv's GEMM (the native kernels
-        must be built; fp32 arithmetic); the plain weight is dropped as `pack` drops it."""
+        must be built; fp32 arithmetic); the plain weight is dropped as `pack` drops it, unless
+        `pack` comes next (drop=False: panels for decode beside oneDNN's bf16 weight)."""
         w = self.weight.detach()
         n, k = w.shape  # a tensor-parallel shard's, not in_features x out_features
         width = torch.ops.vkv.panel_width()
@@ -70,7 +75,8 @@ class Linear(nn.Module):
         padded = torch.zeros(count * width, k, dtype=dtype)
         padded[:n] = w
         self.panels, self.panels_n = padded.view(count, width, k).transpose(1, 2).contiguous(), n
-        self._drop_plain()
+        if drop:
+            self._drop_plain()
         return f"vkv panel GEMM ({str(dtype).removeprefix('torch.')} weights, float32 arithmetic)"
 
     def _drop_plain(self) -> None:
@@ -106,11 +112,11 @@ class Linear(nn.Module):
         self.weight, self.tied = weight, True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None:
-            rows = x.reshape(-1, self.panels.shape[1]).contiguous()
+        if self.panels is not None and (self.packed is None or x.numel() <= FEW_ROWS * x.shape[-1]):
+            rows = x.reshape(-1, self.panels.shape[1]).float().contiguous()  # (fp32 arithmetic)
             out = rows.new_empty(rows.shape[0], self.panels_n)
-            torch.ops.vkv.linear_panels(rows, self.panels, self.bias, out)
-            return out.view(*x.shape[:-1], self.panels_n)
+            torch.ops.vkv.linear_panels(rows, self.panels, None if self.bias is None else self.bias.float(), out)
+            return out.view(*x.shape[:-1], self.panels_n).to(x.dtype)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -133,10 +133,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def decode_weights(self) -> tuple:
-        """The layer's weights as the native `decode_layer` takes them (the projections' panels)."""
+        """The layer's weights as the native `decode_layer` takes them (the projections' panels;
+        norms and bias in fp32: copies under bf16 arithmetic, which `weights.apply` makes again)."""
         a, m = self.self_attn, self.mlp
-        return (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
-                a.qkv_proj.panels, a.qkv_proj.bias, a.o_proj.panels, m.gate_up_proj.panels,
+        bias = None if a.qkv_proj.bias is None else a.qkv_proj.bias.float()
+        return (self.input_layernorm.weight.float(), self.post_attention_layernorm.weight.float(),
+                self.input_layernorm.eps, a.qkv_proj.panels, bias, a.o_proj.panels, m.gate_up_proj.panels,
                 m.down_proj.panels, a.num_heads, a.num_kv_heads)
 
     def forward(self, x, residual, attn, native: bool, lora=None):
@@ -218,14 +220,31 @@ class LlamaForCausalLM(nn.Module):
         self.native = ops.native(device) is not None and compute_dtype in (torch.float32, torch.bfloat16)
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         panels = self.native and compute_dtype == torch.float32  # vkv's GEMM (engine/models/linear.py)
+        beside = (self.native and compute_dtype == torch.bfloat16 and not self.sharded  # decode's bf16 panels
+                  and self._fits(linears, dtype))
+        for module in linears if beside else ():
+            module.pack_panels(dtype, drop=False)
         paths = sorted({module.pack_panels(dtype) if panels else module.pack() for module in linears})
         if sleep_mode:  # before anything takes views of the weights
             self.pages = WeightPages(self, backend_for(device))
-        if panels and not self.config.qk_norm and not self.sharded:
+        if (panels or beside) and not self.config.qk_norm and not self.sharded:
             self.decode = [layer.decode_weights() for layer in self.model.layers]
-        self.gemm_path = "; ".join(paths) + (f" (steps of <= {ONE_CALL_ROWS} rows: a layer in one native call)"
+        self.gemm_path = "; ".join(paths) + (f" (steps of <= {ONE_CALL_ROWS} rows: a layer in one native call"
+                                             + (", bf16 panels in fp32 arithmetic" if beside else "") + ")"
                                              if self.decode else "")
         return self
+
+    @staticmethod
+    def _fits(linears: list[Linear], dtype: torch.dtype) -> bool:
+        """Whether a second copy of the projections (decode's panels beside oneDNN's weights)
+        takes at most a quarter of the memory available now."""
+        need = sum(m.weight.numel() for m in linears) * torch.empty((), dtype=dtype).element_size()
+        try:
+            with open("/proc/meminfo") as f:
+                available = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable"))
+        except (OSError, StopIteration):
+            return False
+        return need <= available // 4
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attn, logits_indices: torch.Tensor, lora=None) -> torch.Tensor:
@@ -235,10 +254,12 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None
         few = self.decode and input_ids.shape[0] <= ONE_CALL_ROWS and lora is None
         step = getattr(attn, "native_args", None) if few else None
-        if step is not None and step(0) is not None:  # a few rows: each layer in one native call
+        if step is not None and step(0) is not None:  # a few rows: each layer in one native call, in fp32
+            x = x.float()
             residual = torch.empty_like(x)
             for i, weights in enumerate(self.decode):
                 x = torch.ops.vkv.decode_layer(x, residual, i == 0, *weights, *step(i))
+            x, residual = x.to(self.compute_dtype), residual.to(self.compute_dtype)  # (bf16: rounded as bf16 holds them)
         else:
             for layer in self.model.layers:
                 x, residual = layer.forward(x, residual, attn, self.native, lora)  # no hooks: .forward, not __call__

@@ -140,6 +140,8 @@ def apply(model, update: dict[str, torch.Tensor]) -> None:
             for part in ordered:
                 owner.assign(part, start)
                 start += part.shape[0]
+    if model.decode:  # its fp32 copies of norms and biases (bf16 arithmetic) follow
+        model.decode = [layer.decode_weights() for layer in model.model.layers]
     model.weights_version += 1
 
 

