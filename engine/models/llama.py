@@ -27,10 +27,8 @@ from torch import nn
 
 from engine import ops
 from engine.models.config import ModelConfig
-from engine.models.linear import Linear
+from engine.models.linear import FEW_ROWS, Linear
 from engine.models.weight_pages import WeightPages, backend_for
-
-ONE_CALL_ROWS = 4  # decode steps of at most this many rows run each layer in one native call
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -229,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
             self.pages = WeightPages(self, backend_for(device))
         if (panels or beside) and not self.config.qk_norm and not self.sharded:
             self.decode = [layer.decode_weights() for layer in self.model.layers]
-        self.gemm_path = "; ".join(paths) + (f" (steps of <= {ONE_CALL_ROWS} rows: a layer in one native call"
+        self.gemm_path = "; ".join(paths) + (f" (steps of <= {FEW_ROWS} rows: a layer in one native call"
                                              + (", bf16 panels in fp32 arithmetic" if beside else "") + ")"
                                              if self.decode else "")
         return self
@@ -252,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
         `attn(layer, q, k, v)` rotates, stores the new K/V and attends over the cached context;
         `lora` (engine/lora.py LoRABatch), if any, adds its rows' adapter deltas to the projections."""
         x, residual = self.model.embed_tokens(input_ids), None
-        few = self.decode and input_ids.shape[0] <= ONE_CALL_ROWS and lora is None
+        few = self.decode and input_ids.shape[0] <= FEW_ROWS and lora is None
         step = getattr(attn, "native_args", None) if few else None
         if step is not None and step(0) is not None:  # a few rows: each layer in one native call, in fp32
             x = x.float()
