@@ -48,6 +48,7 @@ def load() -> ctypes.CDLL:
         subprocess.run([os.environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1",
                         "-o", str(out), str(SOURCE), "-lpthread"], check=True, capture_output=True)
         _lib = ctypes.CDLL(str(out), mode=os.RTLD_GLOBAL)
+        shutil.rmtree(out.parent, ignore_errors=True)  # (loaded: the mapping outlives the file; no litter in /tmp)
         _lib.cuemu_fail.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
     return _lib
 
