@@ -187,3 +187,21 @@ def test_sampled_tokens_logprobs_agree_with_a_transformers_trainer_before_and_af
         assert gap(llm) > 0.1  # the engine's old weights no longer agree: the step moved them
         llm.update_weights_from_tensor(trainer.state_dict())
         assert gap(llm) <= 1e-3
+
+
+@pytest.mark.parametrize("cuts", [(0, 100), (0, 10, 37, 70, 100), (0, 32, 64, 96, 100), (0, 5, 100)])
+def test_assign_writes_parts_into_the_panels_as_packing_them_whole_would(cuts):
+    """Linear.assign's parts, wherever they start and end (inside a panel, on its edge, whole
+    panels at once), leave the panels equal to packing the whole new weight."""
+    import ext
+    from engine.models.linear import Linear
+    if ext.cpu_kernels() is None:
+        pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
+    new = torch.randn(100, 48)
+    updated, packed = Linear(48, 100), Linear(48, 100)
+    torch.nn.init.normal_(updated.weight)
+    packed.weight.data = new.clone()
+    updated.pack_panels(torch.float32), packed.pack_panels(torch.float32)
+    for a, b in zip(cuts, cuts[1:]):
+        updated.assign(new[a:b], a)
+    assert torch.equal(updated.panels, packed.panels)

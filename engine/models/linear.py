@@ -99,6 +99,11 @@ class Linear(nn.Module):
             width, r = rows.shape[1], start
             while r < end:
                 panel, at = divmod(r, width)
+                whole = (end - r) // width if at == 0 else 0  # whole panels at once: one copy
+                if whole:
+                    rows[panel:panel + whole].copy_(w[r - start:r - start + whole * width].view(whole, width, -1))
+                    r += whole * width
+                    continue
                 n = min(width - at, end - r)
                 rows[panel, at:at + n].copy_(w[r - start:r - start + n])
                 r += n
