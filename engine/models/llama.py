@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import vmm
 from engine import ops
 from engine.models.config import ModelConfig
 from engine.models.linear import FEW_ROWS, Linear
-from engine.models.weight_pages import WeightPages, backend_for
+from engine.models.weight_pages import WeightPages
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -224,7 +225,8 @@ class LlamaForCausalLM(nn.Module):
             module.pack_panels(dtype, drop=False)
         paths = sorted({module.pack_panels(dtype) if panels else module.pack() for module in linears})
         if sleep_mode:  # before anything takes views of the weights
-            self.pages = WeightPages(self, backend_for(device))
+            self.pages = WeightPages(self, vmm.make_backend(device.type if device.type == "cuda" else "host",
+                                                            device=device.index or 0))
         if (panels or beside) and not self.config.qk_norm and not self.sharded:
             self.decode = [layer.decode_weights() for layer in self.model.layers]
         self.gemm_path = "; ".join(paths) + (f" (steps of <= {FEW_ROWS} rows: a layer in one native call"

@@ -44,13 +44,14 @@ import vmm
 from engine.models.linear import PACK_HINT, Linear
 
 ALIGN = 64  # bytes: a cache line, and every dtype's item size divides it
-HOST_PAGE = 2 << 20  # bytes per physical page of the host's weight pool
 
 
 class WeightPages:
     """The model's weight tensors, moved into one reservation whose pages can be given back."""
 
     def __init__(self, model: torch.nn.Module, backend: vmm.Backend):
+        """backend: the weights' own (vmm.make_backend: 2 MiB memfd pages on the host, the
+        driver's granularity on a GPU)."""
         groups = _storages(model)
         offsets, end = [], 0
         for storage, _ in groups:
@@ -173,10 +174,3 @@ def _trim_heap() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def backend_for(device: torch.device) -> vmm.Backend:
-    """The weight pool's backend: memfd pages on the host, the driver's on a GPU."""
-    if device.type == "cuda":
-        return vmm.CudaBackend(device.index or 0)
-    return vmm.HostBackend(HOST_PAGE)
