@@ -274,7 +274,7 @@ class EngineConfig:
         g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--enable-sleep-mode", action="store_true", help="keep the weights in pages that "
-                       "sleep level 2 gives back (RL loops; off: the weights keep the C heap's huge pages)")
+                       "sleep level 2 gives back (RL loops; costs start time: off by default)")
         g.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, choices=SCHEDULING_POLICIES,
                        help="priority: requests' priority values decide admission and preemption; "
                        "lpm: the longest cached prefix (in any tier) is admitted first")
