@@ -193,3 +193,24 @@ def test_random_sleeps_wakes_and_updates_keep_the_invariants(two_checkpoints, op
         assert [t.data_ptr() for t in tensors] == addresses
         if not llm.engine.kv.asleep:
             assert_pool_whole(llm)
+
+
+def test_a_wake_up_without_memory_fails_clearly_and_leaves_the_weights_asleep():
+    """cuMemCreate out of memory midway through restore (the driver emulator): the error comes
+    out, the pages made so far go back, the weights stay asleep, and a later wake-up works."""
+    from conftest import cuda_unavailable, make_cuda_backend
+    if cuda_unavailable():
+        pytest.skip(f"no CUDA backend: {cuda_unavailable()}")
+    from cuda_emulator import counts, fail
+    model = load_model("random:tiny", load_config("random:tiny"), torch.device("cpu"), torch.float32)
+    pages = WeightPages(model, make_cuda_backend())
+    pages.release()
+    before = counts().allocations
+    fail("cuMemCreate", 2)
+    with pytest.raises(Exception, match="OUT_OF_MEMORY|out of memory"):
+        pages.restore()
+    assert pages.asleep and counts().allocations == before and not pages.range.mapped_pages()
+    pages.restore()
+    assert pages.empty
+    pages.pool.audit([pages.range])
+    pages.close()
