@@ -1,10 +1,12 @@
 """A Ray cluster of several nodes on this machine (a head and `ray start --address` nodes, each
 with its own CPUs), started and stopped whole: for tests/test_ray_serve.py and
 benchmarks/bench_ray_router.py. Stopping kills only this cluster's processes (found by its
-temporary directory and its port), never another Ray on the machine."""
+temporary directory and its port), never another Ray on the machine. A process that talks to the
+cluster takes `env` (its address and its authentication token)."""
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -23,8 +25,10 @@ class LocalRayCluster:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.dir = tempfile.mkdtemp(prefix="vkvray-", dir="/tmp")  # short: Ray's socket paths live under it
+        # Ray's token authentication, with a token of this cluster's own: `ray start` makes none
+        # (a fresh machine has no ~/.ray/auth_token), and every process given self.env connects
         self.env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "RAY_USAGE_STATS_ENABLED": "0",
-                    "RAY_AUTH_MODE": "token"}
+                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32)}
         small = ["--num-cpus", str(cpus_per_node), "--object-store-memory", str(object_store_bytes),
                  "--temp-dir", self.dir]
         try:
