@@ -9,10 +9,15 @@ owner (the owner treats it as another process), admits the same tokens: the time
 admission (one lookup round trip, then one mmap per page run) is the handoff. Copy: one cache
 with a host tier, its prompt's entries evicted to the tier, then admitted again: the restore
 copies every byte back. Each figure is the median of --repeats admissions; bytes copied are the
-entries restored times their bytes (mapping copies none: the tokens after the last whole page
-are computed again on the decode side, at most one page's worth, reported as tokens_left).
+entries restored times their bytes (mapping copies the last, partial page of each region, which
+the prefill side published under a name of exactly its tokens; the prompt's last token is
+computed again for its logits on the decode side, reported as tokens_left).
 
     python benchmarks/bench_handoff.py --json benchmarks/results/cpu/handoff.json --plot benchmarks/results/cpu/handoff.png
+
+On a GPU (`--backend cuda`, run by benchmarks/gpu_suite.py) the pool's pages are the GPU's,
+created shareable by the owner and imported by each process (cuMemExportToShareableHandle), and
+the copy restores from pinned host memory; the times then include a device synchronize.
 """
 from __future__ import annotations
 
@@ -48,32 +53,36 @@ def prefill(kv, tokens: list[int], rid: str) -> Sequence:
     return seq
 
 
-def admit_time(kv, tokens: list[int], repeats: int) -> tuple[float, int]:
+def admit_time(kv, tokens: list[int], repeats: int, before=lambda: None) -> tuple[float, int]:
+    """The median time of admitting `tokens` (with whatever it copies done), and the hits."""
     times, hits = [], 0
     for i in range(repeats):
+        before()
         seq = Sequence(f"d{i}", 0, tokens, PARAMS, 0.0)
         start = time.perf_counter()
         hits = kv.admit(seq)
+        kv.pool.backend.synchronize()
         times.append(time.perf_counter() - start)
         kv.release(seq)
     return statistics.median(times), hits
 
 
-def by_mapping(cfg, layout: str, page: int, tokens: list[int], repeats: int) -> dict:
+def by_mapping(cfg, layout: str, page: int, tokens: list[int], repeats: int, kind: str) -> dict:
     rows = len(tokens) + 64
     with tempfile.TemporaryDirectory() as d:
         need = 4 * len(tokens) * cfg.kv_bytes_per_token(4) // page + 512
-        owner = vmm.PoolOwner(vmm.HostBackend(page), need, os.path.join(d, "pool.sock")).start()
+        owner = vmm.PoolOwner(vmm.make_backend(kind, page, shareable=True), need, os.path.join(d, "pool.sock")).start()
         try:
             caches = []
             for _ in range(2):  # the prefill process and the decode process
-                pool = vmm.AttachedPool(owner.path)
+                pool = vmm.AttachedPool(owner.path, None if kind == "host" else vmm.make_backend(kind, page))
                 caches.append(VirtualKVCache(cfg, layout, 2, rows, torch.float32, pool.backend, pool.num_pages,
                                              True, 1, None, pool))
             prefiller, decoder = caches
             seq = prefill(prefiller, tokens, "p")
-            prefiller.release(seq)  # the prefill side is done: the pages wait in the directory
+            prefiller.release(seq)  # the prefill side is done: the pages wait in the directory, the last too
             seconds, hits = admit_time(decoder, tokens, repeats)
+            copied = decoder.partial_bytes // repeats  # each admission copies the last, partial page
             decoder.audit()
             pages = len(decoder.page_range(0, hits)) * decoder.num_regions
             for kv in caches:
@@ -82,29 +91,23 @@ def by_mapping(cfg, layout: str, page: int, tokens: list[int], repeats: int) -> 
         finally:
             owner.stop()
     return {"seconds": seconds, "tokens_mapped": hits, "tokens_left": len(tokens) - hits, "pages": pages,
-            "bytes_copied": 0}
+            "bytes_copied": copied}
 
 
-def by_copy(cfg, layout: str, page: int, tokens: list[int], repeats: int) -> dict:
+def by_copy(cfg, layout: str, page: int, tokens: list[int], repeats: int, kind: str) -> dict:
     rows = len(tokens) + 64
-    backend = vmm.HostBackend(page)
+    backend = vmm.make_backend(kind, page)
     need = 2 * len(tokens) * cfg.kv_bytes_per_token(4) // page + 512
     kv = VirtualKVCache(cfg, layout, 2, rows, torch.float32, backend, need, True)
     namespace = namespace_of(b"bench", kv.geometry())
-    tiers = make_tiers(torch.device("cpu"), kv.entry_bytes, need * page, None, 1, namespace, {})
+    tiers = make_tiers(backend.device, kv.entry_bytes, need * page, None, 1, namespace, {})
     kv.attach_tiers(tiers, namespace)
     kv.release(prefill(kv, tokens, "p"))
-    times, hits = [], 0
-    for i in range(repeats):
-        kv.prefix_cache.clear()  # every entry to the host tier: the next admission copies it back
-        seq = Sequence(f"c{i}", 0, tokens, PARAMS, 0.0)
-        start = time.perf_counter()
-        hits = kv.admit(seq)
-        times.append(time.perf_counter() - start)
-        kv.release(seq)
+    # every entry to the host tier before each admission: the admission copies it back
+    seconds, hits = admit_time(kv, tokens, repeats, before=kv.prefix_cache.clear)
     pages = len(kv.page_range(0, hits)) * kv.num_regions
     kv.close()
-    return {"seconds": statistics.median(times), "tokens_mapped": hits, "tokens_left": len(tokens) - hits,
+    return {"seconds": seconds, "tokens_mapped": hits, "tokens_left": len(tokens) - hits,
             "pages": pages, "bytes_copied": pages * page}
 
 
@@ -112,7 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
     parser.add_argument("--layouts", default="per_layer,interleaved")
-    parser.add_argument("--page-sizes", default=f"{64 << 10},{2 << 20}")
+    parser.add_argument("--page-sizes", default=None, help="bytes, comma-separated (default: 64 KiB and 2 MiB "
+                                                           "on the host, 2 MiB on CUDA)")
+    parser.add_argument("--backend", choices=["host", "cuda"], default="host")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--plot", dest="plot_path")
@@ -120,18 +125,20 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_config("random:smollm2-135m")
     rng = random.Random(0)
     rows = []
+    page_sizes = args.page_sizes or (f"{64 << 10},{2 << 20}" if args.backend == "host" else f"{2 << 20}")
     for layout in args.layouts.split(","):
-        for page in map(int, args.page_sizes.split(",")):
+        for page in map(int, page_sizes.split(",")):
             for n in map(int, args.lengths.split(",")):
                 tokens = [rng.randrange(100, cfg.vocab_size) for _ in range(n)]
-                mapped = by_mapping(cfg, layout, page, tokens, args.repeats)
-                copied = by_copy(cfg, layout, page, tokens, args.repeats)
+                mapped = by_mapping(cfg, layout, page, tokens, args.repeats, args.backend)
+                copied = by_copy(cfg, layout, page, tokens, args.repeats, args.backend)
                 rows.append({"layout": layout, "page_size": page, "prompt_tokens": n, "mapping": mapped, "copy": copied})
                 print(f"{layout:11} page {page >> 10:5} KiB {n:5} tokens: mapping {mapped['seconds'] * 1e3:7.2f} ms "
                       f"({mapped['bytes_copied']} B copied, {mapped['tokens_left']} tokens left), copy "
                       f"{copied['seconds'] * 1e3:7.2f} ms ({copied['bytes_copied'] / 2**20:.1f} MiB)", flush=True)
     result = {"benchmark": "handoff", "command": "python benchmarks/bench_handoff.py " + " ".join(argv or sys.argv[1:]),
               "machine": machine_info(), "threads": torch.get_num_threads(), "model_geometry": "smollm2-135m fp32",
+              "backend": args.backend,
               "rows": rows}
     save(result, args.json_path, args.plot_path, plot)
     return result

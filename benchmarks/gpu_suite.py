@@ -18,6 +18,9 @@
                swap.json / .png
   6. map_ahead page-mapping time exposed and hidden with the map-ahead worker, 2 MiB pages:
                map_ahead.json / .png
+  7. handoff   a prompt's KV handed to another process's cache by mapping GPU pages exported
+               by a pool owner (cuMemExportToShareableHandle) against restoring it from pinned
+               host memory, 256 to 8,192 tokens: handoff.json / .png
 Writes suite.json (device, driver, torch and CUDA versions, each part's outcome and time)
 and prints a summary. Without a GPU it says so and exits with status 2.
 """
@@ -39,7 +42,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--out", required=True, help="directory for the JSON and PNG results")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: tests,mapping,attention,e2e")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: tests,mapping,attention,e2e,swap,"
+                                                  "map_ahead,handoff")
     p.add_argument("--e2e-requests", type=int, default=256)
     args = p.parse_args()
     import torch
@@ -115,6 +119,13 @@ def main() -> None:
                                   "--json", str(out / "map_ahead.json"), "--plot", str(out / "map_ahead.png")])
         return {row["map_ahead_tokens"]: row["exposed_ms_per_step"] for row in r["rows"]}
 
+    def handoff():
+        import bench_handoff
+        r = bench_handoff.main(["--backend", "cuda", "--repeats", "3", "--json", str(out / "handoff.json"),
+                                "--plot", str(out / "handoff.png")])
+        return {f"{row['layout']} {row['prompt_tokens']}": (row["mapping"]["seconds"], row["copy"]["seconds"])
+                for row in r["rows"]}
+
     started = time.perf_counter()
     os.chdir(ROOT)
     part("tests", tests)
@@ -123,6 +134,7 @@ def main() -> None:
     part("e2e", e2e)
     part("swap", swap)
     part("map_ahead", map_ahead)
+    part("handoff", handoff)
     result = {"suite": "gpu", "machine": machine_info(), "parts": parts, "seconds": time.perf_counter() - started,
               "command": "python benchmarks/gpu_suite.py " + " ".join(sys.argv[1:])}
     (out / "suite.json").write_text(json.dumps(result, indent=1))

@@ -78,9 +78,15 @@ def cmd_pool_owner(args: argparse.Namespace) -> None:
     """Own a physical KV pool that engine processes started with --kv-pool SOCKET draw from."""
     import signal
 
+    import torch
+
     import vmm
     from engine.config import DEFAULT_HOST_PAGE
-    backend = vmm.HostBackend(args.page_size or DEFAULT_HOST_PAGE)
+    device = torch.device(args.device)
+    if device.type == "cuda":  # pages created shareable: each engine process imports them
+        backend = vmm.make_backend("cuda", args.page_size, device.index or 0, shareable=True)
+    else:
+        backend = vmm.HostBackend(args.page_size or DEFAULT_HOST_PAGE)
     owner = vmm.PoolOwner(backend, max(1, args.kv_cache_memory // backend.page_size), args.socket)
     signal.signal(signal.SIGTERM, lambda *_: owner.request_stop())
     print(f"vkv: pool of {owner.pool.num_pages} pages of {backend.page_size} bytes at {args.socket}", flush=True)
@@ -124,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     owner.add_argument("--socket", required=True, help="Unix socket path (made readable by this user only)")
     owner.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV pages")
     owner.add_argument("--page-size", type=int, default=None, help="bytes per physical page")
+    owner.add_argument("--device", default="cpu", help="cpu (memfd pages) or cuda[:N] (the GPU's pages, exported "
+                                                       "to each engine process; start those with --device cuda[:N])")
     owner.set_defaults(func=cmd_pool_owner)
 
     live = sub.add_parser("top", help="live view of a server's KV pool: pages per model, running and waiting")

@@ -161,8 +161,8 @@ class EngineConfig:
         if self.swap_space <= 0:
             raise ValueError(f"swap_space must be > 0 GiB, got {self.swap_space}")
         if self.kv_pool is not None and (self.kv_layout == "paged" or self.tensor_parallel_size > 1
-                                         or self.device.type != "cpu" or self.offloading):
-            raise ValueError("kv_pool (a pool shared across processes) is wired for one CPU rank with a virtual "
+                                         or self.offloading):
+            raise ValueError("kv_pool (a pool shared across processes) is wired for one rank with a virtual "
                              "kv_layout and no KV tiers so far")
         if self.kv_events_config is not None:
             self.kv_events_config = KVEventsConfig.of(self.kv_events_config)

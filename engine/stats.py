@@ -48,6 +48,7 @@ class KVStats:
     tier_offload_seconds: float = 0.0  # evicting: copying entries into the tiers (disk: into its queue)
     prefix_cache_imported: int = 0  # pages mapped from a pool shared across processes, computed by another
     prefix_cache_partial_hits: int = 0  # of the hits, tokens found in the first rows of a cached page (copied)
+    prefix_cache_partial_bytes: int = 0  # the bytes those copies moved (a page of each region per copy)
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 import pytest
 
 import vmm
-from cuda_emulator import EmulatedCudaBackend
+from cuda_emulator import make_backend
 from cuda_emulator import unavailable_reason as emulator_unavailable
 
 
@@ -12,12 +12,10 @@ def cuda_unavailable() -> str | None:
     return emulator_unavailable()
 
 
-def make_cuda_backend(page_size: int | None = None) -> vmm.Backend:
+def make_cuda_backend(page_size: int | None = None, shareable: bool = False) -> vmm.Backend:
     """vkv's CudaBackend: over the real driver where there is a GPU, over the driver emulator
     (tests/cuda_emulator) where there is none."""
-    if vmm.cuda_unavailable_reason() is None:
-        return vmm.CudaBackend(0, page_size)
-    return EmulatedCudaBackend(0, page_size)
+    return make_backend(page_size, shareable)
 
 
 CUDA = pytest.param("cuda", marks=[pytest.mark.cuda_emulated,

@@ -3,6 +3,7 @@ reading of the documented VMM rules (tests/cuda_emulator): contexts in every thr
 reservation alignment, page-by-page unmapping, and no stray mapping, page or context after a
 failure or at close. Driver failures are injected by the emulator."""
 import threading
+import time
 
 import pytest
 import torch
@@ -165,4 +166,88 @@ def test_a_backend_that_fails_to_start_keeps_no_context():
         EmulatedCudaBackend()
     with pytest.raises(ValueError):
         EmulatedCudaBackend(page_size=3 * MIB)  # not a multiple of the granularity
+    assert clean()
+
+
+# -- pages shared with other processes (cuMemExportToShareableHandle / ImportFromShareableHandle)
+
+def test_a_page_created_without_the_posix_handle_type_cannot_be_exported():
+    from vmm.cuda import CudaDriverError
+    backend = EmulatedCudaBackend()
+    handle = backend.create_page()
+    with pytest.raises(CudaDriverError, match="cuMemExportToShareableHandle"):
+        backend.export_page(handle)
+    backend.release_page(handle)
+    backend.close()
+    assert clean()
+
+
+def test_an_imported_page_is_the_importers_to_release_and_outlives_the_exporters_handle():
+    """Import gives a handle of the importer's own; the physical page lives until every handle is
+    released and every mapping unmapped, whoever let go first."""
+    import os
+    exporter, importer = EmulatedCudaBackend(shareable=True), EmulatedCudaBackend()
+    page = exporter.page_size
+    handle = exporter.create_page()
+    a, b = exporter.reserve(page), importer.reserve(page)
+    exporter.map(a, [handle])
+    exporter.byte_view(a, page).fill_(5)
+    fd = exporter.export_page(handle)
+    imported = importer.import_page(fd)
+    os.close(fd)  # the importer's handle does not need the descriptor
+    assert counts().allocations == 2  # two handles, one physical page
+    exporter.unmap(a, page)
+    exporter.release_page(handle)  # the exporter lets go first
+    importer.map(b, [imported])
+    assert int(importer.byte_view(b, page)[0]) == 5 and int(importer.byte_view(b, page)[-1]) == 5
+    importer.byte_view(b, page).fill_(6)
+    importer.unmap(b, page)
+    importer.release_page(imported)
+    exporter.free_reservation(a, page), importer.free_reservation(b, page)
+    exporter.close(), importer.close()
+    assert clean()
+
+
+def test_an_import_of_what_is_not_an_exported_page_is_refused():
+    import os
+    from vmm.cuda import CudaDriverError
+    backend = EmulatedCudaBackend()
+    fd = os.memfd_create("not-a-page")
+    os.ftruncate(fd, backend.page_size)
+    with pytest.raises(CudaDriverError, match="cuMemImportFromShareableHandle"):
+        backend.import_page(fd)
+    os.close(fd)
+    backend.close()
+    assert clean()
+
+
+def test_a_pool_owner_needs_shareable_pages_and_an_attached_process_a_cuda_backend(tmp_path):
+    from vmm.attach import AttachedPool, OwnerError
+    plain = EmulatedCudaBackend()
+    with pytest.raises(ValueError, match="shareable=True"):
+        vmm.PoolOwner(plain, 4, str(tmp_path / "no.sock"))
+    plain.close()
+    owner = vmm.PoolOwner(EmulatedCudaBackend(shareable=True), 4, str(tmp_path / "pool.sock")).start()
+    try:
+        with pytest.raises(OwnerError, match="attach with a cuda backend"):
+            AttachedPool(owner.path)
+        fail("cuMemImportFromShareableHandle", 3)  # the third page: the two imported are released again
+        with pytest.raises(vmm.VmmError, match="cuMemImportFromShareableHandle"):
+            AttachedPool(owner.path, EmulatedCudaBackend())
+        assert counts().allocations == 4 and counts().context_retains == 1  # the owner's pages and context
+        deadline = time.monotonic() + 1
+        while owner.stats()["processes"]:  # the owner sees the failed process leave
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        pool = AttachedPool(owner.path, EmulatedCudaBackend())
+        assert counts().allocations == 8  # the owner's four pages and this process's four imports
+        res = vmm.Reservation(pool, 2 * pool.page_size)
+        res.map_new(0, 2)
+        res.view(torch.int32, (4,), check=True).fill_(3)
+        res.release()
+        pool.audit([])
+        pool.close()
+        assert counts().allocations == 4  # the imports released by the process that made them
+    finally:
+        owner.stop()
     assert clean()

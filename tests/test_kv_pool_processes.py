@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from vmm import HostBackend, PoolOwner
+from conftest import BACKENDS, make_cuda_backend
+from vmm import HostBackend, PoolOwner, cuda_unavailable_reason
 
 HELPER = Path(__file__).with_name("engine_process.py")
 
@@ -96,3 +97,65 @@ def test_pages_taken_by_another_process_between_check_and_alloc_leave_the_step_u
         kv.close()
         other.close()
         owner.stop()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.parametrize("layout", ["per_layer", "interleaved"])
+def test_a_prefilled_prompt_is_handed_over_by_mapping_its_pages_and_copying_the_last(tmp_path, kind, layout):
+    """The prefill-to-decode handoff between two caches over one pool (each its own connection
+    to the owner, as two processes are): the decoding cache maps every whole page the prefilling
+    one computed, copies its last, partial page (one page of each region: the only bytes
+    copied), computes only the prompt's last token again, and reads exactly what was written.
+    Over host pages and over CUDA pages exported by the owner and imported by each cache's pool
+    (vkv's CudaBackend; the driver emulator without a GPU); at the end every handle, mapping
+    and range is given back."""
+    import torch
+
+    from engine.kv.virtual import VirtualKVCache
+    from engine.models import load_config
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import Sequence
+    from vmm import AttachedPool
+
+    cuda = kind != "host"
+    host_page = (64 << 10) if layout == "per_layer" else (2 << 20)  # pages of 85 and of 45 tokens
+    owner = PoolOwner(make_cuda_backend(shareable=True) if cuda else HostBackend(host_page),
+                      1024 if host_page < (2 << 20) and not cuda else 128, str(tmp_path / "pool.sock")).start()
+    caches = []
+    try:
+        for _ in range(2):  # the prefilling process's cache and the decoding one's
+            pool = AttachedPool(owner.path, make_cuda_backend() if cuda else None)
+            caches.append(VirtualKVCache(load_config("random:smollm2-kv"), layout, 2, 512, torch.float32,
+                                         pool.backend, pool.num_pages, True, 1, None, pool))
+        prefiller, decoder = caches
+        tokens = random.Random(1).sample(range(100, 5000), 200)
+        pages = prefiller.page_range(0, len(tokens))
+        assert prefiller.page_end(pages[-1]) > len(tokens)  # the prompt ends inside its last page
+        seq = Sequence("p", 0, tokens, SamplingParams(max_tokens=1), 0.0)
+        prefiller.admit(seq)
+        assert prefiller.ensure_mapped(seq, len(tokens))
+        for k in pages:
+            for r, view in enumerate(prefiller.page_views(seq, k)):
+                view.copy_(torch.full_like(view, (1 + k * 7 + r) % 256))
+        seq.num_computed_tokens = len(tokens)
+        prefiller.commit(seq)
+        prefiller.release(seq)  # the prefill is done: its last page is published too
+        taken = Sequence("d", 0, tokens, SamplingParams(max_tokens=1), 0.0)
+        assert decoder.admit(taken) == len(tokens) - 1  # all but the last token: its logits are computed
+        assert decoder.stats().prefix_cache_imported == (len(pages) - 1) * decoder.num_regions
+        assert decoder.stats().prefix_cache_partial_bytes == decoder.entry_bytes  # one page of each region
+        for k in pages:
+            for r, view in enumerate(decoder.page_views(taken, k)):
+                assert torch.equal(view, torch.full_like(view, (1 + k * 7 + r) % 256)), (k, r)
+        decoder.release(taken)
+        for kv in caches:
+            kv.audit()
+        owner.audit()
+    finally:
+        for kv in caches:
+            kv.close()
+        owner.stop()
+    if cuda and cuda_unavailable_reason() is not None:  # the driver emulator counts what is left: nothing
+        from cuda_emulator import counts
+        c = counts()
+        assert c.allocations == c.reservations == c.mappings == 0

@@ -1,6 +1,8 @@
 """One physical pool across processes (vmm/owner.py, vmm/attach.py): pages computed in one
 process are read in place in another, references are counted over all of them, and a process
-that dies gives every reference back at once."""
+that dies gives every reference back at once. Each test runs over host pages (one memfd) and
+over CUDA pages exported and imported one by one (vkv's CudaBackend over the real driver, or
+over the driver emulator where there is no GPU)."""
 import os
 import signal
 import subprocess
@@ -14,25 +16,38 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from conftest import BACKENDS, cuda_unavailable, make_cuda_backend
 from vmm import HostBackend, Reservation
 from vmm.attach import AttachedPool, OwnerError
 from vmm.errors import PoolExhausted
 from vmm.owner import PoolOwner
 
-PAGE = 4096
+PAGE = 4096  # host pages; CUDA pages are the driver's granularity
 HELPER = Path(__file__).with_name("pool_process.py")
 
 
-@pytest.fixture
-def owner(tmp_path):
-    owner = PoolOwner(HostBackend(PAGE), 16, str(tmp_path / "pool.sock")).start()
+def owner_backend(kind: str):
+    return HostBackend(PAGE) if kind == "host" else make_cuda_backend(shareable=True)
+
+
+@pytest.fixture(params=BACKENDS)
+def owner(tmp_path, request):
+    owner = PoolOwner(owner_backend(request.param), 16, str(tmp_path / "pool.sock")).start()
+    owner.kind = request.param
     yield owner
     owner.stop()
 
 
+def attach(owner) -> AttachedPool:
+    """This process attached to the owner's pool: a CUDA pool's pages imported through a CUDA
+    backend of its own."""
+    return AttachedPool(owner.path, None if owner.kind == "host" else make_cuda_backend())
+
+
 def spawn(owner):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    return subprocess.Popen([sys.executable, str(HELPER), owner.path], stdin=subprocess.PIPE,
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    return subprocess.Popen([sys.executable, str(HELPER), owner.path, owner.kind], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -60,6 +75,11 @@ def test_a_page_written_in_one_process_is_read_in_place_by_another(owner):
         assert owner.holders[int(page)] == {0, *owner.held} and len(owner.held) == 2
         assert owner.pool.num_free == 15
         owner.audit()
+        for proc in (a, b):  # leaving unmaps and releases everything the process imported
+            assert ask(proc, "leave") in (["driver", "0", "0", "0"], ["driver", "uncounted"])
+        eventually(lambda: not owner.held, 1.0)
+        owner.audit()
+        assert owner.pool.num_free == 15 and owner.stats()["cached"] == 1
     finally:
         a.kill(), b.kill()
         a.wait(), b.wait()
@@ -88,7 +108,8 @@ def test_a_process_killed_mid_work_gives_every_reference_back_within_a_second(ow
 
 
 def test_a_looked_up_page_is_copied_before_any_write(owner):
-    mine, theirs = AttachedPool(owner.path), AttachedPool(owner.path)
+    mine, theirs = attach(owner), attach(owner)
+    PAGE = mine.page_size
     try:
         r = Reservation(mine, PAGE)
         r.map_new(0)
@@ -110,7 +131,8 @@ def test_a_looked_up_page_is_copied_before_any_write(owner):
 
 
 def test_cached_pages_nobody_maps_are_evicted_least_recently_used_first(owner):
-    pool = AttachedPool(owner.path)
+    pool = attach(owner)
+    PAGE = pool.page_size
     try:
         ranges = []
         for i in range(16):
@@ -135,7 +157,7 @@ def test_cached_pages_nobody_maps_are_evicted_least_recently_used_first(owner):
 
 
 def test_the_owner_refuses_what_a_process_does_not_hold(owner):
-    pool = AttachedPool(owner.path)
+    pool = attach(owner)
     try:
         with pytest.raises(OwnerError, match="not held"):
             pool._ask({"op": "drop", "pages": [3]})
@@ -152,11 +174,15 @@ class CrossProcessTraffic(RuleBasedStateMachine):
     held or cached, its count equals its holders over all processes, every process's own count
     equals its mappings, and a name always reads the bytes it was published with."""
 
+    kind = "host"
+
     def __init__(self):
         super().__init__()
         import tempfile
         self.dir = tempfile.mkdtemp()
-        self.owner = PoolOwner(HostBackend(PAGE), 12, os.path.join(self.dir, "pool.sock")).start()
+        self.owner = PoolOwner(owner_backend(self.kind), 12, os.path.join(self.dir, "pool.sock")).start()
+        self.owner.kind = self.kind
+        self.page = self.owner.pool.page_size
         self.procs: list[tuple[AttachedPool, list[Reservation]]] = []
         self.names: dict[bytes, int] = {}  # name -> the byte its page holds
         self.counter = 0
@@ -171,13 +197,13 @@ class CrossProcessTraffic(RuleBasedStateMachine):
     @precondition(lambda self: len(self.procs) < 4)
     @rule()
     def join(self):
-        self.procs.append((AttachedPool(self.owner.path), []))
+        self.procs.append((attach(self.owner), []))
 
     @precondition(lambda self: self.procs)
     @rule(i=st.integers(0, 3), publish=st.booleans())
     def write(self, i, publish):
         pool, ranges = self.procs[i % len(self.procs)]
-        r = Reservation(pool, PAGE)
+        r = Reservation(pool, self.page)
         try:
             r.map_new(0)
         except PoolExhausted:
@@ -185,7 +211,7 @@ class CrossProcessTraffic(RuleBasedStateMachine):
             return
         self.counter += 1
         value = self.counter % 251
-        r.view(torch.uint8, (PAGE,)).fill_(value)
+        r.view(torch.uint8, (self.page,)).fill_(value)
         ranges.append(r)
         if publish:
             name = f"page-{self.counter}".encode()
@@ -201,17 +227,17 @@ class CrossProcessTraffic(RuleBasedStateMachine):
         if not found:  # evicted meanwhile
             return
         pages = found[0]
-        r = Reservation(pool, PAGE)
+        r = Reservation(pool, self.page)
         r.map(0, pages[0])
         pool.drop(pages[0])
-        assert int(r.view(torch.uint8, (PAGE,))[0]) == self.names[name]
+        assert int(r.view(torch.uint8, (self.page,))[0]) == self.names[name]
         if write:
             try:
                 r.copy_on_write(0)
             except PoolExhausted:
                 pass
             else:
-                r.view(torch.uint8, (PAGE,)).fill_(0)
+                r.view(torch.uint8, (self.page,)).fill_(0)
         ranges.append(r)
 
     @precondition(lambda self: any(ranges for _, ranges in self.procs))
@@ -227,9 +253,14 @@ class CrossProcessTraffic(RuleBasedStateMachine):
         """The process is gone without a word: its socket closes, its mappings vanish with it."""
         pool, ranges = self.procs.pop(i % len(self.procs))
         pool._sock.close()
-        for r in ranges:  # what the kernel does to a dead process's address space
+        for r in ranges:  # what the kernel (the driver) does to a dead process's address space
             r._finalizer.detach()
+            if self.kind != "host":
+                pool.backend.unmap(r.addr, r.nbytes)
             pool.backend.free_reservation(r.addr, r.nbytes)
+        if self.kind != "host":  # ... and to its imported handles
+            pool._release_imported()
+            pool.backend.close()
         eventually(lambda: pool.process not in self.owner.held, 1.0)
 
     @invariant()
@@ -240,15 +271,26 @@ class CrossProcessTraffic(RuleBasedStateMachine):
         for name, (page,) in self.owner.directory.items():
             holder = next(((pool, page) for pool, _ in self.procs if pool.local[page]), None)
             if holder is not None:
-                r = Reservation(holder[0], PAGE)
+                r = Reservation(holder[0], self.page)
                 r.map(0, page)
-                assert int(r.view(torch.uint8, (PAGE,))[0]) == self.names[name]
+                assert int(r.view(torch.uint8, (self.page,))[0]) == self.names[name]
                 r.release()
 
 
 TestCrossProcessTraffic = CrossProcessTraffic.TestCase
 TestCrossProcessTraffic.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
+
+
+class CrossProcessTrafficCuda(CrossProcessTraffic):
+    """The same traffic over CUDA pages, exported by the owner and imported by each process."""
+    kind = "cuda"
+
+
+TestCrossProcessTrafficCuda = pytest.mark.cuda_emulated(pytest.mark.skipif(
+    cuda_unavailable() is not None, reason=f"no CUDA backend: {cuda_unavailable()}")(CrossProcessTrafficCuda.TestCase))
+TestCrossProcessTrafficCuda.settings = settings(max_examples=20, stateful_step_count=30, deadline=None,
+                                                suppress_health_check=[HealthCheck.too_slow])
 
 
 def test_lookups_and_allocs_larger_than_one_message_go_in_parts(tmp_path):

@@ -57,12 +57,13 @@ from vmm.share import PoolShare, SharedPool
 from vmm.swap import SlotStore, SwapSpace
 
 
-def make_backend(name: str, page_size: int | None = None, device: int = 0) -> Backend:
-    """`host` or `cuda`; page_size None means 2 MiB on the host and the granularity on CUDA."""
+def make_backend(name: str, page_size: int | None = None, device: int = 0, shareable: bool = False) -> Backend:
+    """`host` or `cuda`; page_size None means 2 MiB on the host and the granularity on CUDA;
+    shareable: CUDA pages that can be exported to other processes (host pages always can)."""
     if name == "host":
         return HostBackend(page_size or 2 << 20)
     if name == "cuda":
-        return CudaBackend(device, page_size)
+        return CudaBackend(device, page_size, shareable)
     raise ValueError(f"unknown backend {name!r}: choose 'host' or 'cuda'")
 
 

@@ -13,11 +13,13 @@ one process.
 """
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 from vmm import wire
+from vmm.backend import Backend
 from vmm.errors import DoubleFree, InvariantViolation, PoolExhausted, VmmError
 from vmm.host import HostBackend
 from vmm.pool import PoolStats, expected_refs
@@ -50,20 +52,43 @@ class _Counts(Sequence):
 class AttachedPool:
     asleep = False
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, backend: Backend | None = None):
+        """Attach to the pool served at `path`. A host pool brings its own backend (its memfd); a
+        CUDA pool's pages are imported through `backend`, this process's CudaBackend on the
+        device the owner created them on. The pool owns `backend` from this call on: it is closed
+        with the pool, or here if attaching fails."""
         self.closed = False  # left the pool (or the owner is gone): the owner holds nothing of ours
+        self._imported: list = []  # CUDA handles imported here: this process's to release
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock.settimeout(OWNER_TIMEOUT)  # an owner that hangs is an error here, not a hang
         self._sock.connect(path)
         self.lock = threading.RLock()
         self._sock_lock = threading.Lock()
         hello, fds = self._ask({"op": "hello"}, max_fds=1)
-        if len(fds) != 1:
-            raise OwnerError("the pool's owner sent no memory descriptor")
         self.page_size = hello["page_size"]
         self.process = hello["process"]  # the owner's id for this process
-        self.handles: list[int] = [h for start, count in hello["handles"] for h in range(start, start + count)]
-        self.backend = HostBackend.attach(fds[0], self.page_size)
+        kind = hello.get("backend", "host")
+        try:
+            if (backend.name if backend is not None else "host") != kind:
+                raise OwnerError(f"the pool's pages are {kind} memory: attach with a {kind} backend of this process")
+            if kind == "host":
+                if len(fds) != 1:
+                    raise OwnerError("the pool's owner sent no memory descriptor")
+                self.handles: list = [h for start, count in hello["handles"] for h in range(start, start + count)]
+                self.backend = HostBackend.attach(fds.pop(), self.page_size)
+            else:
+                if backend.page_size != self.page_size:
+                    raise OwnerError(f"the pool's pages are {self.page_size} bytes, this backend's {backend.page_size}")
+                self.backend = backend
+                self.handles = self._import(hello["num_pages"])
+        except BaseException:  # undo: nothing imported, nothing open, the owner sees this process leave
+            self._release_imported()
+            for fd in fds:
+                os.close(fd)
+            self._sock.close()
+            if backend is not None:
+                backend.close()
+            raise
         self.local = [0] * hello["num_pages"]
         self.foreign: set[int] = set()  # held pages other processes may reference (looked up or published)
         self.ref_counts = _Counts(self)
@@ -73,6 +98,29 @@ class AttachedPool:
     @property
     def num_pages(self) -> int:
         return len(self.local)
+
+    def _import(self, num_pages: int) -> list:
+        """Every page of a CUDA pool, imported as handles of this process's (all or none)."""
+        try:
+            while len(self._imported) < num_pages:
+                count = min(wire.FD_BATCH, num_pages - len(self._imported))
+                _, fds = self._ask({"op": "export", "start": len(self._imported), "count": count}, max_fds=count)
+                try:
+                    if len(fds) != count:
+                        raise OwnerError(f"the pool's owner sent {len(fds)} of {count} page descriptors")
+                    for fd in fds:
+                        self._imported.append(self.backend.import_page(fd))
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+        except BaseException:
+            self._release_imported()
+            raise
+        return list(self._imported)
+
+    def _release_imported(self) -> None:
+        while self._imported:
+            self.backend.release_page(self._imported.pop())
 
     def _ask(self, message: dict, max_fds: int = 0) -> tuple[dict, list[int]]:
         if self.closed:
@@ -252,4 +300,5 @@ class AttachedPool:
         reservations must be released first (their mappings would outlive the references)."""
         self.closed = True
         self._sock.close()
+        self._release_imported()
         self.backend.close()

@@ -16,6 +16,14 @@ The torch side (making the device current, tensors over device addresses, waitin
 kernels) is confined to `_init_device`, `byte_view` and `synchronize`, so the same driver
 code runs against the driver emulator of the test suite with host tensors. Importing this
 module never needs a GPU: `CudaBackend()` raises `BackendUnavailable` with the reason instead.
+
+Pages for other processes (vmm/owner.py). `CudaBackend(shareable=True)` asks for
+`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` at `cuMemCreate` (a page created without it cannot be
+exported); `export_page` gives a file descriptor for one page (`cuMemExportToShareableHandle`),
+which travels over a Unix socket; `import_page` in the other process turns it into a handle of
+that process's own (`cuMemImportFromShareableHandle`), which it maps into its own reservations,
+grants its own access to, and releases itself with `release_page`. The physical page lives until
+every handle in every process is released and every mapping unmapped.
 """
 from __future__ import annotations
 
@@ -32,6 +40,8 @@ try:
 except ImportError as exc:  # cuda-bindings is the optional extra `vkv[cuda]`
     cu = None
     _IMPORT_ERROR = f"cuda-bindings is not installed ({exc}); pip install 'vkv[cuda]'"
+else:
+    POSIX_FD = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
 
 class CudaDriverError(VmmError):
@@ -68,10 +78,11 @@ class _DeviceBytes:
 class CudaBackend(Backend):
     name = "cuda"
 
-    def __init__(self, device: int = 0, page_size: int | None = None):
+    def __init__(self, device: int = 0, page_size: int | None = None, shareable: bool = False):
         reason = self._unavailable_reason()
         if reason:
             raise BackendUnavailable(reason)
+        self.shareable = shareable  # pages created for export to other processes
         self.device = self._init_device(device)
         self._current = threading.local()
         _ok("cuInit", cu.cuInit(0))
@@ -92,6 +103,8 @@ class CudaBackend(Backend):
         self.prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         self.prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         self.prop.location.id = device
+        if self.shareable:
+            self.prop.requestedHandleTypes = POSIX_FD
         self.access = cu.CUmemAccessDesc()
         self.access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         self.access.location.id = device
@@ -137,6 +150,17 @@ class CudaBackend(Backend):
     def release_page(self, handle) -> None:
         self._in_context()
         _ok("cuMemRelease", cu.cuMemRelease(handle))
+
+    def export_page(self, handle) -> int:
+        """A new file descriptor for a page of a shareable backend (the caller closes it)."""
+        self._in_context()
+        return int(_ok("cuMemExportToShareableHandle", cu.cuMemExportToShareableHandle(handle, POSIX_FD, 0)))
+
+    def import_page(self, fd: int):
+        """This process's handle to a page another process exported (release it with release_page;
+        the descriptor may be closed at once)."""
+        self._in_context()
+        return _ok("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(fd, POSIX_FD))
 
     def reserve(self, nbytes: int) -> int:
         self._in_context()

@@ -9,8 +9,12 @@ a file (host: one memfd) that any process can map: if the processes map the same
 computed by one is read in place by the others, with no copy and no descriptor list.
 
 Approach. One process, the owner, holds the authority; every other process attaches
-(`vmm.attach.AttachedPool`) over a Unix socket and receives the pool's memory file descriptor
-once (SCM_RIGHTS), then maps pages into its own reservations as it always did. The owner keeps:
+(`vmm.attach.AttachedPool`) over a Unix socket and receives the pool's memory as file
+descriptors (SCM_RIGHTS), then maps pages into its own reservations as it always did. Host
+pages are one memfd, sent once with the first answer; CUDA pages are one exported descriptor
+each (`cuMemExportToShareableHandle`, created shareable), sent wire.FD_BATCH to an answer, which
+the process imports into handles of its own and releases when it leaves (vmm/cuda.py). The
+owner keeps:
   - allocation: the free pages (a process asks for n, gets n or none);
   - references: per page, the set of holders: each process that references it (however many
     mappings it has inside: those it counts itself) and the directory;
@@ -28,13 +32,16 @@ a page enters or leaves a process, not per mapping: a process counts its own map
 
 Implementation. `PoolOwner` wraps a `PagePool` (page ids, physical pages, per-page counts,
 free FIFO) whose count per page is its number of holders, and serves a SOCK_SEQPACKET socket
-from one thread (`serve`, or `start` for a background thread). Verbs: hello (the descriptor,
-the geometry), alloc, drop, publish, lookup, stats, audit. `audit` checks every page is free,
+from one thread (`serve`, or `start` for a background thread). Verbs: hello (the geometry, and
+the host pool's descriptor), export (CUDA: descriptors for a run of pages), alloc, drop,
+publish, lookup, stats, audit. `audit` checks every page is free,
 held by a process, or cached (held by the directory), that its count equals its holders, and
 that a process's claim of what it holds equals the owner's record.
 
-Limitations. Host backend only (CUDA: cuMemExportToShareableHandle is the same move, not done
-yet). A process that hangs without dying keeps its references (no leases). The owner is a
+Limitations. A CUDA pool shares pages between processes on one device: every process maps them
+on the device they were created on (peer access across devices is not set up). On the CUDA
+driver emulator (tests/cuda_emulator) an imported page keeps a file open; the real driver does
+not. A process that hangs without dying keeps its references (no leases). The owner is a
 single point of failure: if it dies, the pages stay mapped in every process (the memfd lives
 while mapped) but no process can allocate or look up again. The socket path is protected by the
 file system: every process that can connect can read every page, so it belongs in a directory
@@ -50,8 +57,8 @@ import threading
 from collections import OrderedDict
 
 from vmm import wire
-from vmm.backend import consecutive_runs
-from vmm.errors import InvariantViolation
+from vmm.backend import Backend, consecutive_runs
+from vmm.errors import InvariantViolation, VmmError
 from vmm.host import HostBackend
 from vmm.pool import PagePool
 
@@ -61,9 +68,10 @@ LOOKUP_ANSWER_PAGES = 8192  # page ids in one lookup answer (well inside a datag
 
 
 class PoolOwner:
-    def __init__(self, backend: HostBackend, num_pages: int, path: str):
-        if not isinstance(backend, HostBackend):
-            raise ValueError(f"a pool shared across processes needs the host backend, not {backend.name}")
+    def __init__(self, backend: Backend, num_pages: int, path: str):
+        if not isinstance(backend, HostBackend) and not getattr(backend, "shareable", False):
+            raise ValueError(f"a pool shared across processes needs the host backend or a CUDA backend made "
+                             f"with shareable=True, not {backend.name}")
         self.pool = PagePool(backend, num_pages)
         self.path = path
         self.holders: list[set[int]] = [set() for _ in range(num_pages)]
@@ -108,11 +116,15 @@ class PoolOwner:
                     try:
                         message, _ = wire.receive(conn)
                         with self.lock:
-                            answer = self._answer(client, message)
+                            answer, fds = self._answer(client, message)
                         try:
-                            wire.send(conn, *answer)
+                            wire.send(conn, answer, fds)
                         except ValueError as exc:  # too large for one datagram: said, not fatal
                             wire.send(conn, {"error": "ValueError", "message": str(exc)})
+                        finally:
+                            if message.get("op") == "export":  # exported copies: sent (or not), never kept
+                                for fd in fds:
+                                    os.close(fd)
                     except Exception as exc:  # gone, a bug, or a process that speaks nonsense: it alone is let go
                         if not isinstance(exc, wire.WireError):
                             log.exception("vkv: pool process %d: %s", client, exc)
@@ -168,8 +180,13 @@ class PoolOwner:
         op = m.get("op")
         try:
             if op == "hello":
-                return {"page_size": self.pool.page_size, "num_pages": self.pool.num_pages,
-                        "handles": consecutive_runs(self.pool.handles), "process": client}, [self.pool.backend.fd]
+                hello = {"backend": self.pool.backend.name, "page_size": self.pool.page_size,
+                         "num_pages": self.pool.num_pages, "process": client}
+                if isinstance(self.pool.backend, HostBackend):  # one file holds every page: slots in it
+                    return {**hello, "handles": consecutive_runs(self.pool.handles)}, [self.pool.backend.fd]
+                return hello, []
+            if op == "export":
+                return {"start": int(m["start"])}, self._export(int(m["start"]), int(m["count"]))
             if op == "alloc":
                 return {"pages": self._alloc(client, int(m["n"])), "free": self.pool.num_free}, []
             if op == "drop":
@@ -189,9 +206,26 @@ class PoolOwner:
             if op == "audit":
                 self._audit({client: {int(p) for p in m["held"]}})
                 return {"ok": True}, []
-        except (KeyError, TypeError, ValueError, InvariantViolation) as exc:
+        except (KeyError, TypeError, ValueError, VmmError) as exc:  # a driver error too: said, not fatal
             return {"error": type(exc).__name__, "message": str(exc)}, []
         return {"error": "ValueError", "message": f"unknown op {op!r}"}, []
+
+    def _export(self, start: int, count: int) -> list[int]:
+        """Descriptors for pages start .. start + count of a CUDA pool (all, or none and the error)."""
+        if isinstance(self.pool.backend, HostBackend):
+            raise ValueError("a host pool's pages come with hello, in one descriptor")
+        if not (0 <= start < self.pool.num_pages and 1 <= count <= wire.FD_BATCH):
+            raise ValueError(f"export of pages [{start}, {start + count}) of {self.pool.num_pages}, "
+                             f"at most {wire.FD_BATCH} at once")
+        fds: list[int] = []
+        try:
+            for handle in self.pool.handles[start:start + count]:
+                fds.append(self.pool.backend.export_page(handle))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
 
     def _alloc(self, client: int, n: int) -> list[int]:
         if n < 1:

@@ -1,9 +1,10 @@
 """The pool owner's wire: one message per datagram on a Unix SOCK_SEQPACKET socket.
 
-A message is a JSON object (page names travel as hex); the first answer of a connection carries
-the pool's memory file descriptor beside it (SCM_RIGHTS), so the other process maps the very
-same physical pages. SOCK_SEQPACKET keeps message boundaries and tells the owner at once when a
-process is gone (its end reads empty), which is how references of a dead process come back.
+A message is a JSON object (page names travel as hex); file descriptors travel beside it
+(SCM_RIGHTS): the host pool's memfd with the first answer, a CUDA pool's exported pages
+FD_BATCH to an answer, so the other process maps the very same physical pages. SOCK_SEQPACKET
+keeps message boundaries and tells the owner at once when a process is gone (its end reads
+empty), which is how references of a dead process come back.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import socket
 
 MAX_MESSAGE = 128 << 10  # one datagram; the kernel's default socket buffer (212,992 bytes) bounds it
+FD_BATCH = 250  # descriptors in one message (the kernel passes at most 253: SCM_MAX_FD)
 
 
 class WireError(ConnectionError):

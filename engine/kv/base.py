@@ -99,6 +99,7 @@ class KVCacheBase(ABC):
         self.map_seconds = 0.0
         self.cow_copies = 0
         self.partial_tokens = 0  # prompt tokens found inside a cached page's first rows (`_partial`)
+        self.partial_bytes = 0  # the bytes those copies moved
         self.swap_outs = self.swap_ins = 0  # sequences swapped out and back in
         self.handles: set[KVHandle] = set()  # every seq.kv given out and not yet released
         self.tiers: KVTiers | None = None
@@ -282,14 +283,22 @@ class KVCacheBase(ABC):
         start = self.page_end(full - 1) if full else 0
         parent = seq.kv.names[full - 1] if full else self._root(seq)
         found = self.prefix_cache.partial(parent, seq.token_ids[start:min(self.page_end(full), len(seq) - 1)])
+        tail = None
+        if found is None and self.prefix_cache.shared and self.page_end(full) >= len(seq):
+            # another process's last page of exactly this prompt (a handoff): referenced by the lookup
+            tail = self.prefix_cache.tail(parent, seq.token_ids[start:])
+            found = None if tail is None else (tail, len(seq) - start)
         if found is None:
             return held
         pages, matched = found
         end = min(start + matched, self.tokens_in_pages(full + 1), len(seq) - 1)
         if end <= held:
+            if tail is not None:
+                self.pool.drop_many(tail)
             return held
-        for p in pages:  # making room must not evict the page copied from
-            self.pool.hold(p)
+        if tail is None:
+            for p in pages:  # making room must not evict the page copied from
+                self.pool.hold(p)
         try:
             if self.pages_at(seq, full) is None:
                 if not self.make_room(self.num_regions):
@@ -303,6 +312,7 @@ class KVCacheBase(ABC):
             self.pool.drop_many(pages)
         self.prefix_cache.hits += end - held
         self.partial_tokens += end - held
+        self.partial_bytes += self.entry_bytes
         return end
 
     def name_pages_in(self, namespace: bytes) -> None:
@@ -486,11 +496,24 @@ class KVCacheBase(ABC):
         nothing stays mapped and the cache keeps nothing no sequence maps: the pages go back to
         the pool (the pages of named prefixes to its directory), for whichever process needs them."""
         shared = self.prefix_cache is not None and self.prefix_cache.shared
+        if shared and not self.window and not seq.scores_prompt:
+            self._publish_tail(seq)
         self.vacate(seq, keep_pages and not shared)
         self.handles.discard(seq.kv)
         seq.kv = None
         if shared:
             self.prefix_cache.trim()
+
+    def _publish_tail(self, seq: Sequence) -> None:
+        """Publish seq's computed rows after its last whole page (a page of its own with a
+        partial page's tokens) for another process given the same prompt (`_partial`)."""
+        k = seq.kv.committed
+        start = self.page_end(k - 1) if k else 0
+        pages = self.pages_at(seq, k)
+        if seq.num_computed_tokens <= start or pages is None or self.page_end(k) <= seq.num_computed_tokens:
+            return
+        parent = self._page_hashes(seq, start)[k - 1] if k else self._root(seq)
+        self.prefix_cache.publish_tail(parent, seq.token_ids[start:seq.num_computed_tokens], pages)
 
     def _take_place(self, seq: Sequence) -> None:
         seq.kv = self.place(seq)
@@ -551,4 +574,5 @@ class KVCacheBase(ABC):
             tiers=tuple(dataclasses.replace(t, tokens_restored=self.restored_tokens[t.tier])
                         for t in (self.tiers.stats() if self.tiers else ())),
             tier_restore_seconds=self.restore_seconds, tier_offload_seconds=self.offload_seconds,
-            prefix_cache_imported=c.imported if c else 0, prefix_cache_partial_hits=self.partial_tokens)
+            prefix_cache_imported=c.imported if c else 0, prefix_cache_partial_hits=self.partial_tokens,
+            prefix_cache_partial_bytes=self.partial_bytes)

@@ -12,11 +12,12 @@ from engine.models import weights_fingerprint
 from engine.models.config import ModelConfig
 
 
-def backend_for(c: EngineConfig) -> vmm.Backend:
+def backend_for(c: EngineConfig, shareable: bool = False) -> vmm.Backend:
     """Where a virtual KV cache's physical pages come from (vmm.make_backend): the GPU's VMM, or
-    the host's memfd in the engine's default page size."""
+    the host's memfd in the engine's default page size. shareable: CUDA pages a pool owner
+    exports to other processes (host pages always can be)."""
     if c.device.type == "cuda":
-        return vmm.make_backend("cuda", c.page_size, c.device.index or 0)
+        return vmm.make_backend("cuda", c.page_size, c.device.index or 0, shareable)
     return vmm.make_backend("host", c.page_size or DEFAULT_HOST_PAGE)
 
 
@@ -33,7 +34,7 @@ def make_kv_cache(c: EngineConfig, cfg: ModelConfig, budget: int, max_model_len:
             raise ValueError(f"kv_cache_memory {budget} is below one block ({block_bytes} bytes)")
         return PagedKVCache(cfg, c.block_size, num_blocks, c.kv_dtype, c.device, c.enable_prefix_caching)
     if c.kv_pool is not None:  # a pool several engine processes draw from (vmm/owner.py)
-        pool = vmm.AttachedPool(c.kv_pool)
+        pool = vmm.AttachedPool(c.kv_pool, backend_for(c) if c.device.type == "cuda" else None)
     if pool is not None:
         backend, num_pages = pool.backend, pool.num_pages
     else:

@@ -12,6 +12,9 @@ with requests that carry the same salt (vLLM's semantics). Hashing costs about 1
 A prefix that ends inside a page is a hit to the token: entries are also indexed by their
 parent's name with their tokens (`partial`), and the KV cache copies the cached page whose
 first rows are the sequence's next tokens into a page of its own (engine/kv/base.py `_partial`).
+Over a shared pool a sequence's last, partial page is also published when it ends, under a
+`tail_name` of exactly its tokens: a process given the same prompt (the decode side of a
+prefill-to-decode handoff) copies that one page and maps every whole page before it.
 
 The cache holds one reference on every page of an entry (an entry is the page of each KV
 region that covers those tokens), so a cached page outlives the sequence that wrote it. Entries
@@ -36,6 +39,7 @@ from engine.kv.events import GPU, KVEventLog
 from vmm import PageAllocator
 
 ROOT = b"vkv/prefix/v1"
+TAIL = b"vkv/tail/v1"
 
 
 def root_name(namespace: bytes = b"", cache_salt: str | None = None, adapter: bytes | None = None) -> bytes:
@@ -54,6 +58,12 @@ def root_name(namespace: bytes = b"", cache_salt: str | None = None, adapter: by
 
 def chain_hash(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
+
+
+def tail_name(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """The name of a partial last page: exactly these tokens after the page named parent (never
+    a whole page's name: a different prefix)."""
+    return chain_hash(hashlib.sha256(TAIL + parent).digest(), token_ids)
 
 
 class PrefixCache:
@@ -125,6 +135,18 @@ class PrefixCache:
             return None
         self.entries.move_to_end(best)
         return self.entries[best], most
+
+    def publish_tail(self, parent: bytes, token_ids: list[int], pages: tuple[int, ...]) -> None:
+        """Over a shared pool: publish a sequence's last, partial page (its tokens after the page
+        named parent) so a process given exactly this prompt copies its rows instead of computing
+        them: the last page of a prefill-to-decode handoff. The directory holds it until evicted."""
+        self.pool.publish([(tail_name(parent, token_ids), pages)])
+
+    def tail(self, parent: bytes, token_ids: list[int]) -> tuple[int, ...] | None:
+        """The partial page another process published for exactly token_ids after parent, each
+        page now with one reference of this process's (drop them when copied), or None."""
+        found = self.pool.lookup([tail_name(parent, token_ids)])
+        return found[0] if found else None
 
     def evictable_pages(self) -> int:
         """Pages only the cache references: what evict() could free now."""

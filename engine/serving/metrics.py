@@ -44,6 +44,8 @@ COUNTERS = {
     "vkv:prefix_cache_evictions": (lambda s: s.kv.evictions, "Prefix-cache entries evicted."),
     "vkv:prefix_cache_partial_hits": (lambda s: s.kv.prefix_cache_partial_hits,
                                       "Of the hits, prompt tokens found in a cached page's first rows and copied."),
+    "vkv:prefix_cache_partial_bytes_copied": (lambda s: s.kv.prefix_cache_partial_bytes,
+                                              "Bytes those partial hits copied (a page of each region each)."),
     "vkv:prefix_cache_imported_pages": (lambda s: s.kv.prefix_cache_imported,
                                         "Pages of a prefix another process computed, mapped from the shared pool."),
     "vkv:prompt_tokens": (lambda s: s.prompt_tokens, "Prompt tokens received."),

@@ -18,8 +18,9 @@ checks the client's key and the body's size, then proxies the OpenAI routes:
     With one pool the prefix is there for every replica; affinity only spares the lookups.
   - prefill and decode (`--prefill-ranks K`): the first K replicas prefill only. A generation
     request is first sent to a prefill replica with max_tokens 1 (its prompt's pages are computed
-    and published), then whole to a decode replica, which maps those pages (the tokens after the
-    last whole page are computed again: at most one page's worth; no byte of KV is copied).
+    and published, its last partial page too, under a name of exactly its tokens), then whole to
+    a decode replica, which maps those pages and copies the last one (one page of each region:
+    the only bytes of KV copied; the prompt's last token is computed again for its logits).
   - failure: a request whose replica fails before anything reached the client (an answer not
     streamed, or a stream before its first chunk) is sent to the next replica, computed again
     there unseen; a stream already under way ends with an error event and [DONE]. A replica that exits is restarted,
@@ -27,10 +28,11 @@ checks the client's key and the body's size, then proxies the OpenAI routes:
   - /metrics: every replica's series with a `rank` label, and the pool's (pages free, cached,
     named, processes, pages recovered from dead replicas), and `vkv:kv_handoff_pages_total`.
 
-Limitations. One model per replica set (several models: `--model NAME=SOURCE` without -dp).
-The proxy adds a loopback hop (well under a millisecond against steps of tens). The front door
-reads each body to route it (bounded by --max-body-bytes); adapters loaded at run time go to
-one replica only, so they are refused here.
+Limitations. On GPUs the replicas share one device (the owner exports its pages to each; no peer
+access across devices yet). One model per replica set (several models: `--model NAME=SOURCE`
+without -dp). The proxy adds a loopback hop (well under a millisecond against steps of tens).
+The front door reads each body to route it (bounded by --max-body-bytes); adapters loaded at run
+time go to one replica only, so they are refused here.
 """
 from __future__ import annotations
 
@@ -56,7 +58,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import vmm
-from engine.config import DEFAULT_HOST_PAGE, EngineConfig
+from engine.config import EngineConfig
+from engine.kv.build import backend_for
 from engine.parallel import free_port
 from engine.serving.http import BodyGuard
 from engine.serving.options import ServerOptions
@@ -115,8 +118,8 @@ class ReplicaSet:
                              "on one replica only")
         self.options, self.key = options, secrets.token_hex(16)
         self.dir = tempfile.mkdtemp(prefix="vkv-pool-")
-        page = config.page_size or DEFAULT_HOST_PAGE
-        self.owner = vmm.PoolOwner(vmm.HostBackend(page), max(1, config.kv_budget_bytes(0) // page),
+        backend = backend_for(config, shareable=True)  # the replicas' device: memfd or exported GPU pages
+        self.owner = vmm.PoolOwner(backend, max(1, config.kv_budget_bytes(0) // backend.page_size),
                                    os.path.join(self.dir, "pool.sock")).start()
         self.argv = replica_argv(argv)
         self.threads = max(1, (os.cpu_count() or 1) // n)
@@ -301,15 +304,16 @@ def build_front_door(replicas: ReplicaSet, options: ServerOptions) -> FastAPI:
     async def metrics(request: Request):
         if not options.metrics_public and not authorized(request):
             return _refuse(401, "invalid or missing API key", "authentication_error")
-        lines, handed = [], 0
+        lines, handed, copied = [], 0, 0
         for replica in replicas.replicas:
             try:
                 text = (await client.get(replica.url + "/metrics", headers=inside, timeout=5.0)).text
             except httpx.HTTPError:
                 continue
             lines += _labelled(text, replica.rank)
-            if replica.role == "decode":  # pages it mapped that a prefill replica computed: the handoff
-                handed += int(_sample(text, "vkv:prefix_cache_imported_pages_total"))
+            if replica.role == "decode":  # the handoff: pages mapped that a prefill replica computed,
+                handed += int(_sample(text, "vkv:prefix_cache_imported_pages_total"))  # and last pages copied
+                copied += int(_sample(text, "vkv:prefix_cache_partial_bytes_copied_total"))
         pool = replicas.owner.stats()
         for name, value, what in (("vkv:pool_pages_total", pool["total"], "gauge"),
                                   ("vkv:pool_pages_free", pool["free"], "gauge"),
@@ -318,7 +322,7 @@ def build_front_door(replicas: ReplicaSet, options: ServerOptions) -> FastAPI:
                                   ("vkv:pool_processes", pool["processes"], "gauge"),
                                   ("vkv:pool_pages_recovered_total", pool["recovered"], "counter"),
                                   ("vkv:kv_handoff_pages_total", handed, "counter"),
-                                  ("vkv:kv_handoff_bytes_copied_total", 0, "counter"),
+                                  ("vkv:kv_handoff_bytes_copied_total", copied, "counter"),
                                   ("vkv:replica_restarts_total", sum(r.restarts for r in replicas.replicas),
                                    "counter")):
             lines += [f"# TYPE {name} {what}", f"{name} {value}"]

@@ -53,6 +53,15 @@ def load() -> ctypes.CDLL:
     return _lib
 
 
+def make_backend(page_size: int | None = None, shareable: bool = False) -> CudaBackend:
+    """vkv's CudaBackend: over the real driver where there is a GPU, over this emulator where
+    there is none."""
+    import vmm
+    if vmm.cuda_unavailable_reason() is None:
+        return CudaBackend(0, page_size, shareable)
+    return EmulatedCudaBackend(0, page_size, shareable)
+
+
 def counts() -> Counts:
     c = Counts()
     load().cuemu_stats(ctypes.byref(c))

@@ -22,11 +22,23 @@
  *   cuMemUnmap        "the entire contiguous address range that was mapped": whole mappings
  *   cuMemAddressFree  exactly a reservation (pointer and size)
  *   cuMemRelease      deferred while mapped: the memory goes when the last mapping does
+ *   cuMemCreate       requestedHandleTypes 0 or CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (the one
+ *                     shareable type on Linux here; others are not supported)
+ *   cuMemExportToShareableHandle  only a handle created with that type requested; flags 0; each
+ *                     call gives a new file descriptor, the caller's to close
+ *   cuMemImportFromShareableHandle  the descriptor passed as (void *)(uintptr_t)fd; the handle it
+ *                     gives is the importer's to cuMemRelease; the caller may close the fd at once
+ *   physical memory of a shared allocation goes when every handle in every process is released
+ *                     and every mapping unmapped
  * Emulator policy, where the documentation is silent (each marked "policy" below): freeing a
  * reservation that still holds mappings is refused; an unknown or released handle is refused;
  * with CUEMU_STRICT_CONTEXT (the default) every driver call but initialisation and context
  * management needs a current, retained context in the calling thread; new memory is filled
- * with 0xFF (NaN in every float type: device memory comes uninitialised).
+ * with 0xFF (NaN in every float type: device memory comes uninitialised); an allocation that may be
+ * exported is a memfd of its own (the exported descriptor is a copy of it), so the kernel keeps
+ * its pages while any process holds a descriptor or a mapping; an import keeps one open file per
+ * handle (the real driver keeps none: cuInit raises the soft RLIMIT_NOFILE to the hard one); an
+ * imported allocation counts in used bytes only in the process that created it.
  *
  * For tests: cuemu_stats() counts what is allocated, reserved and mapped; cuemu_fail(name, n,
  * code) makes the n-th next call of `name` fail with `code`.
@@ -42,6 +54,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define EXPORT __attribute__((visibility("default")))
@@ -90,6 +104,7 @@ static const struct { int code; const char *name, *text; } g_errors[] = {
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
+enum { HANDLE_NONE = 0, HANDLE_POSIX_FD = 1 }; /* CUmemAllocationHandleType */
 enum { PINNED = 1, LOCATION_DEVICE = 1, PROT_NONE_ = 0, PROT_READ_ = 1, PROT_READWRITE_ = 3 };
 enum { GET_PROC_SUCCESS = 0, GET_PROC_NOT_FOUND = 1, GET_PROC_VERSION_NOT_SUFFICIENT = 2 };
 
@@ -97,13 +112,15 @@ enum { GET_PROC_SUCCESS = 0, GET_PROC_NOT_FOUND = 1, GET_PROC_VERSION_NOT_SUFFIC
 #define NDEV 1
 #define GRANULARITY (2ull << 20)
 #define DRIVER_VERSION 13050
+#define SHAREABLE_NAME "cuemu-shareable-allocation"
 
 struct CUctx_st { int device, retains; };
 static struct CUctx_st g_primary[NDEV];
 static __thread CUcontext tls_stack[16];
 static __thread int tls_depth;
 
-struct alloc { size_t off, size; int handle_refs, mappings; unsigned generation; };
+/* fd: the arena (g_memfd) at off, or a shareable allocation's own memfd at 0 */
+struct alloc { size_t off, size; int handle_refs, mappings, fd, shareable, imported; };
 struct resv { uintptr_t base; size_t size; };
 struct mapping { uintptr_t va; size_t size; struct alloc *a; int access; };
 
@@ -146,6 +163,17 @@ static CUresult enter(const char *name) {
 static CUmemGenericAllocationHandle handle_of(size_t index) {
     return ((unsigned long long)g_generations[index] << 32) | (index + 1);
 }
+static CUmemGenericAllocationHandle new_handle(struct alloc *a) {
+    size_t index = 0;
+    while (index < g_nallocs && g_allocs[index]) index++;
+    if (index == g_nallocs) {
+        g_allocs = grow(g_allocs, g_nallocs, sizeof *g_allocs);
+        g_generations = grow(g_generations, g_nallocs, sizeof *g_generations);
+        g_generations[g_nallocs++] = 1;
+    }
+    g_allocs[index] = a;
+    return handle_of(index);
+}
 static struct alloc *lookup(CUmemGenericAllocationHandle h) {
     size_t index = (size_t)(h & 0xffffffffu) - 1;
     if ((h & 0xffffffffu) == 0 || index >= g_nallocs || !g_allocs[index]) return NULL;
@@ -153,11 +181,15 @@ static struct alloc *lookup(CUmemGenericAllocationHandle h) {
 }
 static void maybe_free(struct alloc *a) {
     if (a->handle_refs > 0 || a->mappings > 0) return;
-    fallocate(g_memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)a->off, (off_t)a->size);
-    g_free_offs = grow(g_free_offs, g_nfree_offs, sizeof *g_free_offs);
-    g_free_sizes = grow(g_free_sizes, g_nfree_offs, sizeof *g_free_sizes);
-    g_free_offs[g_nfree_offs] = a->off; g_free_sizes[g_nfree_offs++] = a->size;
-    g_used -= a->size;
+    if (a->fd != g_memfd) {
+        close(a->fd); /* the kernel frees the pages once no process holds a descriptor or a mapping */
+    } else {
+        fallocate(g_memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)a->off, (off_t)a->size);
+        g_free_offs = grow(g_free_offs, g_nfree_offs, sizeof *g_free_offs);
+        g_free_sizes = grow(g_free_sizes, g_nfree_offs, sizeof *g_free_sizes);
+        g_free_offs[g_nfree_offs] = a->off; g_free_sizes[g_nfree_offs++] = a->size;
+    }
+    if (!a->imported) g_used -= a->size;
     for (size_t i = 0; i < g_nallocs; i++)
         if (g_allocs[i] == a) { g_allocs[i] = NULL; g_generations[i]++; }
     free(a);
@@ -209,6 +241,11 @@ EXPORT CUresult cuInit(unsigned flags) {
     if (flags) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_lock);
     for (int d = 0; d < NDEV && !g_inited; d++) g_primary[d].device = d;
+    struct rlimit files; /* policy: one open file per imported handle (see the top) */
+    if (!g_inited && !getrlimit(RLIMIT_NOFILE, &files) && files.rlim_cur < files.rlim_max) {
+        files.rlim_cur = files.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &files);
+    }
     g_inited = 1;
     pthread_mutex_unlock(&g_lock);
     return CUDA_SUCCESS;
@@ -273,6 +310,8 @@ EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx) {
 static CUresult check_prop(const CUmemAllocationProp *prop) {
     if (!prop || prop->type != PINNED || prop->location.type != LOCATION_DEVICE) return CUDA_ERROR_INVALID_VALUE;
     if (prop->location.id < 0 || prop->location.id >= NDEV) return CUDA_ERROR_INVALID_DEVICE;
+    if (prop->requestedHandleTypes != HANDLE_NONE && prop->requestedHandleTypes != HANDLE_POSIX_FD)
+        return CUDA_ERROR_NOT_SUPPORTED; /* Win32 handles and fabric handles: not on this emulator */
     return CUDA_SUCCESS;
 }
 
@@ -295,9 +334,14 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, c
     if (r) goto out;
     if (g_memfd < 0 && (g_memfd = memfd_create("cuemu-device-memory", MFD_CLOEXEC)) < 0) { r = CUDA_ERROR_UNKNOWN; goto out; }
     struct alloc *a = calloc(1, sizeof *a);
-    a->size = size; a->handle_refs = 1;
+    a->size = size; a->handle_refs = 1; a->fd = g_memfd;
     a->off = (size_t)-1;
-    for (size_t i = 0; i < g_nfree_offs; i++)  /* reuse a slot of the same size */
+    if (prop->requestedHandleTypes == HANDLE_POSIX_FD) { /* a file of its own, to be exported */
+        a->shareable = 1; a->off = 0;
+        if ((a->fd = memfd_create(SHAREABLE_NAME, MFD_CLOEXEC)) < 0) { free(a); r = CUDA_ERROR_UNKNOWN; goto out; }
+        if (ftruncate(a->fd, (off_t)size)) { close(a->fd); free(a); r = CUDA_ERROR_OUT_OF_MEMORY; goto out; }
+    }
+    for (size_t i = 0; a->off == (size_t)-1 && i < g_nfree_offs; i++)  /* reuse a slot of the same size */
         if (g_free_sizes[i] == size) { a->off = g_free_offs[i]; g_free_offs[i] = g_free_offs[--g_nfree_offs];
                                        g_free_sizes[i] = g_free_sizes[g_nfree_offs]; break; }
     if (a->off == (size_t)-1) {
@@ -305,18 +349,10 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, c
         if (ftruncate(g_memfd, (off_t)(g_arena + size))) { free(a); r = CUDA_ERROR_OUT_OF_MEMORY; goto out; }
         g_arena += size;
     }
-    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, g_memfd, (off_t)a->off);
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, a->fd, (off_t)a->off);
     if (p != MAP_FAILED) { memset(p, 0xFF, size); munmap(p, size); } /* policy: uninitialised reads as NaN */
-    size_t index = 0;
-    while (index < g_nallocs && g_allocs[index]) index++;
-    if (index == g_nallocs) {
-        g_allocs = grow(g_allocs, g_nallocs, sizeof *g_allocs);
-        g_generations = grow(g_generations, g_nallocs, sizeof *g_generations);
-        g_generations[g_nallocs++] = 1;
-    }
-    g_allocs[index] = a;
     g_used += size;
-    *handle = handle_of(index);
+    *handle = new_handle(a);
 out:
     pthread_mutex_unlock(&g_lock);
     return r;
@@ -380,7 +416,7 @@ EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGener
                a->handle_refs <= 0 || /* released: its memory may live on in old mappings, the handle does not */
                !reservation_holding(ptr, size) || overlaps_mappings(ptr, size)))
         r = CUDA_ERROR_INVALID_VALUE;
-    if (!r && mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, g_memfd, (off_t)a->off) == MAP_FAILED)
+    if (!r && mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, a->fd, (off_t)a->off) == MAP_FAILED)
         r = CUDA_ERROR_OUT_OF_MEMORY;
     if (!r) {
         size_t i = first_mapping_at_or_after(ptr);
@@ -432,6 +468,53 @@ EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDe
     return r;
 }
 
+/* ------------------------------------------------------------------ sharing between processes */
+EXPORT CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllocationHandle handle, int type,
+                                             unsigned long long flags) {
+    pthread_mutex_lock(&g_lock);
+    CUresult r = enter("cuMemExportToShareableHandle");
+    struct alloc *a = r ? NULL : lookup(handle);
+    if (!r && (!shareable || flags || !a || a->handle_refs <= 0)) r = CUDA_ERROR_INVALID_VALUE;
+    if (!r && type != HANDLE_POSIX_FD) r = CUDA_ERROR_NOT_SUPPORTED;
+    if (!r && !a->shareable) r = CUDA_ERROR_INVALID_VALUE; /* created without that handle type requested */
+    int fd = r ? -1 : fcntl(a->fd, F_DUPFD_CLOEXEC, 0);
+    if (!r && fd < 0) r = CUDA_ERROR_OUT_OF_MEMORY; /* no descriptor left: the driver's resource error */
+    if (!r) *(int *)shareable = fd;
+    pthread_mutex_unlock(&g_lock);
+    return r;
+}
+
+/* An exported allocation's descriptor: a memfd the emulator named (policy: anything else is refused). */
+static int exported_descriptor(int fd, size_t *size) {
+    char link[64], target[128];
+    struct stat st;
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof target - 1);
+    if (n < 0 || fstat(fd, &st)) return 0;
+    target[n] = 0;
+    if (strncmp(target, "/memfd:" SHAREABLE_NAME, strlen("/memfd:" SHAREABLE_NAME))) return 0;
+    *size = (size_t)st.st_size;
+    return *size > 0 && *size % GRANULARITY == 0;
+}
+
+EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *os_handle, int type) {
+    pthread_mutex_lock(&g_lock);
+    CUresult r = enter("cuMemImportFromShareableHandle");
+    size_t size = 0;
+    int fd = (int)(intptr_t)os_handle;
+    if (!r && type != HANDLE_POSIX_FD) r = CUDA_ERROR_NOT_SUPPORTED;
+    if (!r && (!handle || fd < 0 || !exported_descriptor(fd, &size))) r = CUDA_ERROR_INVALID_VALUE;
+    int own = r ? -1 : fcntl(fd, F_DUPFD_CLOEXEC, 0); /* the caller may close its descriptor at once */
+    if (!r && own < 0) r = CUDA_ERROR_OUT_OF_MEMORY;
+    if (!r) {
+        struct alloc *a = calloc(1, sizeof *a);
+        a->size = size; a->handle_refs = 1; a->fd = own; a->shareable = a->imported = 1;
+        *handle = new_handle(a);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return r;
+}
+
 /* ------------------------------------------------------------------ entry points */
 EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, unsigned long long flags,
                                     int *status);
@@ -453,6 +536,8 @@ static const struct { const char *name; int version; void *fn; } g_procs[] = {
     {"cuMemAddressReserve", 10020, (void *)cuMemAddressReserve}, {"cuMemAddressFree", 10020, (void *)cuMemAddressFree},
     {"cuMemMap", 10020, (void *)cuMemMap}, {"cuMemUnmap", 10020, (void *)cuMemUnmap},
     {"cuMemSetAccess", 10020, (void *)cuMemSetAccess},
+    {"cuMemExportToShareableHandle", 10020, (void *)cuMemExportToShareableHandle},
+    {"cuMemImportFromShareableHandle", 10020, (void *)cuMemImportFromShareableHandle},
     {"cuGetProcAddress", 11030, (void *)cuGetProcAddress}, {"cuGetProcAddress", 12000, (void *)cuGetProcAddress_v2},
 };
 EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, unsigned long long flags,
