@@ -9,9 +9,11 @@ owner (the owner treats it as another process), admits the same tokens: the time
 admission (one lookup round trip, then one mmap per page run) is the handoff. Copy: one cache
 with a host tier, its prompt's entries evicted to the tier, then admitted again: the restore
 copies every byte back. Each figure is the median of --repeats admissions; bytes copied are the
-entries restored times their bytes (mapping copies the last, partial page of each region, which
-the prefill side published under a name of exactly its tokens; the prompt's last token is
-computed again for its logits on the decode side, reported as tokens_left).
+entries restored times their bytes. Mapping copies nothing: the last, partial page, which the
+prefill side published under a name of exactly its tokens, is taken whole (out of the
+directory, the decoder its one holder); where the prompt ends exactly at a page's end that page
+is a cached entry, and the rows the decoder needs are copied out of it. The prompt's last token
+is computed again for its logits on the decode side (tokens_left).
 
     python benchmarks/bench_handoff.py --json benchmarks/results/cpu/handoff.json --plot benchmarks/results/cpu/handoff.png
 
@@ -79,10 +81,12 @@ def by_mapping(cfg, layout: str, page: int, tokens: list[int], repeats: int, kin
                 caches.append(VirtualKVCache(cfg, layout, 2, rows, torch.float32, pool.backend, pool.num_pages,
                                              True, 1, None, pool))
             prefiller, decoder = caches
-            seq = prefill(prefiller, tokens, "p")
-            prefiller.release(seq)  # the prefill side is done: the pages wait in the directory, the last too
-            seconds, hits = admit_time(decoder, tokens, repeats)
-            copied = decoder.partial_bytes // repeats  # each admission copies the last, partial page
+            prefills = iter(range(repeats))
+            # before each admission the prefill side computes the prompt and is done (its pages wait
+            # in the directory, the last, partial one too: each handoff takes that one whole)
+            seconds, hits = admit_time(decoder, tokens, repeats,
+                                       before=lambda: prefiller.release(prefill(prefiller, tokens, f"p{next(prefills)}")))
+            copied = decoder.partial_bytes // repeats
             decoder.audit()
             pages = len(decoder.page_range(0, hits)) * decoder.num_regions
             for kv in caches:
@@ -113,7 +117,7 @@ def by_copy(cfg, layout: str, page: int, tokens: list[int], repeats: int, kind: 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
+    parser.add_argument("--lengths", default="256,512,1024,2000,2048,4096,8192")
     parser.add_argument("--layouts", default="per_layer,interleaved")
     parser.add_argument("--page-sizes", default=None, help="bytes, comma-separated (default: 64 KiB and 2 MiB "
                                                            "on the host, 2 MiB on CUDA)")

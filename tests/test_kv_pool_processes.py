@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import BACKENDS, make_cuda_backend
+
+CUDA_KIND = BACKENDS[1]
 from vmm import HostBackend, PoolOwner, cuda_unavailable_reason
 
 HELPER = Path(__file__).with_name("engine_process.py")
@@ -99,14 +101,19 @@ def test_pages_taken_by_another_process_between_check_and_alloc_leave_the_step_u
         owner.stop()
 
 
-@pytest.mark.parametrize("kind", BACKENDS)
-@pytest.mark.parametrize("layout", ["per_layer", "interleaved"])
-def test_a_prefilled_prompt_is_handed_over_by_mapping_its_pages_and_copying_the_last(tmp_path, kind, layout):
+@pytest.mark.parametrize("kind, layout, length, reader", [
+    ("host", "per_layer", 200, False), ("host", "interleaved", 200, False), (CUDA_KIND, "per_layer", 200, False),
+    (CUDA_KIND, "interleaved", 200, False),
+    ("host", "per_layer", 256, False),  # 256: the prompt ends where its 3rd page ends
+    ("host", "per_layer", 256, True)])  # ... and a third process maps that page meanwhile
+def test_a_prefilled_prompt_is_handed_over_by_mapping_its_pages(tmp_path, kind, layout, length, reader):
     """The prefill-to-decode handoff between two caches over one pool (each its own connection
     to the owner, as two processes are): the decoding cache maps every whole page the prefilling
-    one computed, copies its last, partial page (one page of each region: the only bytes
-    copied), computes only the prompt's last token again, and reads exactly what was written.
-    Over host pages and over CUDA pages exported by the owner and imported by each cache's pool
+    one computed and takes the last (partial, or whole where the prompt ends at its end): it
+    leaves the directory for the decoder alone, which writes its last rows in place, so nothing
+    is copied; only the prompt's last token is computed again; the K and V rows read are
+    exactly those written. A whole last page that another process maps stays cached for all:
+    the decoder copies the rows it needs out of it. Over host pages and over CUDA pages exported by the owner and imported by each cache's pool
     (vkv's CudaBackend; the driver emulator without a GPU); at the end every handle, mapping
     and range is given back."""
     import torch
@@ -123,14 +130,14 @@ def test_a_prefilled_prompt_is_handed_over_by_mapping_its_pages_and_copying_the_
                       1024 if host_page < (2 << 20) and not cuda else 128, str(tmp_path / "pool.sock")).start()
     caches = []
     try:
-        for _ in range(2):  # the prefilling process's cache and the decoding one's
+        for _ in range(3):  # the prefilling process's cache, the decoding one's, another's
             pool = AttachedPool(owner.path, make_cuda_backend() if cuda else None)
             caches.append(VirtualKVCache(load_config("random:smollm2-kv"), layout, 2, 512, torch.float32,
                                          pool.backend, pool.num_pages, True, 1, None, pool))
-        prefiller, decoder = caches
-        tokens = random.Random(1).sample(range(100, 5000), 200)
+        prefiller, decoder, other = caches
+        tokens = random.Random(1).sample(range(100, 5000), length)
         pages = prefiller.page_range(0, len(tokens))
-        assert prefiller.page_end(pages[-1]) > len(tokens)  # the prompt ends inside its last page
+        assert (prefiller.page_end(pages[-1]) > len(tokens)) == (length == 200)  # inside its last page, or at its end
         seq = Sequence("p", 0, tokens, SamplingParams(max_tokens=1), 0.0)
         prefiller.admit(seq)
         assert prefiller.ensure_mapped(seq, len(tokens))
@@ -139,14 +146,26 @@ def test_a_prefilled_prompt_is_handed_over_by_mapping_its_pages_and_copying_the_
                 view.copy_(torch.full_like(view, (1 + k * 7 + r) % 256))
         seq.num_computed_tokens = len(tokens)
         prefiller.commit(seq)
-        prefiller.release(seq)  # the prefill is done: its last page is published too
+        n = len(tokens) - 1  # the rows the decoding side takes: all but the last token's
+        written = [rows[seq.kv.slot, :n].view(torch.int32).clone() for rows in prefiller.k_caches + prefiller.v_caches]
+        prefiller.release(seq)  # the prefill is done: its last, partial page is published too
+        if reader:  # a longer prompt maps every page of this one, the last included
+            longer = Sequence("o", 0, tokens + [7] * 10, SamplingParams(max_tokens=1), 0.0)
+            assert other.admit(longer) == len(tokens)
         taken = Sequence("d", 0, tokens, SamplingParams(max_tokens=1), 0.0)
-        assert decoder.admit(taken) == len(tokens) - 1  # all but the last token: its logits are computed
-        assert decoder.stats().prefix_cache_imported == (len(pages) - 1) * decoder.num_regions
-        assert decoder.stats().prefix_cache_partial_bytes == decoder.entry_bytes  # one page of each region
-        for k in pages:
-            for r, view in enumerate(decoder.page_views(taken, k)):
-                assert torch.equal(view, torch.full_like(view, (1 + k * 7 + r) % 256)), (k, r)
+        assert decoder.admit(taken) == n  # the last token is computed again: its logits are wanted
+        if not reader:  # every page mapped, the last one (partial, or whole where the prompt ends at
+            # its end) taken: out of the directory, the decoding cache its one holder, nothing copied
+            assert decoder.stats().prefix_cache_imported == len(pages) * decoder.num_regions
+            assert decoder.stats().prefix_cache_partial_bytes == 0
+            assert owner.stats()["named"] == len(pages) - 1
+        else:  # the last page stays cached for all: the rows needed are copied out of it
+            assert decoder.stats().prefix_cache_partial_bytes == \
+                (n * decoder.row_bytes - (len(pages) - 1) * decoder.page_size) * decoder.num_regions
+            assert owner.stats()["named"] == len(pages)
+            other.release(longer)
+        read = [rows[taken.kv.slot, :n].view(torch.int32) for rows in decoder.k_caches + decoder.v_caches]
+        assert all(torch.equal(a, b) for a, b in zip(read, written))
         decoder.release(taken)
         for kv in caches:
             kv.audit()

@@ -240,6 +240,27 @@ class CrossProcessTraffic(RuleBasedStateMachine):
                 r.view(torch.uint8, (self.page,)).fill_(0)
         ranges.append(r)
 
+    @precondition(lambda self: self.procs and self.names)
+    @rule(i=st.integers(0, 3), pick=st.integers(0, 1000))
+    def take(self, i, pick):
+        """A named page handed whole to one process (a handoff's last page): it leaves the
+        directory, and its taker, its one holder, writes on it in place."""
+        pool, ranges = self.procs[i % len(self.procs)]
+        name = sorted(self.names)[pick % len(self.names)]
+        mapped = any(p.local[page] for p, _ in self.procs for page in self.owner.directory.get(name, ()))
+        pages = pool.take(name)
+        if pages is None:  # evicted meanwhile, or a process maps it
+            assert name not in self.owner.directory or mapped
+            return
+        value = self.names.pop(name)
+        assert name not in self.owner.directory and pool.ref_counts[pages[0]] == 1  # writable in place
+        r = Reservation(pool, self.page)
+        r.map(0, pages[0])
+        pool.drop(pages[0])
+        assert int(r.view(torch.uint8, (self.page,))[0]) == value
+        r.view(torch.uint8, (self.page,)).fill_(0)
+        ranges.append(r)
+
     @precondition(lambda self: any(ranges for _, ranges in self.procs))
     @rule(i=st.integers(0, 3), j=st.integers(0, 100))
     def release(self, i, j):

@@ -261,6 +261,16 @@ class AttachedPool:
                     break  # the longest prefix ends here (else the answer was full: ask on)
             return found
 
+    def take(self, name: bytes) -> tuple[int, ...] | None:
+        """The entry published under `name`, handed to this process alone: out of the directory,
+        its pages referenced here only, so they may be written in place (None: unknown, or
+        another process maps it)."""
+        with self.lock:
+            pages = self._ask({"op": "take", "name": name.hex()})[0]["pages"]
+            for page in pages or ():  # no process held them, this one included
+                self._take(page)
+            return None if pages is None else tuple(pages)
+
     # -- numbers and the audit --------------------------------------------------------------
     def owner_stats(self) -> dict:
         return self._ask({"op": "stats"})[0]

@@ -34,7 +34,8 @@ Implementation. `PoolOwner` wraps a `PagePool` (page ids, physical pages, per-pa
 free FIFO) whose count per page is its number of holders, and serves a SOCK_SEQPACKET socket
 from one thread (`serve`, or `start` for a background thread). Verbs: hello (the geometry, and
 the host pool's descriptor), export (CUDA: descriptors for a run of pages), alloc, drop,
-publish, lookup, stats, audit. `audit` checks every page is free,
+publish, lookup, take (an entry handed whole to one process: the last page of a prefill-to-
+decode handoff, written on by the decoder), stats, audit. `audit` checks every page is free,
 held by a process, or cached (held by the directory), that its count equals its holders, and
 that a process's claim of what it holds equals the owner's record.
 
@@ -201,6 +202,8 @@ class PoolOwner:
                 found = self._lookup(client, names)
                 full = len(found) < len(names) and names[len(found)] in self.directory  # ask again from there
                 return {"pages": found, "full": full}, []
+            if op == "take":
+                return {"pages": self._take(client, bytes.fromhex(m["name"]))}, []
             if op == "stats":
                 return self._stats(), []
             if op == "audit":
@@ -287,6 +290,20 @@ class PoolOwner:
                     self.pool.hold(page)
             found.append(pages)
         return found
+
+    def _take(self, client: int, name: bytes) -> tuple[int, ...] | None:
+        """A cached entry handed to one process whole: out of the directory, its pages held by
+        the caller alone, who may write them (nobody can find them any more). None if the name is
+        unknown or a process maps one of its pages (then it is only for lookups)."""
+        pages = self.directory.get(name)
+        if pages is None or any(self.holders[page] != {DIRECTORY} for page in pages):
+            return None
+        for page in pages:
+            self.held[client].add(page)
+            self._add(page, client)
+            self.pool.hold(page)
+        self._uncache(name)
+        return pages
 
     def _evict(self, need: int) -> None:
         """Free least recently used cached entries that no process references until `need`

@@ -99,7 +99,7 @@ class KVCacheBase(ABC):
         self.map_seconds = 0.0
         self.cow_copies = 0
         self.partial_tokens = 0  # prompt tokens found inside a cached page's first rows (`_partial`)
-        self.partial_bytes = 0  # the bytes those copies moved
+        self.partial_bytes = 0  # the bytes those copies moved (a page taken whole: none)
         self.swap_outs = self.swap_ins = 0  # sequences swapped out and back in
         self.handles: set[KVHandle] = set()  # every seq.kv given out and not yet released
         self.tiers: KVTiers | None = None
@@ -281,39 +281,54 @@ class KVCacheBase(ABC):
         if not self.prefix_cache or seq.scores_prompt or self.window:
             return held
         start = self.page_end(full - 1) if full else 0
-        parent = seq.kv.names[full - 1] if full else self._root(seq)
-        found = self.prefix_cache.partial(parent, seq.token_ids[start:min(self.page_end(full), len(seq) - 1)])
-        tail = None
-        if found is None and self.prefix_cache.shared and self.page_end(full) >= len(seq):
-            # another process's last page of exactly this prompt (a handoff): referenced by the lookup
-            tail = self.prefix_cache.tail(parent, seq.token_ids[start:])
-            found = None if tail is None else (tail, len(seq) - start)
+        found = self._find_partial(seq, full, start)
         if found is None:
             return held
-        pages, matched = found
-        end = min(start + matched, self.tokens_in_pages(full + 1), len(seq) - 1)
-        if end <= held:
-            if tail is not None:
-                self.pool.drop_many(tail)
-            return held
-        if tail is None:
-            for p in pages:  # making room must not evict the page copied from
-                self.pool.hold(p)
+        pages, matched, mine = found
         try:
-            if self.pages_at(seq, full) is None:
-                if not self.make_room(self.num_regions):
-                    return held
-                self.map_fresh(seq, [full])
-            with self.entry_views(pages) as parts:
-                copy_bytes(self.page_views(seq, full), parts)
+            end = min(start + matched, self.tokens_in_pages(full + 1), len(seq) - 1)
+            if end <= held:
+                return held
+            if mine and self.pages_at(seq, full) is None:  # nobody else can read it: mapped, not copied
+                self.install(seq, full, pages)
+            else:
+                if self.pages_at(seq, full) is None:
+                    if not self.make_room(self.num_regions):
+                        return held
+                    self.map_fresh(seq, [full])
+                self.partial_bytes += self.copy_partial(seq, full, pages, end)
         except PoolExhausted:  # another process took the room first
             return held
         finally:
-            self.pool.drop_many(pages)
+            self.pool.drop_many(pages)  # the references _find_partial took
         self.prefix_cache.hits += end - held
         self.partial_tokens += end - held
-        self.partial_bytes += self.entry_bytes
         return end
+
+    def _find_partial(self, seq: Sequence, full: int, start: int) -> tuple[tuple[int, ...], int, bool] | None:
+        """A cached page after seq's first `full` whose first rows are seq's next tokens (from
+        `start`), how many match, and whether it is seq's alone to write; each page with one
+        more reference (making room must not evict it). One this cache committed, else, over a
+        shared pool, the page of this very prompt's end another process computed (the last page
+        of a prefill-to-decode handoff: a partial one is taken whole, PrefixCache.last_page)."""
+        parent = seq.kv.names[full - 1] if full else self._root(seq)
+        found = self.prefix_cache.partial(parent, seq.token_ids[start:min(self.page_end(full), len(seq) - 1)])
+        if found is not None:
+            for page in found[0]:
+                self.pool.hold(page)
+            return found[0], found[1], False
+        if self.prefix_cache.shared and self.page_end(full) >= len(seq):
+            last = self.prefix_cache.last_page(parent, seq.token_ids[start:], whole=self.page_end(full) == len(seq))
+            return None if last is None else (last[0], len(seq) - start, last[1])
+        return None
+
+    def copy_partial(self, seq: Sequence, k: int, pages: tuple[int, ...], end: int) -> int:
+        """Copy the rows of tokens before `end` from cached `pages` (one per region) into seq's
+        page k; returns the bytes copied. Here the whole page: a layout whose rows lie in token
+        order copies only the rows it needs."""
+        with self.entry_views(pages) as parts:
+            copy_bytes(self.page_views(seq, k), parts)
+        return self.entry_bytes
 
     def name_pages_in(self, namespace: bytes) -> None:
         """Pages are named in `namespace` from now on (a pool shared across processes, a tier

@@ -14,7 +14,10 @@ parent's name with their tokens (`partial`), and the KV cache copies the cached 
 first rows are the sequence's next tokens into a page of its own (engine/kv/base.py `_partial`).
 Over a shared pool a sequence's last, partial page is also published when it ends, under a
 `tail_name` of exactly its tokens: a process given the same prompt (the decode side of a
-prefill-to-decode handoff) copies that one page and maps every whole page before it.
+prefill-to-decode handoff) maps every whole page before it and takes that one (it leaves the
+directory for the taker alone, who writes its next rows in place): nothing is copied. A prompt
+that ends exactly at a page's end takes that whole page the same way, and publishes it again
+when it commits it.
 
 The cache holds one reference on every page of an entry (an entry is the page of each KV
 region that covers those tokens), so a cached page outlives the sequence that wrote it. Entries
@@ -142,11 +145,34 @@ class PrefixCache:
         them: the last page of a prefill-to-decode handoff. The directory holds it until evicted."""
         self.pool.publish([(tail_name(parent, token_ids), pages)])
 
-    def tail(self, parent: bytes, token_ids: list[int]) -> tuple[int, ...] | None:
-        """The partial page another process published for exactly token_ids after parent, each
-        page now with one reference of this process's (drop them when copied), or None."""
-        found = self.pool.lookup([tail_name(parent, token_ids)])
-        return found[0] if found else None
+    def last_page(self, parent: bytes, token_ids: list[int], whole: bool) -> tuple[tuple[int, ...], bool] | None:
+        """Over a shared pool: the page of a prompt's end holding exactly token_ids after parent,
+        as any process computed it (whole: a whole page, under its name; else the partial last
+        page a sequence published when it ended, under its `tail_name`), each page with one more
+        reference of this process's (drop them when done), and whether it is this process's
+        alone. It is taken when it can be: out of the directory, this process its one holder, so
+        it is mapped and its last rows written in place, nothing copied (a whole page comes back
+        to the directory when the taker commits it again). A whole page another process maps
+        stays for everyone: it is to be copied."""
+        name = chain_hash(parent, token_ids) if whole else tail_name(parent, token_ids)
+        if name in self.entries and all(self.pool.own_refs(p) == 1 for p in self.entries[name]):
+            pages = self.entries.pop(name)  # held here by the cache alone (matched, left for the last token)
+            self._forget(name)
+            self.events.removed([name], GPU)
+            self.pool.drop_many(pages)
+        taken = self.pool.take(name)
+        if taken is not None:
+            self.imported += 0 if whole else len(taken)  # a whole page was counted when it was matched
+            return taken, True
+        if not whole:
+            return None
+        if name in self.entries:  # mapped by a sequence here: copied from
+            self.entries.move_to_end(name)
+            for page in self.entries[name]:
+                self.pool.hold(page)
+            return self.entries[name], False
+        found = self.pool.lookup([name])
+        return (found[0], False) if found else None
 
     def evictable_pages(self) -> int:
         """Pages only the cache references: what evict() could free now."""

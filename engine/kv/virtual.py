@@ -199,6 +199,15 @@ class VirtualKVCache(KVCacheBase):
         finally:
             self.staging.unmap(0, len(pages))
 
+    def copy_partial(self, seq: Sequence, k: int, pages: tuple[int, ...], end: int) -> int:
+        """Only the bytes of page k before token end's row, in each region (rows lie in token
+        order in every region: row t at t * row_bytes of the slot)."""
+        n = min(self.page_size, end * self.row_bytes - k * self.page_size)
+        with self.entry_views(pages) as (staged,):
+            for r, view in enumerate(self.page_views(seq, k)):
+                view[:n].copy_(staged[r * self.page_size:r * self.page_size + n])
+        return n * self.num_regions
+
     def page_views(self, seq: Sequence, k: int) -> list[torch.Tensor]:
         return [r.view(torch.uint8, (self.page_size,), offset=r.offset_of(self._index(seq, k)))
                 for r in self.regions]
