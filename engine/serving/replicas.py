@@ -19,8 +19,9 @@ checks the client's key and the body's size, then proxies the OpenAI routes:
   - prefill and decode (`--prefill-ranks K`): the first K replicas prefill only. A generation
     request is first sent to a prefill replica with max_tokens 1 (its prompt's pages are computed
     and published, its last partial page too, under a name of exactly its tokens), then whole to
-    a decode replica, which maps those pages and copies the last one (one page of each region:
-    the only bytes of KV copied; the prompt's last token is computed again for its logits).
+    a decode replica, which maps those pages and takes the last one (the owner hands it over
+    whole, so it is written on in place): no byte of KV is copied, and only the prompt's last
+    token is computed again, for its logits.
   - failure: a request whose replica fails before anything reached the client (an answer not
     streamed, or a stream before its first chunk) is sent to the next replica, computed again
     there unseen; a stream already under way ends with an error event and [DONE]. A replica that exits is restarted,
