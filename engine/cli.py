@@ -46,7 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         from engine.serving.ray_serve import serve_on_ray
         serve_on_ray(args, options)
     elif options.data_parallel_size > 1:
-        from engine.serving.replicas import serve_replicas
+        from engine.serving.front_door import serve_replicas
         serve_replicas(args, options)
     else:
         from engine.serving.server import serve

@@ -7,7 +7,8 @@ each keep a pool of their own compute every shared prefix once per replica, and 
 routed to the "wrong" replica pays the whole prefill. Over one physical pool (vmm/owner.py) a
 page any replica computed is mapped by every other in place, so routing only balances load.
 
-Approach. This process owns the pool (a `vmm.PoolOwner` on a thread) and starts N replicas,
+Approach. This process owns the pool (a `vmm.PoolOwner` on a thread) and starts N replicas
+(here: `ReplicaSet`; its HTTP side, the front door, is engine/serving/front_door.py),
 each a whole `vkv serve` (so each request is checked, limited and answered exactly as by one
 server) on a loopback port with `--kv-pool` and a key of its own that only this process knows;
 the cores are split between them, and each is titled `vkv: rank R` for `ps`. The front door
@@ -29,19 +30,17 @@ checks the client's key and the body's size, then proxies the OpenAI routes:
   - /metrics: every replica's series with a `rank` label, and the pool's (pages free, cached,
     named, processes, pages recovered from dead replicas), and `vkv:kv_handoff_pages_total`.
 
-Limitations. On GPUs the replicas share one device (the owner exports its pages to each; no peer
-access across devices yet). One model per replica set (several models: `--model NAME=SOURCE`
+Limitations. Replicas run on the CPU: `-dp` with a GPU is refused until it is measured on one
+(by hand, `vkv pool-owner --device cuda` and engines started with `--device cuda --kv-pool`
+share a GPU's pages: the owner exports them to each). One model per replica set (several models: `--model NAME=SOURCE`
 without -dp). The proxy adds a loopback hop (well under a millisecond against steps of tens).
 The front door reads each body to route it (bounded by --max-body-bytes); adapters loaded at run
 time go to one replica only, so they are refused here.
 """
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import hashlib
-import hmac
-import json
 import logging
 import os
 import secrets
@@ -54,17 +53,12 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import vmm
 from engine.config import EngineConfig
 from engine.kv.build import backend_for
 from engine.parallel import free_port
-from engine.serving.http import BodyGuard
 from engine.serving.options import ServerOptions
-from engine.serving.protocol import error_body
 
 log = logging.getLogger("vkv.server")
 FRONT_DOOR_FLAGS = {"--port", "--host", "--api-key", "--data-parallel-size", "-dp", "--prefill-ranks", "--kv-pool",
@@ -248,248 +242,3 @@ def _die_with_parent() -> None:
     PR_SET_PDEATHSIG), so no replica outlives it holding memory."""
     if _PRCTL is not None:
         _PRCTL(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-def _refuse(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(error_body(message, kind, status), status_code=status)
-
-
-def build_front_door(replicas: ReplicaSet, options: ServerOptions) -> FastAPI:
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=1024))
-    inside = {"authorization": f"Bearer {replicas.key}"}
-
-    app = FastAPI(title="vkv", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyGuard, max_bytes=options.max_body_bytes, timeout=options.body_timeout)
-
-    def authorized(request: Request) -> bool:
-        if options.api_key is None:
-            return True
-        sent = request.headers.get("authorization", "")
-        return hmac.compare_digest(sent.encode(), f"Bearer {options.api_key}".encode())
-
-    def client_of(request: Request, body: dict) -> str:
-        """As one server names a client (the key, else the address; with `user`)."""
-        who = "key" if options.api_key is not None else (request.client.host if request.client else "unknown")
-        user = body.get("user") if isinstance(body.get("user"), str) else None
-        return f"{who}/{user}" if user else who
-
-    async def call(replica: Replica, path: str, content: bytes, client_id: str, stream: bool):
-        headers = {**inside, "content-type": "application/json", "x-vkv-client": client_id}
-        upstream = client.build_request("POST", replica.url + path, content=content, headers=headers)
-        return await client.send(upstream, stream=stream)
-
-    @app.get("/health")
-    async def health():
-        up = [r.rank for r in replicas.replicas if r.up]
-        body = {"status": "ok" if up else "down", "replicas_up": up,
-                "replicas": len(replicas.replicas)}
-        return JSONResponse(body, status_code=200 if up else 503)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        if not authorized(request):
-            return _refuse(401, "invalid or missing API key", "authentication_error")
-        try:
-            live = replicas.order(None, b"", "both" if not options.prefill_ranks else "decode")
-        except LookupError as exc:
-            return _refuse(503, str(exc), "service_unavailable")
-        for replica in live:
-            try:
-                answer = await client.get(replica.url + "/v1/models", headers=inside)
-                return Response(answer.content, answer.status_code, media_type="application/json")
-            except httpx.HTTPError:
-                continue
-        return _refuse(503, "no replica is up", "service_unavailable")
-
-    @app.get("/metrics")
-    async def metrics(request: Request):
-        if not options.metrics_public and not authorized(request):
-            return _refuse(401, "invalid or missing API key", "authentication_error")
-        lines, handed, copied = [], 0, 0
-        for replica in replicas.replicas:
-            try:
-                text = (await client.get(replica.url + "/metrics", headers=inside, timeout=5.0)).text
-            except httpx.HTTPError:
-                continue
-            lines += _labelled(text, replica.rank)
-            if replica.role == "decode":  # the handoff: pages mapped that a prefill replica computed,
-                handed += int(_sample(text, "vkv:prefix_cache_imported_pages_total"))  # and last pages copied
-                copied += int(_sample(text, "vkv:prefix_cache_partial_bytes_copied_total"))
-        pool = replicas.owner.stats()
-        for name, value, what in (("vkv:pool_pages_total", pool["total"], "gauge"),
-                                  ("vkv:pool_pages_free", pool["free"], "gauge"),
-                                  ("vkv:pool_pages_cached", pool["cached"], "gauge"),
-                                  ("vkv:pool_pages_named", pool["named"], "gauge"),
-                                  ("vkv:pool_processes", pool["processes"], "gauge"),
-                                  ("vkv:pool_pages_recovered_total", pool["recovered"], "counter"),
-                                  ("vkv:kv_handoff_pages_total", handed, "counter"),
-                                  ("vkv:kv_handoff_bytes_copied_total", copied, "counter"),
-                                  ("vkv:replica_restarts_total", sum(r.restarts for r in replicas.replicas),
-                                   "counter")):
-            lines += [f"# TYPE {name} {what}", f"{name} {value}"]
-        lines += ["# TYPE vkv:replica_up gauge"] + [f'vkv:replica_up{{rank="{r.rank}"}} {int(r.up)}'
-                                                      for r in replicas.replicas]
-        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
-
-    async def generate(request: Request, path: str):
-        if not authorized(request):
-            return _refuse(401, "invalid or missing API key", "authentication_error")
-        content = await request.body()
-        try:
-            body = json.loads(content)
-        except ValueError:
-            return _refuse(400, "invalid request: body: not JSON")
-        if not isinstance(body, dict):
-            return _refuse(400, "invalid request: body: a JSON object is expected")
-        start = json.dumps(body.get("prompt", body.get("messages")), sort_keys=True)[:AFFINITY_BYTES].encode()
-        who, pin = client_of(request, body), request.headers.get("x-data-parallel-rank")
-        if options.prefill_ranks and pin is None:
-            try:
-                await prefill(body, start, who)
-            except LookupError as exc:
-                return _refuse(503, str(exc), "service_unavailable")
-        try:
-            order = replicas.order(pin, start, "decode" if options.prefill_ranks else "both")
-        except ValueError as exc:
-            return _refuse(400, str(exc))
-        except LookupError as exc:
-            return _refuse(503, str(exc), "service_unavailable")
-        stream = bool(body.get("stream"))
-        for replica in order:
-            replica.in_flight += 1
-            relayed = False
-            try:
-                if not stream:
-                    answer = await _unless_gone(request, call(replica, path, content, who, False))
-                    return Response(answer.content, answer.status_code, media_type="application/json")
-                upstream = await call(replica, path, content, who, True)
-                chunks = upstream.aiter_raw()
-                try:  # the first chunk (a first token, or a refusal) before the client sees anything
-                    first = await anext(chunks, b"")
-                except BaseException:
-                    await upstream.aclose()
-                    raise
-                relayed = True
-                return StreamingResponse(_relay(first, chunks, upstream, replica), status_code=upstream.status_code,
-                                         media_type=upstream.headers.get("content-type", "text/event-stream"))
-            except ClientGone:  # the client left: the replica aborts it; nobody is marked down
-                return Response(status_code=499)
-            except httpx.TransportError:  # nothing reached the client: the next replica computes it
-                log.warning("vkv: replica %d failed a request before answering: sending it to another", replica.rank)
-                replica.up = False  # until it answers /health again (or is restarted)
-                continue
-            finally:
-                if not relayed:  # else the relay lets go when the stream ends
-                    replica.in_flight -= 1
-        if pin is not None:
-            return _refuse(503, f"replica {pin} is down (restarting)", "service_unavailable")
-        return _refuse(503, "every replica failed this request", "service_unavailable")
-
-    async def prefill(body: dict, start: bytes, who: str) -> None:
-        """The prompt computed on a prefill replica, its pages published in the pool."""
-        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-        only = {**body, "max_tokens": 1, "stream": False, "n": 1}
-        for name in ("max_completion_tokens", "best_of", "use_beam_search", "logprobs", "top_logprobs", "echo",
-                     "stream_options", "min_tokens", "prompt_logprobs"):
-            only.pop(name, None)
-        for replica in replicas.order(None, start, "prefill"):
-            replica.in_flight += 1
-            try:
-                await call(replica, path, json.dumps(only).encode(), who, False)  # a refusal: decode says why
-                return
-            except httpx.TransportError:
-                continue
-            finally:
-                replica.in_flight -= 1
-
-    async def _relay(first: bytes, chunks, upstream: httpx.Response, replica: Replica):
-        try:
-            yield first
-            async for chunk in chunks:
-                yield chunk
-        except httpx.HTTPError:
-            failure = error_body(f"replica {replica.rank} failed during the stream", "service_unavailable", 503)
-            yield f"data: {json.dumps(failure)}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            replica.in_flight -= 1
-            await upstream.aclose()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await generate(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await generate(request, "/v1/chat/completions")
-
-    @app.on_event("shutdown")
-    async def close_client():
-        await client.aclose()
-
-    return app
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer: not the replica's failure."""
-
-
-async def _unless_gone(request: Request, work):
-    """Await an upstream call; if the client disconnects first, cancel it (the replica aborts)."""
-    task = asyncio.ensure_future(work)
-    while not task.done():
-        await asyncio.wait([task], timeout=0.5)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            raise ClientGone()
-    return task.result()
-
-
-def _sample(text: str, name: str) -> float:
-    """The value of an unlabelled sample in a Prometheus exposition (0 if absent)."""
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
-
-
-def _labelled(text: str, rank: int) -> list[str]:
-    """A replica's exposition with rank="R" on each sample (HELP/TYPE lines kept once per rank)."""
-    out = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, rest = line.partition(" ")
-        if "{" in name:
-            name = name.replace("{", f'{{rank="{rank}",', 1)
-        else:
-            name = f'{name}{{rank="{rank}"}}'
-        out.append(f"{name} {rest}")
-    return out
-
-
-def _exit_cleanly(signum, frame) -> None:
-    raise SystemExit(0)
-
-
-def serve_replicas(args, options: ServerOptions) -> None:
-    config = EngineConfig.from_cli_args(args)
-    if config.kv_layout == "paged" or config.device.type != "cpu":
-        raise SystemExit("vkv serve: --data-parallel-size runs CPU replicas with a virtual kv_layout so far")
-    replicas = ReplicaSet(options, config, list(getattr(args, "argv", None) or sys.argv[2:]))
-    try:
-        print(f"vkv: starting {options.data_parallel_size} replicas over one pool of {replicas.owner.pool.num_pages} "
-              f"pages ({options.prefill_ranks} prefill-only), {replicas.threads} threads each", flush=True)
-        replicas.wait_ready()
-        replicas.supervisor = threading.Thread(target=replicas.supervise, name="vkv-replicas", daemon=True)
-        replicas.supervisor.start()
-        app = build_front_door(replicas, options)
-        print(f"vkv: serving {options.data_parallel_size} replicas on http://{options.host}:{options.port}", flush=True)
-        # uvicorn re-raises SIGTERM/SIGINT once it has shut down, with the handler it found: make that
-        # an exception, so the replicas are stopped below instead of the process dying past them
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _exit_cleanly)
-        uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level,
-                    timeout_keep_alive=options.timeout_keep_alive, limit_concurrency=options.limit_concurrency,
-                    timeout_graceful_shutdown=options.shutdown_timeout)
-    finally:
-        replicas.stop()
