@@ -188,3 +188,23 @@ def test_lpm_admits_the_longest_cached_prefix_first_and_starves_nobody():
     assert order("lpm", LPM_MAX_SKIPS + 4).index("cold") == LPM_MAX_SKIPS  # passed over at most that often
     kv.audit()
     kv.close()
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "paged"])
+def test_a_prefix_that_ends_inside_a_page_a_tier_holds_is_restored_to_the_token(layout):
+    """A prompt that ends inside a page which an earlier, longer prompt filled, after that page
+    was evicted to the host tier: the page comes back from the tier (a hit to the token), and the
+    tokens equal computing the prompt."""
+    opts = dict(model=NARROW, kv_layout=layout, max_num_seqs=1)
+    with LLM(**opts, kv_cache_memory=POOL, kv_offloading_size=0.25) as llm:
+        ids = llm.tokenizer.encode(PROMPTS[0])
+        rounds(llm, 1)  # PROMPTS[0] cached, then evicted to the tier by the two after it
+        before = llm.stats().kv
+        short = ids[:len(ids) - 37]  # ends inside a page PROMPTS[0] filled
+        got = llm.generate([short], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        after = llm.stats().kv
+        assert after.prefix_cache_partial_hits > before.prefix_cache_partial_hits, after
+        assert tier(llm, "host").tokens_restored > next(t for t in before.tiers if t.tier == "host").tokens_restored
+        assert_pool_whole(llm)
+    with LLM(**opts, kv_cache_memory=POOL, enable_prefix_caching=False) as reference:
+        assert got == reference.generate([short], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

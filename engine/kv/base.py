@@ -283,7 +283,7 @@ class KVCacheBase(ABC):
         start = self.page_end(full - 1) if full else 0
         found = self._find_partial(seq, full, start)
         if found is None:
-            return held
+            return self._partial_from_tiers(seq, full, start, held)
         pages, matched, mine = found
         try:
             end = min(start + matched, self.tokens_in_pages(full + 1), len(seq) - 1)
@@ -321,6 +321,38 @@ class KVCacheBase(ABC):
             last = self.prefix_cache.last_page(parent, seq.token_ids[start:], whole=self.page_end(full) == len(seq))
             return None if last is None else (last[0], len(seq) - start, last[1])
         return None
+
+    def _partial_from_tiers(self, seq: Sequence, full: int, start: int, held: int) -> int:
+        """A hit to the token on an entry the KV tiers hold: restored into seq's page `full`
+        (the rows past the match are written over as seq computes them). Returns the tokens seq
+        now holds."""
+        if not self.tiers:
+            return held
+        parent = seq.kv.names[full - 1] if full else self._root(seq)
+        found = self.prefix_cache.partial_evicted(
+            parent, seq.token_ids[start:min(self.page_end(full), len(seq) - 1)], self.tiers.where)
+        if found is None:
+            return held
+        name, matched = found
+        end = min(start + matched, self.tokens_in_pages(full + 1), len(seq) - 1)
+        if end <= held:
+            return held
+        began = time.perf_counter()
+        try:
+            if self.pages_at(seq, full) is None:
+                if not self.make_room(self.num_regions):
+                    return held
+                self.map_fresh(seq, [full])
+        except PoolExhausted:  # another process took the room first
+            return held
+        tier = self.tiers.restore(name, self.page_views(seq, full))
+        self.restore_seconds += time.perf_counter() - began
+        if tier is None:  # gone or damaged: computed
+            return held
+        self.restored_tokens[tier] += end - held
+        self.prefix_cache.hits += end - held
+        self.partial_tokens += end - held
+        return end
 
     def copy_partial(self, seq: Sequence, k: int, pages: tuple[int, ...], end: int) -> int:
         """Copy the rows of tokens before `end` from cached `pages` (one per region) into seq's

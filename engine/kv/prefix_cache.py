@@ -12,6 +12,9 @@ with requests that carry the same salt (vLLM's semantics). Hashing costs about 1
 A prefix that ends inside a page is a hit to the token: entries are also indexed by their
 parent's name with their tokens (`partial`), and the KV cache copies the cached page whose
 first rows are the sequence's next tokens into a page of its own (engine/kv/base.py `_partial`).
+Entries let go to the KV tiers keep that index (`partial_evicted`, the last EVICTED_INDEX of
+them, while a tier holds them): the page is then restored from the tier instead (entries the
+disk tier found at start have no tokens here, so they serve whole pages only).
 Over a shared pool a sequence's last, partial page is also published when it ends, under a
 `tail_name` of exactly its tokens: a process given the same prompt (the decode side of a
 prefill-to-decode handoff) maps every whole page before it and takes that one (it leaves the
@@ -42,6 +45,7 @@ from engine.kv.events import GPU, KVEventLog
 from vmm import PageAllocator
 
 ROOT = b"vkv/prefix/v1"
+EVICTED_INDEX = 1 << 16  # entries let go to the tiers whose tokens are kept for hits to the token
 TAIL = b"vkv/tail/v1"
 
 
@@ -63,6 +67,20 @@ def chain_hash(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
 
 
+def _longest(children: dict[bytes, tuple[int, ...]], token_ids: list[int]) -> tuple[bytes, int] | None:
+    """The child whose tokens begin with the longest run of token_ids, and that run's length."""
+    best, most = None, 0
+    for name, tokens in children.items():
+        n = 0
+        for a, b in zip(tokens, token_ids):
+            if a != b:
+                break
+            n += 1
+        if n > most:
+            best, most = name, n
+    return None if best is None else (best, most)
+
+
 def tail_name(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
     """The name of a partial last page: exactly these tokens after the page named parent (never
     a whole page's name: a different prefix)."""
@@ -80,6 +98,10 @@ class PrefixCache:
         # end inside a page (`partial`); entries imported from a shared pool have none
         self.children: dict[bytes, dict[bytes, tuple[int, ...]]] = {}
         self.parent_of: dict[bytes, bytes] = {}
+        # the same index for entries let go to the KV tiers (`on_evict`), oldest first, bounded:
+        # a hit to the token on a page a tier holds (the tiers say whether they still do)
+        self.evicted: OrderedDict[bytes, bytes] = OrderedDict()  # name -> parent
+        self.evicted_children: dict[bytes, dict[bytes, tuple[int, ...]]] = {}
         self.queries = self.hits = self.evictions = 0  # queries and hits count tokens
         self.imported = 0  # pages found in the shared directory, computed by another process
 
@@ -125,19 +147,32 @@ class PrefixCache:
     def partial(self, parent: bytes, token_ids: list[int]) -> tuple[tuple[int, ...], int] | None:
         """The entry after `parent` whose tokens begin with the longest run of token_ids, and
         how many match (none: None); now most recently used. A hit that ends inside a page."""
-        best, most = None, 0
-        for name, tokens in self.children.get(parent, {}).items():
-            n = 0
-            for a, b in zip(tokens, token_ids):
-                if a != b:
-                    break
-                n += 1
-            if n > most:
-                best, most = name, n
-        if best is None:
+        found = _longest(self.children.get(parent, {}), token_ids)
+        if found is None:
             return None
-        self.entries.move_to_end(best)
-        return self.entries[best], most
+        self.entries.move_to_end(found[0])
+        return self.entries[found[0]], found[1]
+
+    def partial_evicted(self, parent: bytes, token_ids: list[int], held) -> tuple[bytes, int] | None:
+        """As `partial`, over the entries let go to the KV tiers that `held(name)` says a tier
+        still holds: the name to restore and how many of token_ids its first rows hold."""
+        children = self.evicted_children.get(parent, {})
+        for name in [name for name in children if not held(name)]:  # gone from the tiers meanwhile
+            self._unindex_evicted(name)
+        return _longest(self.evicted_children.get(parent, {}), token_ids)
+
+    def _index_evicted(self, h: bytes, parent: bytes, tokens: tuple[int, ...]) -> None:
+        self.evicted[h] = parent
+        self.evicted_children.setdefault(parent, {})[h] = tokens
+        while len(self.evicted) > EVICTED_INDEX:
+            self._unindex_evicted(next(iter(self.evicted)))
+
+    def _unindex_evicted(self, h: bytes) -> None:
+        parent = self.evicted.pop(h)
+        siblings = self.evicted_children[parent]
+        del siblings[h]
+        if not siblings:
+            del self.evicted_children[parent]
 
     def publish_tail(self, parent: bytes, token_ids: list[int], pages: tuple[int, ...]) -> None:
         """Over a shared pool: publish a sequence's last, partial page (its tokens after the page
@@ -210,13 +245,19 @@ class PrefixCache:
             self.pool.drop_many([p for pages in self.entries.values() for p in pages])
             self.children.clear()
             self.parent_of.clear()
+            if not offload:  # stale (new weights): no hit to the token on what the tiers hold
+                self.evicted.clear()
+                self.evicted_children.clear()
         else:
             for h, pages in self.entries.items():
                 self._let_go(h, pages)
         self.entries.clear()
 
     def _let_go(self, h: bytes, pages: tuple[int, ...]) -> None:
-        """An entry leaves the cache: its bytes to the tiers (if any), then its references."""
+        """An entry leaves the cache: its bytes to the tiers (if any, which keep its tokens'
+        index for hits to the token), then its references."""
+        if self.on_evict and h in self.parent_of and h not in self.evicted:
+            self._index_evicted(h, self.parent_of[h], self.children[self.parent_of[h]][h])
         self._forget(h)
         self.events.removed([h], GPU)
         if self.on_evict:
