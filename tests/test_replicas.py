@@ -134,3 +134,35 @@ def test_replicas_hand_prompts_over_by_mapping_share_prefixes_and_survive_a_kill
     text = httpx.get(url + "/metrics", headers=auth).text
     assert metric(text, "vkv:replica_restarts_total") == 1 and metric(text, "vkv:pool_pages_recovered_total") > 0
     assert metric(text, "vkv:pool_processes") == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_replicas_on_one_gpu_hand_prompts_over_by_mapping_its_exported_pages():
+    """`-dp 2 --prefill-ranks 1 --device cuda`: the front door creates the GPU's pages shareable,
+    each replica imports them; a prompt prefilled on rank 0 is decoded on rank 1 from the same
+    physical pages (one token computed again, nothing copied) and equals one engine's output."""
+    port = free_port()
+    gpu = ["--model", "random:smollm2-kv", "--device", "cuda", "--kv-cache-memory", str(256 << 20),
+           "--max-model-len", "512", "--kv-layout", "interleaved"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", *gpu, "--port", str(port), "--api-key", KEY,
+                             "--data-parallel-size", "2", "--prefill-ranks", "1", "--log-level", "warning"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: proc.poll() is None and _up(url), 300, "the front door answers")
+        prompt = random.Random(0).sample(range(100, 5000), 300)
+        alone = LLM(model="random:smollm2-kv", device="cuda", kv_cache_memory=256 << 20, max_model_len=512,
+                    kv_layout="interleaved")
+        expected = alone.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+        answer = complete(url, prompt)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected, answer.text
+        text = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {KEY}"}).text
+        assert metric(text, "vkv:kv_handoff_pages_total") > 0 and metric(text, "vkv:kv_handoff_bytes_copied_total") == 0
+        assert metric(text, "vkv:prefix_cache_queries_total", 1) - metric(text, "vkv:prefix_cache_hits_total", 1) == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()

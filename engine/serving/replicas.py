@@ -30,9 +30,10 @@ checks the client's key and the body's size, then proxies the OpenAI routes:
   - /metrics: every replica's series with a `rank` label, and the pool's (pages free, cached,
     named, processes, pages recovered from dead replicas), and `vkv:kv_handoff_pages_total`.
 
-Limitations. Replicas run on the CPU: `-dp` with a GPU is refused until it is measured on one
-(by hand, `vkv pool-owner --device cuda` and engines started with `--device cuda --kv-pool`
-share a GPU's pages: the owner exports them to each). One model per replica set (several models: `--model NAME=SOURCE`
+Limitations. On a GPU every replica runs on the pool's one device (the owner creates the pages
+shareable and exports them; each replica imports them): not yet run on a GPU by this project
+(tests/test_replicas.py's GPU test and benchmarks/gpu_suite.py check it there), and no replica
+on another device. One model per replica set (several models: `--model NAME=SOURCE`
 without -dp). The proxy adds a loopback hop (well under a millisecond against steps of tens).
 The front door reads each body to route it (bounded by --max-body-bytes); adapters loaded at run
 time go to one replica only, so they are refused here.
