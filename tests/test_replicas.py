@@ -3,6 +3,7 @@ behind one front door (engine/serving/replicas.py). A prompt prefilled by one re
 by the other, which maps its pages (nothing copied, one token computed again); a prefix computed on one replica is a hit on
 the other; outputs equal one process's; bad pins are refused by name; a replica killed with
 SIGKILL is restarted and its pool references come back."""
+import contextlib
 import os
 import random
 import re
@@ -52,15 +53,17 @@ def wait_until(predicate, seconds: float, what: str):
     raise AssertionError(f"not within {seconds} s: {what}")
 
 
-@pytest.fixture(scope="module")
-def front():
+@contextlib.contextmanager
+def front_door(model: list[str], ready_seconds: float):
+    """`vkv serve -dp 2 --prefill-ranks 1` over `model`: (its URL, its process) once it answers;
+    stopped with SIGTERM after, and no replica outlives it."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", *MODEL, "--port", str(port), "--api-key", KEY,
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", *model, "--port", str(port), "--api-key", KEY,
                              "--data-parallel-size", "2", "--prefill-ranks", "1", "--log-level", "warning"], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: proc.poll() is None and _up(url), 240, "the front door answers")
+        wait_until(lambda: proc.poll() is None and _up(url), ready_seconds, "the front door answers")
         yield url, proc
     finally:
         replicas = replica_pids(proc)
@@ -72,6 +75,12 @@ def front():
         # no replica outlives its front door (they held 12 GB here once, orphaned)
         wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in replicas.values()), 30,
                    "the replicas exit with their front door")
+
+
+@pytest.fixture(scope="module")
+def front():
+    with front_door(MODEL, 240) as running:
+        yield running
 
 
 def _up(url: str) -> bool:
@@ -142,15 +151,9 @@ def test_replicas_on_one_gpu_hand_prompts_over_by_mapping_its_exported_pages():
     """`-dp 2 --prefill-ranks 1 --device cuda`: the front door creates the GPU's pages shareable,
     each replica imports them; a prompt prefilled on rank 0 is decoded on rank 1 from the same
     physical pages (one token computed again, nothing copied) and equals one engine's output."""
-    port = free_port()
     gpu = ["--model", "random:smollm2-kv", "--device", "cuda", "--kv-cache-memory", str(256 << 20),
            "--max-model-len", "512", "--kv-layout", "interleaved"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", *gpu, "--port", str(port), "--api-key", KEY,
-                             "--data-parallel-size", "2", "--prefill-ranks", "1", "--log-level", "warning"], env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: proc.poll() is None and _up(url), 300, "the front door answers")
+    with front_door(gpu, 300) as (url, _):
         prompt = random.Random(0).sample(range(100, 5000), 300)
         alone = LLM(model="random:smollm2-kv", device="cuda", kv_cache_memory=256 << 20, max_model_len=512,
                     kv_layout="interleaved")
@@ -160,9 +163,3 @@ def test_replicas_on_one_gpu_hand_prompts_over_by_mapping_its_exported_pages():
         text = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {KEY}"}).text
         assert metric(text, "vkv:kv_handoff_pages_total") > 0 and metric(text, "vkv:kv_handoff_bytes_copied_total") == 0
         assert metric(text, "vkv:prefix_cache_queries_total", 1) - metric(text, "vkv:prefix_cache_hits_total", 1) == 1
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
