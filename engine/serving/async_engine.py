@@ -93,9 +93,10 @@ class AsyncEngine:
         self.stats: EngineStats = engine.stats()  # the latest snapshot
         self.lifecycle = Lifecycle()  # written by the loop thread alone
         self._shut = False  # shutdown() was called (by whoever stops the server: once)
-        # written by the engine thread alone, read by /health: when its loop last went round (it goes
-        # round every 50 ms when idle), and the bound past which a step is logged as slow
-        self.progress_at = time.monotonic()
+        # written by the engine thread alone, read by /health: when its current turn began (None while
+        # it waits for work: an idle thread the OS has not run for a while is not stalled), and the
+        # bound past which a turn is a stall and a step is logged as slow
+        self.turn_began: float | None = None
         self.stall_seconds = stall_seconds
         self.sleep_waiters: list[tuple[asyncio.Future, int]] = []  # (reply, level): sleep once nothing is in flight
         self.preprocessor = FairWorkers(PREPROCESS_THREADS, lambda: copy.deepcopy(engine.tokenizer))
@@ -279,11 +280,13 @@ class AsyncEngine:
             self.streams.clear()
 
     def stalled(self) -> str | None:
-        """Why the engine thread is not moving (for /health), or None: it has made no progress
-        for longer than stall_seconds, stuck in a step or an I/O call that does not return."""
-        idle = time.monotonic() - self.progress_at
-        if self.phase not in (Phase.STOPPED, Phase.DEAD) and idle > self.stall_seconds:
-            return f"the engine thread has made no progress for {idle:.0f} s (over {self.stall_seconds:g} s)"
+        """Why the engine thread is not moving (for /health), or None: its turn began longer than
+        stall_seconds ago, stuck in a step or an I/O call that does not return (or waiting that long
+        for another model's turn to end)."""
+        began = self.turn_began
+        stuck = time.monotonic() - began if began is not None else 0.0
+        if self.phase not in (Phase.STOPPED, Phase.DEAD) and stuck > self.stall_seconds:
+            return f"the engine thread has made no progress for {stuck:.0f} s (over {self.stall_seconds:g} s)"
         return None
 
     def _run_steps(self) -> None:
@@ -291,9 +294,10 @@ class AsyncEngine:
             if (self.engine.paused or not self.engine.has_unfinished()) and self.commands.empty():
                 self.wake.wait(0.05)
                 self.wake.clear()
+            self.turn_began = time.monotonic()
             with self.turns:
                 self._turn()
-            self.progress_at = time.monotonic()
+            self.turn_began = None
         with self.turns:
             for request_id in list(self.streams):
                 self.engine.abort(request_id)
