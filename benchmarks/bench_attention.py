@@ -34,8 +34,9 @@ from common import machine_info, save  # noqa: E402
 import vmm  # noqa: E402
 from engine.attention import StepAttention, pick_attention  # noqa: E402
 from engine.kv.batch import StepBatch  # noqa: E402
-from engine.kv.paged import PagedKVCache  # noqa: E402
-from engine.kv.virtual import VirtualKVCache  # noqa: E402
+from engine.kv.manager import KVManager  # noqa: E402
+from engine.kv.paged import PagedLayout  # noqa: E402
+from engine.kv.virtual import VirtualLayout  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
 from engine.ops import rope_table  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -58,24 +59,24 @@ def build(layout: str, seqs, shape, dtype, device):
     held = [Sequence("b", 0, [1] * c, SamplingParams(), 0.0) for _, c in seqs]
     token_bytes = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
     if layout == "paged":
-        kv = PagedKVCache(cfg, 16, sum(-(-c // 16) for _, c in seqs) + len(seqs), dtype, device)
+        kv = KVManager(PagedLayout(cfg, 16, sum(-(-c // 16) for _, c in seqs) + len(seqs), dtype, device))
     else:
         backend = vmm.make_backend(device.type if device.type == "cuda" else "host",
                                    None if device.type == "cuda" else 64 << 10)
         regions, row = (1, token_bytes) if layout == "interleaved" else (2 * layers, token_bytes // (2 * layers))
         pages = regions * sum(-(-c * row // backend.page_size) + 1 for _, c in seqs)
-        kv = VirtualKVCache(cfg, layout, len(seqs), longest, dtype, backend, pages)
+        kv = KVManager(VirtualLayout(cfg, layout, len(seqs), longest, dtype, backend, pages))
     for s, (_, c) in zip(held, seqs):
         kv.admit(s)
         assert kv.ensure_mapped(s, c)
     for s, (_, c) in zip(held, seqs):  # fill each sequence's rows, mapped ones only
-        table, rows = kv.block_table([s], [c])
-        for cache in (kv.k_caches[0], kv.v_caches[0]):
+        table, rows = kv.layout.block_table([s], [c])
+        for cache in (kv.layout.k_caches[0], kv.layout.v_caches[0]):
             for i, block in enumerate(table[0]):
                 n = min(rows, c - i * rows)
                 cache[block, :n] = torch.randn(n, hkv, dim, dtype=dtype, device=device)
-    table, rows = kv.block_table(held, [c for _, c in seqs])
-    return kv.k_caches[:1], kv.v_caches[:1], table, rows, kv
+    table, rows = kv.layout.block_table(held, [c for _, c in seqs])
+    return kv.layout.k_caches[:1], kv.layout.v_caches[:1], table, rows, kv
 
 
 def batch_for(seqs, table, block_size, device) -> StepBatch:

@@ -38,7 +38,8 @@ from common import machine_info, save  # noqa: E402
 
 import vmm  # noqa: E402
 from engine.kv.tiers import make_tiers, namespace_of  # noqa: E402
-from engine.kv.virtual import VirtualKVCache  # noqa: E402
+from engine.kv.manager import KVManager  # noqa: E402
+from engine.kv.virtual import VirtualLayout  # noqa: E402
 from engine.models import load_config  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
@@ -78,17 +79,17 @@ def by_mapping(cfg, layout: str, page: int, tokens: list[int], repeats: int, kin
             caches = []
             for _ in range(2):  # the prefill process and the decode process
                 pool = vmm.AttachedPool(owner.path, None if kind == "host" else vmm.make_backend(kind, page))
-                caches.append(VirtualKVCache(cfg, layout, 2, rows, torch.float32, pool.backend, pool.num_pages,
-                                             True, 1, None, pool))
+                caches.append(KVManager(VirtualLayout(cfg, layout, 2, rows, torch.float32, pool.backend,
+                                                      pool.num_pages, 1, None, pool), True))
             prefiller, decoder = caches
             prefills = iter(range(repeats))
             # before each admission the prefill side computes the prompt and is done (its pages wait
             # in the directory, the last, partial one too: each handoff takes that one whole)
             seconds, hits = admit_time(decoder, tokens, repeats,
                                        before=lambda: prefiller.release(prefill(prefiller, tokens, f"p{next(prefills)}")))
-            copied = decoder.partial_bytes // repeats
+            copied = decoder.lookup.partial_bytes // repeats
             decoder.audit()
-            pages = len(decoder.page_range(0, hits)) * decoder.num_regions
+            pages = len(decoder.layout.page_range(0, hits)) * decoder.layout.num_regions
             for kv in caches:
                 kv.close()
             owner.audit()
@@ -102,14 +103,14 @@ def by_copy(cfg, layout: str, page: int, tokens: list[int], repeats: int, kind: 
     rows = len(tokens) + 64
     backend = vmm.make_backend(kind, page)
     need = 2 * len(tokens) * cfg.kv_bytes_per_token(4) // page + 512
-    kv = VirtualKVCache(cfg, layout, 2, rows, torch.float32, backend, need, True)
-    namespace = namespace_of(b"bench", kv.geometry())
-    tiers = make_tiers(backend.device, kv.entry_bytes, need * page, None, 1, namespace, {})
-    kv.attach_tiers(tiers, namespace)
+    layout_of = VirtualLayout(cfg, layout, 2, rows, torch.float32, backend, need)
+    namespace = namespace_of(b"bench", layout_of.geometry())
+    tiers = make_tiers(backend.device, layout_of.entry_bytes, need * page, None, 1, namespace, {})
+    kv = KVManager(layout_of, True, namespace=namespace, tiers=tiers)
     kv.release(prefill(kv, tokens, "p"))
     # every entry to the host tier before each admission: the admission copies it back
     seconds, hits = admit_time(kv, tokens, repeats, before=kv.prefix_cache.clear)
-    pages = len(kv.page_range(0, hits)) * kv.num_regions
+    pages = len(kv.layout.page_range(0, hits)) * kv.layout.num_regions
     kv.close()
     return {"seconds": seconds, "tokens_mapped": hits, "tokens_left": len(tokens) - hits,
             "pages": pages, "bytes_copied": pages * page}

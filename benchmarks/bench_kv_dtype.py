@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import machine_info, save  # noqa: E402
 from sharegpt import load_conversations, sample_requests  # noqa: E402
 
-import engine.attention  # noqa: E402
+import engine.attention_step  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models import load_tokenizer  # noqa: E402
 
@@ -84,15 +84,15 @@ class Simulated:
     """While active, the sdpa kernel stores K and V rounded as a simulated format would."""
 
     def __init__(self, fmt: str, layers: int):
-        self.saved = engine.attention.narrow
+        self.saved = engine.attention_step.narrow
         self.rounding = {"int8-simulated": int8_rounded, "fp8_e4m3-scaled-simulated": LayerScaledE4M3(layers)}.get(fmt)
 
     def __enter__(self):
         if self.rounding:
-            engine.attention.narrow = self.rounding
+            engine.attention_step.narrow = self.rounding
 
     def __exit__(self, *exc):
-        engine.attention.narrow = self.saved
+        engine.attention_step.narrow = self.saved
 
 
 def agreement(got: list[list[int]], want: list[list[int]]) -> dict:
@@ -162,7 +162,7 @@ def main() -> None:
             layers = probe.engine.model_config.num_layers
         with Simulated(fmt, layers):
             with engine_for(fmt, max_num_seqs=32) as llm:
-                full, head_dim = llm.engine.kv.token_bytes, llm.engine.model_config.head_dim
+                full, head_dim = llm.engine.kv.layout.token_bytes, llm.engine.model_config.head_dim
                 # simulated: a byte per value, and for int8 an fp32 scale per head (of head_dim values)
                 row["kv_bytes_per_token"] = {"int8-simulated": full // 4 + full // head_dim,
                                              "fp8_e4m3-scaled-simulated": full // 4}.get(fmt, full)

@@ -34,8 +34,9 @@ from common import machine_info, save  # noqa: E402
 from sharegpt import sample_requests  # noqa: E402
 
 import vmm  # noqa: E402
-from engine.kv.paged import PagedKVCache  # noqa: E402
-from engine.kv.virtual import VirtualKVCache  # noqa: E402
+from engine.kv.manager import KVManager  # noqa: E402
+from engine.kv.paged import PagedLayout  # noqa: E402
+from engine.kv.virtual import VirtualLayout  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
 from engine.models.presets import PRESETS  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -57,8 +58,8 @@ def make_cache(cfg: ModelConfig, name: str, budget: int, max_seqs: int, small_pa
     dtype = torch.bfloat16
     if layout == "paged":
         block_bytes = size * cfg.kv_bytes_per_token(2)
-        return PagedKVCache(cfg, size, budget // block_bytes, dtype, torch.device("cpu"))
-    return VirtualKVCache(cfg, layout, max_seqs, MAX_MODEL_LEN, dtype, vmm.HostBackend(size), budget // size)
+        return KVManager(PagedLayout(cfg, size, budget // block_bytes, dtype, torch.device("cpu")))
+    return KVManager(VirtualLayout(cfg, layout, max_seqs, MAX_MODEL_LEN, dtype, vmm.HostBackend(size), budget // size))
 
 
 def replay(cfg: ModelConfig, name: str, trace, budget: int, horizon: int, max_seqs: int,
@@ -76,8 +77,8 @@ def replay(cfg: ModelConfig, name: str, trace, budget: int, horizon: int, max_se
         finished += sum(o.finish_reason is not None for o in scheduler.update_from_output(out, results))
         used = sum(s.num_computed_tokens for s in scheduler.running) * cfg.kv_bytes_per_token(2)
         stats = kv.stats()
-        active = stats.pages_in_use * kv.page_size
-        allocated = active + stats.pages_idle * kv.page_size
+        active = stats.pages_in_use * kv.layout.page_size
+        allocated = active + stats.pages_idle * kv.layout.page_size
         samples.append((used, allocated, active, len(scheduler.running)))
         if not pending and not scheduler.has_unfinished():
             break
@@ -86,7 +87,7 @@ def replay(cfg: ModelConfig, name: str, trace, budget: int, horizon: int, max_se
     used, allocated, active, running = (np.array(x, dtype=float) for x in zip(*samples))
     busy = active > 0
     peak = int(allocated.argmax())
-    return {"allocator": name, "page_bytes": kv.page_size, "pages_total": kv.pool.num_pages,
+    return {"allocator": name, "page_bytes": kv.layout.page_size, "pages_total": kv.pool.num_pages,
             "utilization_mean": float((used[busy] / allocated[busy]).mean()) if busy.any() else 0.0,
             "utilization_at_peak": float(used[peak] / allocated[peak]) if allocated[peak] else 0.0,
             "utilization_active_mean": float((used[busy] / active[busy]).mean()) if busy.any() else 0.0,

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
                 assert run["tokens"] == want, (length, mode)
                 runs[mode].append(run)
         med = lambda mode, key: statistics.median(r[key] for r in runs[mode])
-        row = {"prompt_tokens": length, "kv_bytes": (length + 2) * llm.engine.kv.token_bytes,
+        row = {"prompt_tokens": length, "kv_bytes": (length + 2) * llm.engine.kv.layout.token_bytes,
                "swap_out_s": med("swap", "swap_out_s"), "resume_swap_s": med("swap", "resume_s"),
                "resume_recompute_s": med("recompute", "resume_s"), "tokens_identical": True}
         rows.append(row)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.kv.base import KVCacheBase
+from engine.kv.manager import KVManager
 from engine.map_ahead import MapAhead
 from engine.model_runner import ModelRunner
 from engine.sample_step import StepSample, sample_step
@@ -37,7 +37,7 @@ class CoreOutput:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, kv: KVCacheBase, model, attention, max_model_len: int,
+    def __init__(self, config: EngineConfig, kv: KVManager, model, attention, max_model_len: int,
                  eos_ids: tuple[int, ...], grammars: Grammars, workers=None):
         c = config
         self.kv, self.max_model_len, self.eos_ids, self.grammars = kv, max_model_len, eos_ids, grammars

@@ -20,7 +20,6 @@ import vmm
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.kv.build import attach_tiers, shared_names
 from engine.kv.publisher import make_publisher
 from engine.lora import LoRARegistry, LoRARequest
 from engine.models import load_tokenizer, weights
@@ -57,12 +56,6 @@ class LLMEngine:
         self.tokenizer = loaded[1] if loaded else load_tokenizer(c.model)
         self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.kv_events = make_publisher(c.kv_events_config, c.data_parallel_rank)  # vLLM's KV events, or None
-        if self.kv_events:
-            self.kv.events.start(self.kv.page_end(0))  # before the tiers: a disk tier's files are announced
-        if c.offloading:
-            attach_tiers(self.kv, c)
-        if c.kv_pool is not None:
-            shared_names(self.kv, c)
         if self.workers:
             self.kv = RecordedKV(self.kv)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
@@ -290,7 +283,7 @@ class LLMEngine:
         kv, ahead = self.kv.stats(), self.core.map_ahead
         running, waiting = self.scheduler.running, [*self.scheduler.waiting, *self.scheduler.swapped]
         adapters = lambda seqs: tuple(sorted({s.lora.name for s in seqs if s.lora is not None}))
-        token_bytes = sum(s.num_computed_tokens for s in running) * self.kv.token_bytes
+        token_bytes = sum(s.num_computed_tokens for s in running) * self.kv.layout.token_bytes
         mapped_bytes = (kv.pages_in_use + kv.pages_idle) * kv.page_size
         return EngineStats(kv=kv, attention_backend=self.attention.name, platform=self.platform(),
                            num_running=len(running), preemptions=self.scheduler.num_preemptions,

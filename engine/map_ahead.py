@@ -21,12 +21,12 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from engine.kv.base import KVCacheBase
+from engine.kv.manager import KVManager
 from engine.step import Scheduled
 
 
 class MapAhead:
-    def __init__(self, kv: KVCacheBase, tokens: int, keep_free: int):
+    def __init__(self, kv: KVManager, tokens: int, keep_free: int):
         self.kv, self.tokens, self.keep_free = kv, tokens, keep_free
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="vkv-map-ahead")
         self.pending: Future | None = None
@@ -50,7 +50,7 @@ class MapAhead:
     def _map(self, plan: list) -> float:
         start = time.perf_counter()
         for seq, end in plan:
-            if self.kv.pool.num_free <= self.keep_free:
+            if self.kv.free_pages <= self.keep_free:
                 break
             limit = seq.num_prompt_tokens + seq.params.max_tokens  # it never grows past this
             self.kv.map_ahead(seq, end, min(end + self.tokens, limit), self.keep_free)

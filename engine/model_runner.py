@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from engine.attention import AttentionBackend
-from engine.kv.base import KVCacheBase
+from engine.kv.manager import KVManager
 from engine.kv.batch import StepBatch
 from engine.lora import LoRABatch
 from engine.ops import rope_table
@@ -31,7 +31,7 @@ def activation_peak(model, max_tokens: int, max_rows: int, device: torch.device)
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCacheBase, attention: AttentionBackend, max_model_len: int,
+    def __init__(self, model, kv: KVManager, attention: AttentionBackend, max_model_len: int,
                  device: torch.device, dtype: torch.dtype, workers=None):
         self.model, self.kv, self.attention, self.device = model, kv, attention, device
         self.workers = workers  # engine.parallel.Workers when tensor parallel (kv is then a RecordedKV)
@@ -65,7 +65,7 @@ class ModelRunner:
                 sampling.append((seq, len(logits_indices), rows))
                 logits_indices += range(row - rows, row)
         seqs = [s for s, _ in scheduled]
-        table, block_size = self.kv.block_table(seqs, ctx_lens)
+        table, block_size = self.kv.layout.block_table(seqs, ctx_lens)
         width = max(map(len, table))
         tensor = lambda x, dtype=torch.int32: torch.tensor(x, dtype=dtype, device=self.device)
         batch = StepBatch(seqs, starts, q_lens, ctx_lens, tensor(positions, torch.long), tensor(token_seq),
@@ -89,8 +89,9 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, logits_indices: torch.Tensor,
                 lora: LoRABatch | None = None) -> torch.Tensor | None:
         """The model over one flat batch; logits on rank 0, None on the other ranks."""
-        attn = self.attention.prepare(self.kv.k_caches, self.kv.v_caches, batch, self.cos_sin,
-                                      paged=self.kv.layout == "paged", window=self.kv.window)
+        layout = self.kv.layout
+        attn = self.attention.prepare(layout.k_caches, layout.v_caches, batch, self.cos_sin,
+                                      paged=layout.name == "paged", window=self.kv.window)
         return self.model(input_ids, attn, logits_indices, lora)
 
 

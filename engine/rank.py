@@ -13,6 +13,7 @@ import vmm
 from engine.attention import AttentionBackend, pick_attention
 from engine.config import EngineConfig
 from engine.kv.build import make_kv_cache
+from engine.kv.manager import KVManager
 from engine.model_runner import activation_peak
 from engine.models import load_config, load_model
 from engine.models.config import ModelConfig
@@ -24,7 +25,7 @@ class Rank:
     max_model_len: int
     model: object
     attention: AttentionBackend
-    kv: object  # VirtualKVCache | PagedKVCache
+    kv: KVManager
 
     def platform(self, c: EngineConfig) -> dict[str, str]:
         """Which paths run on this machine, and why: arithmetic, GEMMs, attention, kernel ISA."""
@@ -64,6 +65,5 @@ def build_rank(c: EngineConfig, rank: int = 0, model=None, pool: vmm.PoolShare |
     if c.device.type == "cuda" and c.kv_cache_memory is None:
         peak = activation_peak(model, c.max_num_batched_tokens, c.max_num_seqs, c.device)
     kv = make_kv_cache(c, shard_config(mc, tp), c.kv_budget_bytes(peak) // tp, max_model_len,
-                       attention.tile_rows(attention.target), pool)
-    kv.window = mc.sliding_window
+                       attention.tile_rows(attention.target), pool, mc.sliding_window)
     return Rank(mc, max_model_len, model, attention, kv)

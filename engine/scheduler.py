@@ -28,17 +28,10 @@ under that (benchmarks/bench_swap.py measures both on this machine), so swap win
 sequence with at least `swap_min_tokens` computed; below that, and whenever the tier is full,
 recompute is used.
 
-Admission order: first come, first served, except that a group (the sequences of one client)
-that has had fewer sequences admitted goes before one that has had more, so a request of many
-prompts cannot hold the head of the queue for everyone: groups take turns. And seats are
-shared: a group waiting with nothing running while another holds more than its fair share of
-the seats (or of the pages it needs) gets one, the other's newest sequence preempted. With `policy="priority"` the lowest priority
-value goes first (ties: fairness, then arrival) and the least urgent running sequence is the
-one preempted; otherwise the newest is. With `policy="lpm"` (SGLang's longest prefix match)
-the sequence with the most prompt pages already cached, in the pool or a KV tier, goes first
-(ties: fairness, then arrival), so a prefix is used while it is still cached; a queue longer
-than LPM_MAX_QUEUE is served FCFS (matching every prompt would cost more than it saves), and
-a sequence passed over LPM_MAX_SKIPS times by later arrivals goes next: nobody starves.
+Admission order (fcfs with groups taking turns, priority, lpm; LoRA adapters' turns) and the
+choice of whom to preempt are engine/admission.py's. Seats are shared: a group waiting with
+nothing running while another holds more than its fair share of the seats (or of the pages it
+needs) gets one, the other's newest sequence preempted.
 
 A running sequence may have nothing to compute: a beam waiting for its siblings' logprobs.
 If such idle sequences hold the seats or pages a waiting one needs, so that nothing at all
@@ -48,27 +41,24 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter, deque
+from collections import deque
 
 import torch
 
+from engine.admission import AdmissionOrder
 from engine.config import check_scheduling
-from engine.kv.base import KVCacheBase
+from engine.kv.manager import KVManager
 from engine.sampler import Sampled
 from engine.sequence import Sequence, SequenceStatus
 from engine.step import RowResult, Scheduled, SchedulerOutput, SeqOutput
-from engine.structured import consume
-from vmm import PoolShare
 
 log = logging.getLogger("vkv.scheduler")
 
 SWAP_MIN_TOKENS = 16  # below this, recompute (see the note on preemption above)
-LPM_MAX_QUEUE = 128  # SGLang's threshold: longer queues are served FCFS
-LPM_MAX_SKIPS = 8  # times a waiting sequence may be passed over by later ones under lpm
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheBase, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int,
                  headroom: float = 0.01, policy: str = "fcfs", preemption_mode: str = "recompute",
                  swap_min_tokens: int = SWAP_MIN_TOKENS, eos_ids: tuple[int, ...] = (),
                  max_model_len: int | None = None, max_loras: int | None = None):
@@ -78,15 +68,12 @@ class Scheduler:
         self.eos_ids, self.max_model_len = eos_ids, max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_loras = max_loras  # distinct LoRA adapters running at once (None: LoRA is off)
-        if isinstance(kv.pool, PoolShare):  # one of several models over one pool: it asks us for pages
-            kv.pool.register(self)
-        self.headroom_pages = max(1, math.ceil(headroom * kv.pool.num_pages))
+        kv.join_pool(self)  # one of several models over one pool: the others ask us for pages
+        self.headroom_pages = max(1, math.ceil(headroom * kv.num_pages))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
-        self.admitted: Counter[str] = Counter()  # per group with sequences here: admissions so far
-        self.skips: Counter[int] = Counter()  # lpm: per waiting seq_id, times later ones went first
-        self._names: dict[int, tuple[int, list[bytes]]] = {}  # lpm: seq_id -> (its length, page names)
+        self.order = AdmissionOrder(kv, policy, max_loras)
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -104,9 +91,7 @@ class Scheduler:
         budget = min(self.max_num_batched_tokens, token_budget or self.max_num_batched_tokens)
         for seq in self.running:
             seq.draft = (drafts or {}).get(seq, [])
-        if len(self.admitted) > 2 * (len(self.waiting) + len(self.running)):  # forget groups gone
-            live = {s.group for s in (*self.waiting, *self.running)}
-            self.admitted = Counter({g: n for g, n in self.admitted.items() if g in live})
+        self.order.prune([*self.waiting, *self.running])
         self._share_seats(budget)
         scheduled = self._schedule_running(budget)
         budget -= sum(n for _, n in scheduled)
@@ -198,24 +183,11 @@ class Scheduler:
         for s in sampled:
             seq.token_ids.append(s.token_id)
             taken.append(s)
-            reason = self._stop_reason(seq)
+            reason = seq.stop_reason(self.eos_ids, self.max_model_len)
             if reason:
                 self.finish(seq, reason)
                 break
         return [SeqOutput(seq, taken, seq.finish_reason)]
-
-    def _stop_reason(self, seq: Sequence) -> str | None:
-        """Why seq stops at the token it just took, if it does (stop strings aside: text is the
-        output processor's)."""
-        p, token = seq.params, seq.token_ids[-1]
-        if seq.grammar is not None and consume(seq.grammar, token):
-            return "stop"
-        if seq.num_output_tokens >= p.min_tokens:
-            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                return "stop"
-        if seq.num_output_tokens >= p.max_tokens or (self.max_model_len and len(seq) >= self.max_model_len):
-            return "length"
-        return None
 
     def _advance_beams(self, group) -> list[SeqOutput]:
         """Carry out a beam group's choice: forks first (a parent still holds only its own
@@ -250,24 +222,11 @@ class Scheduler:
         return [SeqOutput(seq, [], "error", error) for seq in seqs]
 
     def _share_seats(self, budget: int) -> None:
-        """A group (a client) waiting with no sequence running while the seats or pages are
-        taken: the group holding the most, above its fair share of seats, gives back its newest
-        until the waiting one fits. A client's burst waits; it does not hold everyone.
-        (Not under the priority policy: there urgency decides.)"""
-        if self.policy == "priority":
-            return
-        while self.waiting and self.running:
-            held = Counter(s.group for s in self.running)
-            waiting = {s.group for s in self.waiting if self._adapter_fits(s)}  # (one whose adapter waits cannot run)
-            if all(held[g] for g in waiting):  # every waiting client has something running (the usual case)
-                return
-            head = self._next_waiting()
-            if head is None or (len(self.running) < self.max_num_seqs and self._fits(head, budget)):
-                return
-            hog, most = held.most_common(1)[0]
-            if most <= max(1, self.max_num_seqs // len(held.keys() | waiting)):
-                return
-            self.preempt(next(s for s in reversed(self.running) if s.group == hog))
+        """A client waiting with nothing running while the seats or pages are taken gets one
+        (AdmissionOrder.seat_to_free): a client's burst waits; it does not hold everyone."""
+        fits = lambda seq: len(self.running) < self.max_num_seqs and self._fits(seq, budget)
+        while (hog := self.order.seat_to_free(self.waiting, self.running, self.max_num_seqs, fits)) is not None:
+            self.preempt(hog)
 
     def _schedule_running(self, budget: int) -> Scheduled:
         scheduled, i = [], 0
@@ -287,7 +246,7 @@ class Scheduler:
         """Map seq (at `position` in the running list) its pages, preempting the newest (or
         least urgent) sequences not yet scheduled this step; False if seq itself had to go."""
         while not self.kv.ensure_mapped(seq, num_tokens):
-            victim = self._victim(self.running[position:])
+            victim = self.order.victim(self.running[position:])
             self.preempt(victim)
             if victim is seq:
                 return False
@@ -297,8 +256,8 @@ class Scheduler:
         """Swapped sequences back in, the most urgent first, while they fit above the headroom."""
         scheduled = []
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = min(self.swapped, key=self._urgency)  # ties: the first swapped out
-            if not self._adapter_fits(seq):
+            seq = min(self.swapped, key=self.order.urgency)  # ties: the first swapped out
+            if not self.order.adapter_fits(seq, self.running):
                 break
             n = min(seq.num_pending_tokens, budget)
             keep_free = self.headroom_pages if self.running else 0
@@ -314,7 +273,7 @@ class Scheduler:
     def _admit_waiting(self, budget: int) -> Scheduled:
         scheduled = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.kv.can_allocate():
-            seq = self._next_waiting()
+            seq = self.order.next(self.waiting, self.running)
             if seq is None or not self._fits(seq, budget):
                 break
             seq.num_computed_tokens = self.kv.admit(seq)  # a cached prefix counts as computed
@@ -329,53 +288,12 @@ class Scheduler:
                 self.kv.release(seq, keep_pages=False)
                 seq.num_computed_tokens = 0
                 break
-            if self.policy == "lpm":  # each sequence queued before seq is passed over once more
-                for older in list(self.waiting)[:self.waiting.index(seq)]:
-                    self.skips[older.seq_id] += 1
-                self.skips.pop(seq.seq_id, None)
-                self._names.pop(seq.seq_id, None)
+            self.order.admitted(seq, self.waiting)
             self.waiting.remove(seq)
-            self.admitted[seq.group] += 1
             self._run(seq)
             scheduled.append((seq, n))
             budget -= n
         return scheduled
-
-    def _next_waiting(self) -> Sequence | None:
-        """The waiting sequence to admit next (queue order breaks ties: preempted ones are at
-        the front); None when every one waits for a LoRA adapter's turn."""
-        waiting = self.waiting
-        if self.max_loras is not None:
-            waiting = [seq for seq in waiting if self._adapter_fits(seq)]
-        if len(waiting) <= 1:
-            return waiting[0] if waiting else None
-        fair = lambda i: (self._urgency(waiting[i]), self.admitted[waiting[i].group], i)
-        if self.policy != "lpm" or len(waiting) > LPM_MAX_QUEUE:
-            return waiting[min(range(len(waiting)), key=fair)]
-        starved = [i for i in range(len(waiting)) if self.skips[waiting[i].seq_id] >= LPM_MAX_SKIPS]
-        if starved:
-            return waiting[starved[0]]
-        cached = [self.kv.cached_prefix_pages(self._page_names(seq)) for seq in waiting]
-        return waiting[min(range(len(waiting)), key=lambda i: (-cached[i], fair(i)))]
-
-    def _page_names(self, seq: Sequence) -> list[bytes]:
-        length, names = self._names.get(seq.seq_id, (-1, []))
-        if length != len(seq):
-            names = self.kv.page_names(seq)
-            self._names[seq.seq_id] = (len(seq), names)
-        return names
-
-    def _adapter_fits(self, seq: Sequence) -> bool:
-        """Can seq run beside the running sequences: its LoRA adapter is one of theirs, or
-        fewer than max_loras distinct ones run (vLLM's rule)?"""
-        if seq.lora is None or self.max_loras is None:
-            return True
-        running = {s.lora for s in self.running if s.lora is not None}
-        return seq.lora in running or len(running) < self.max_loras
-
-    def _urgency(self, seq: Sequence) -> int:
-        """Lower goes first: the request's priority under the priority policy, else all equal."""
-        return seq.priority if self.policy == "priority" else 0
 
     def _fits(self, seq: Sequence, budget: int) -> bool:
         headroom = self.headroom_pages if self.running else 0
@@ -383,7 +301,7 @@ class Scheduler:
 
     def _unblock(self, budget: int) -> None:
         idle = [s for s in self.running if s.num_pending_tokens == 0]
-        head = self._next_waiting()
+        head = self.order.next(self.waiting, self.running)
         if head is None:
             return
         while idle and (len(self.running) >= self.max_num_seqs or not self._fits(head, budget)):
@@ -417,17 +335,10 @@ class Scheduler:
         """Another model of a shared pool, below its fair share, needs `pages` (vmm/share.py):
         preempt running sequences, the newest (or least urgent) first, until that many more
         are free. Called between this model's steps."""
-        target = self.kv.pool.num_free + pages
-        while self.running and self.kv.pool.num_free < target:
-            self.preempt(self._victim(self.running))
+        target = self.kv.free_pages + pages
+        while self.running and self.kv.free_pages < target:
+            self.preempt(self.order.victim(self.running))
             self.kv.reclaim(target)  # a preempted sequence's pages may stay cached: let them go
-
-    def _victim(self, candidates: list[Sequence]) -> Sequence:
-        """Who is preempted among running candidates (the tail of the running list): the least
-        urgent under the priority policy, else the newest."""
-        if self.policy == "priority":
-            return max(candidates, key=lambda s: (s.priority, s.arrival, s.seq_id))
-        return candidates[-1]
 
     def retract_all(self) -> None:
         """Every running and swapped sequence gives its KV back and waits at the front, in the
@@ -471,8 +382,7 @@ class Scheduler:
             self.kv.release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-            self.skips.pop(seq.seq_id, None)
-            self._names.pop(seq.seq_id, None)
+            self.order.forget(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def finish_request(self, request_id: str, reason: str) -> list[Sequence]:

@@ -14,6 +14,7 @@ from itertools import count
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured import consume
 
 
 class SequenceStatus(Enum):
@@ -48,7 +49,7 @@ class Sequence:
     lora: object | None = None  # the LoRA adapter it runs with (engine/lora.py Adapter); its pages are its own
     siblings: list[Sequence] = field(default_factory=list)  # n > 1: fork from it once its prompt is computed
     beam: object | None = None  # a beam search's beams: the BeamGroup that steers them (engine/beam_search.py)
-    kv: object | None = None  # its KV state while it holds a place: the KV cache's handle (engine/kv/base.py)
+    kv: object | None = None  # its KV state while it holds a place: the KV manager's handle (engine/kv/layout.py)
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)
@@ -96,3 +97,16 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def stop_reason(self, eos_ids: tuple[int, ...], max_model_len: int | None) -> str | None:
+        """Why it stops at the token it just took, if it does (its grammar, if any, takes the
+        token first; stop strings aside: text is the output processor's)."""
+        p, token = self.params, self.token_ids[-1]
+        if self.grammar is not None and consume(self.grammar, token):
+            return "stop"
+        if self.num_output_tokens >= p.min_tokens:
+            if (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                return "stop"
+        if self.num_output_tokens >= p.max_tokens or (max_model_len and len(self) >= max_model_len):
+            return "length"
+        return None

@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 
-from engine import attention
+from engine import attention, attention_step
 from engine.attention import StepAttention
 from engine.ops import rope_table
 from helpers import make_batch
@@ -29,7 +29,7 @@ COS_SIN = rope_table(1.0 / 10000 ** (torch.arange(0, D, 2).float() / D), 1024, t
 
 
 def causal_sdpa(q, k, v):
-    return attention.sdpa_sequence(q, k, v)
+    return attention_step.sdpa_sequence(q, k, v)
 
 
 def flash_varlen_contract(q, k_flat, v_flat, cu_seqlens_q, k_starts, max_q, max_k, seqused_k, tile=1):
@@ -154,7 +154,8 @@ def test_flash_attention_4_tiles_are_mapped_and_zeroed_by_the_kv_cache():
         import torch, vmm
         from engine import attention
         from engine.attention import StepAttention
-        from engine.kv.virtual import VirtualKVCache
+        from engine.kv.manager import KVManager
+        from engine.kv.virtual import VirtualLayout
         from engine.models.config import ModelConfig
         from engine.sampling_params import SamplingParams
         from engine.sequence import Sequence
@@ -164,16 +165,16 @@ def test_flash_attention_4_tiles_are_mapped_and_zeroed_by_the_kv_cache():
         cfg = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=6,
                           num_kv_heads=2, head_dim=64)
         for layout in ("interleaved", "per_layer"):
-            kv = VirtualKVCache(cfg, layout, 3, 1024, torch.float32, vmm.HostBackend(4096), 3000, tile_rows=128)
+            kv = KVManager(VirtualLayout(cfg, layout, 3, 1024, torch.float32, vmm.HostBackend(4096), 3000, tile_rows=128))
             seqs = [(1, 5), (130, 130), (1, 300)]
             held = [Sequence("r", 0, [1] * ctx, SamplingParams(), 0.0) for _, ctx in seqs]
             for s, (_, ctx) in zip(held, seqs):
                 kv.admit(s)
                 assert kv.ensure_mapped(s, ctx)
-            batch = make_batch(seqs, *kv.block_table(held, [c for _, c in seqs]))
+            batch = make_batch(seqs, *kv.layout.block_table(held, [c for _, c in seqs]))
             tokens = sum(q for q, _ in seqs)
             q, k, v = torch.randn(tokens, 6, 64), torch.randn(tokens, 2, 64), torch.randn(tokens, 2, 64)
-            out = StepAttention("flash-attn-4", kv.k_caches, kv.v_caches, batch, COS_SIN)(1, q, k, v)
+            out = StepAttention("flash-attn-4", kv.layout.k_caches, kv.layout.v_caches, batch, COS_SIN)(1, q, k, v)
             assert torch.isfinite(out).all()
         print("ok")
     """)

@@ -33,11 +33,11 @@ def test_bf16_without_native_bf16_runs_in_fp32_over_a_bf16_cache(no_native_bf16)
     platform = llm.stats().platform
     assert platform["compute_dtype"] == "float32" and platform["kv_dtype"] == "bfloat16"
     assert "forced by the test" in platform["compute_reason"] and "float32" in platform["gemm"]
-    assert {c.dtype for c in llm.engine.kv.k_caches} == {torch.bfloat16}
+    assert {c.dtype for c in llm.engine.kv.layout.k_caches} == {torch.bfloat16}
     weights = [p for p in llm.engine.model.parameters() if p.numel() > 1]
     assert all(p.dtype == torch.float32 and torch.equal(p, p.bfloat16().float()) for p in weights)  # bf16 values
     fp32 = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
-    assert llm.engine.kv.token_bytes * 2 == fp32.engine.kv.token_bytes
+    assert llm.engine.kv.layout.token_bytes * 2 == fp32.engine.kv.layout.token_bytes
     sequences = continuations(fp32, PROMPTS, GREEDY.max_tokens)  # bf16 weights: held by bf16's tolerance
     first = [len(s) - GREEDY.max_tokens for s in sequences]
     print(assert_close(teacher_forced(llm, sequences, first), teacher_forced(fp32, sequences, first),

@@ -11,7 +11,8 @@ import torch
 import vmm
 from conftest import cuda_unavailable
 from cuda_emulator import EmulatedCudaBackend, counts, fail
-from engine.kv.virtual import VirtualKVCache
+from engine.kv.manager import KVManager
+from engine.kv.virtual import VirtualLayout
 from engine.models.config import ModelConfig
 
 pytestmark = [pytest.mark.cuda_emulated,
@@ -119,7 +120,7 @@ def test_a_failed_copy_on_write_keeps_the_original_page():
 def test_a_virtual_kv_cache_gives_everything_back_at_close():
     cfg = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2,
                       num_kv_heads=2, head_dim=64)
-    kv = VirtualKVCache(cfg, "interleaved", 4, 256, torch.float32, EmulatedCudaBackend(), 8)
+    kv = KVManager(VirtualLayout(cfg, "interleaved", 4, 256, torch.float32, EmulatedCudaBackend(), 8))
     assert counts().reservations == 2  # the slots' range and the backend's scratch page
     kv.close()
     assert clean()

@@ -120,11 +120,11 @@ def test_sleep_releases_the_kv_memory_and_wake_up_changes_nothing(kv_layout):
     import os
     llm = LLM(kv_layout=kv_layout, kv_cache_memory=64 << 20)
     kv, greedy = llm.engine.kv, SamplingParams(temperature=0, max_tokens=12)
-    views = [t.data_ptr() for t in (*kv.k_caches, *kv.v_caches)]
+    views = [t.data_ptr() for t in (*kv.layout.k_caches, *kv.layout.v_caches)]
 
     def committed() -> int:
         if kv_layout == "paged":
-            return sum(t.untyped_storage().nbytes() for t in (*kv.k_caches, *kv.v_caches))
+            return sum(t.untyped_storage().nbytes() for t in (*kv.layout.k_caches, *kv.layout.v_caches))
         return os.fstat(kv.pool.backend.fd).st_blocks * 512
 
     before = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0].token_ids
@@ -143,7 +143,7 @@ def test_sleep_releases_the_kv_memory_and_wake_up_changes_nothing(kv_layout):
     llm.wake_up()
     assert not llm.is_sleeping() and committed() >= 0.99 * full
     if kv_layout != "paged":  # the virtual ranges, and every view into them, never moved
-        assert [t.data_ptr() for t in (*kv.k_caches, *kv.v_caches)] == views
+        assert [t.data_ptr() for t in (*kv.layout.k_caches, *kv.layout.v_caches)] == views
     after = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert after == before
     assert_pool_whole(llm)

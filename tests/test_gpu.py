@@ -28,27 +28,28 @@ def usable(kernel: str, layout: str) -> bool:
 def test_gpu_kernels_equal_the_reference_over_virtual_kv(kernel, layout):
     if not usable(kernel, layout):
         pytest.skip(f"{kernel} is not available here")
-    from engine.kv.virtual import VirtualKVCache
+    from engine.kv.manager import KVManager
+    from engine.kv.virtual import VirtualLayout
     from engine.models.config import ModelConfig
     from engine.sequence import Sequence
 
     cfg = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=4, num_heads=32,
                       num_kv_heads=8, head_dim=128)
-    kv = VirtualKVCache(cfg, layout, 4, 2048, torch.bfloat16, vmm.CudaBackend(), 256, tile_rows=128)
+    kv = KVManager(VirtualLayout(cfg, layout, 4, 2048, torch.bfloat16, vmm.CudaBackend(), 256, tile_rows=128))
     seqs = [(1, 700), (300, 300), (1, 1), (57, 1200)]
     held = [Sequence("r", 0, [1] * c, SamplingParams(), 0.0) for _, c in seqs]
     for s, (_, c) in zip(held, seqs):
         kv.admit(s)
         assert kv.ensure_mapped(s, c)
-        table, rows = kv.block_table([s], [c])
-        for cache in kv.k_caches + kv.v_caches:
+        table, rows = kv.layout.block_table([s], [c])
+        for cache in kv.layout.k_caches + kv.layout.v_caches:
             cache[table[0][0], :c] = torch.randn(c, 8, 128, dtype=torch.bfloat16, device="cuda")
-    batch = make_batch(seqs, *kv.block_table(held, [c for _, c in seqs]), device="cuda")
+    batch = make_batch(seqs, *kv.layout.block_table(held, [c for _, c in seqs]), device="cuda")
     cos_sin = rope_table(1.0 / 10000 ** (torch.arange(0, 128, 2).float() / 128), 2048, torch.bfloat16, "cuda")
     tokens = sum(q for q, _ in seqs)
     q, k, v = (torch.randn(tokens, h, 128, dtype=torch.bfloat16, device="cuda") for h in (32, 8, 8))
-    want = StepAttention("sdpa", kv.k_caches, kv.v_caches, batch, cos_sin)(1, q.clone(), k.clone(), v.clone())
-    got = StepAttention(kernel, kv.k_caches, kv.v_caches, batch, cos_sin)(1, q.clone(), k.clone(), v.clone())
+    want = StepAttention("sdpa", kv.layout.k_caches, kv.layout.v_caches, batch, cos_sin)(1, q.clone(), k.clone(), v.clone())
+    got = StepAttention(kernel, kv.layout.k_caches, kv.layout.v_caches, batch, cos_sin)(1, q.clone(), k.clone(), v.clone())
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     kv.close()
 

@@ -138,7 +138,8 @@ def test_attention_reads_nothing_past_each_context():
     script = textwrap.dedent("""
         import torch, vmm
         from engine.attention import StepAttention
-        from engine.kv.virtual import VirtualKVCache
+        from engine.kv.manager import KVManager
+        from engine.kv.virtual import VirtualLayout
         from engine.models.config import ModelConfig
         from engine.ops import rope_table
         from engine.sequence import Sequence
@@ -147,17 +148,17 @@ def test_attention_reads_nothing_past_each_context():
         cfg = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=3, num_heads=6,
                           num_kv_heads=2, head_dim=64)
         for layout in ("interleaved", "per_layer"):
-            kv = VirtualKVCache(cfg, layout, 4, 1024, torch.float32, vmm.HostBackend(4096), 2000)
+            kv = KVManager(VirtualLayout(cfg, layout, 4, 1024, torch.float32, vmm.HostBackend(4096), 2000))
             seqs = [(1, 5), (300, 300), (1, 700), (37, 37)]
             held = [Sequence("r", 0, [1] * ctx, SamplingParams(), 0.0) for _, ctx in seqs]
             for s, (_, ctx) in zip(held, seqs):
                 kv.admit(s)
                 assert kv.ensure_mapped(s, ctx)  # pages up to the context, no further
-            batch = make_batch(seqs, *kv.block_table(held, [c for _, c in seqs]))
+            batch = make_batch(seqs, *kv.layout.block_table(held, [c for _, c in seqs]))
             tokens = sum(q for q, _ in seqs)
             q, k, v = torch.randn(tokens, 6, 64), torch.randn(tokens, 2, 64), torch.randn(tokens, 2, 64)
             cos_sin = rope_table(1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64), 1024, torch.float32, "cpu")
-            out = StepAttention("native", kv.k_caches, kv.v_caches, batch, cos_sin)(2, q, k, v)
+            out = StepAttention("native", kv.layout.k_caches, kv.layout.v_caches, batch, cos_sin)(2, q, k, v)
             assert torch.isfinite(out).all()
         print("ok")
     """)

@@ -41,8 +41,8 @@ def test_fp8_stores_a_quarter_of_fp32s_bytes_per_token():
     for layout in ("per_layer", "interleaved", "paged"):
         tiny = dict(model="random:tiny", kv_layout=layout, **SMALL)
         with LLM(**tiny) as full, LLM(kv_cache_dtype="fp8_e5m2", **tiny) as fp8:
-            assert fp8.engine.kv.token_bytes * 4 == full.engine.kv.token_bytes, layout
-            assert {c.dtype for c in fp8.engine.kv.k_caches + fp8.engine.kv.v_caches} == {torch.float8_e5m2}
+            assert fp8.engine.kv.layout.token_bytes * 4 == full.engine.kv.layout.token_bytes, layout
+            assert {c.dtype for c in fp8.engine.kv.layout.k_caches + fp8.engine.kv.layout.v_caches} == {torch.float8_e5m2}
 
 
 @pytest.mark.parametrize("name, dtype", [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])

@@ -72,7 +72,8 @@ def test_pages_taken_by_another_process_between_check_and_alloc_leave_the_step_u
     (the scheduler preempts or waits), nothing is left half mapped, and no exception kills it."""
     import torch
 
-    from engine.kv.virtual import VirtualKVCache
+    from engine.kv.manager import KVManager
+    from engine.kv.virtual import VirtualLayout
     from engine.models import load_config
     from engine.sampling_params import SamplingParams
     from engine.sequence import Sequence
@@ -80,8 +81,8 @@ def test_pages_taken_by_another_process_between_check_and_alloc_leave_the_step_u
 
     owner = PoolOwner(HostBackend(64 << 10), 64, str(tmp_path / "pool.sock")).start()
     mine, other = AttachedPool(owner.path), AttachedPool(owner.path)
-    kv = VirtualKVCache(load_config("random:smollm2-kv"), "per_layer", 2, 256, torch.float32, mine.backend,
-                        mine.num_pages, True, 1, None, mine)
+    kv = KVManager(VirtualLayout(load_config("random:smollm2-kv"), "per_layer", 2, 256, torch.float32, mine.backend,
+                                 mine.num_pages, 1, None, mine), True)
     try:
         seq = Sequence("s", 0, list(range(1, 51)), SamplingParams(max_tokens=1), 0.0)  # one page per region: 60
         kv.admit(seq)
@@ -118,7 +119,8 @@ def test_a_prefilled_prompt_is_handed_over_by_mapping_its_pages(tmp_path, kind, 
     and range is given back."""
     import torch
 
-    from engine.kv.virtual import VirtualKVCache
+    from engine.kv.manager import KVManager
+    from engine.kv.virtual import VirtualLayout
     from engine.models import load_config
     from engine.sampling_params import SamplingParams
     from engine.sequence import Sequence
@@ -132,22 +134,22 @@ def test_a_prefilled_prompt_is_handed_over_by_mapping_its_pages(tmp_path, kind, 
     try:
         for _ in range(3):  # the prefilling process's cache, the decoding one's, another's
             pool = AttachedPool(owner.path, make_cuda_backend() if cuda else None)
-            caches.append(VirtualKVCache(load_config("random:smollm2-kv"), layout, 2, 512, torch.float32,
-                                         pool.backend, pool.num_pages, True, 1, None, pool))
+            caches.append(KVManager(VirtualLayout(load_config("random:smollm2-kv"), layout, 2, 512, torch.float32,
+                                                  pool.backend, pool.num_pages, 1, None, pool), True))
         prefiller, decoder, other = caches
         tokens = random.Random(1).sample(range(100, 5000), length)
-        pages = prefiller.page_range(0, len(tokens))
-        assert (prefiller.page_end(pages[-1]) > len(tokens)) == (length == 200)  # inside its last page, or at its end
+        pages = prefiller.layout.page_range(0, len(tokens))
+        assert (prefiller.layout.page_end(pages[-1]) > len(tokens)) == (length == 200)  # inside its last page, or at its end
         seq = Sequence("p", 0, tokens, SamplingParams(max_tokens=1), 0.0)
         prefiller.admit(seq)
         assert prefiller.ensure_mapped(seq, len(tokens))
         for k in pages:
-            for r, view in enumerate(prefiller.page_views(seq, k)):
+            for r, view in enumerate(prefiller.layout.page_views(seq, k)):
                 view.copy_(torch.full_like(view, (1 + k * 7 + r) % 256))
         seq.num_computed_tokens = len(tokens)
         prefiller.commit(seq)
         n = len(tokens) - 1  # the rows the decoding side takes: all but the last token's
-        written = [rows[seq.kv.slot, :n].view(torch.int32).clone() for rows in prefiller.k_caches + prefiller.v_caches]
+        written = [rows[seq.kv.slot, :n].view(torch.int32).clone() for rows in prefiller.layout.k_caches + prefiller.layout.v_caches]
         prefiller.release(seq)  # the prefill is done: its last, partial page is published too
         if reader:  # a longer prompt maps every page of this one, the last included
             longer = Sequence("o", 0, tokens + [7] * 10, SamplingParams(max_tokens=1), 0.0)
@@ -156,15 +158,15 @@ def test_a_prefilled_prompt_is_handed_over_by_mapping_its_pages(tmp_path, kind, 
         assert decoder.admit(taken) == n  # the last token is computed again: its logits are wanted
         if not reader:  # every page mapped, the last one (partial, or whole where the prompt ends at
             # its end) taken: out of the directory, the decoding cache its one holder, nothing copied
-            assert decoder.stats().prefix_cache_imported == len(pages) * decoder.num_regions
+            assert decoder.stats().prefix_cache_imported == len(pages) * decoder.layout.num_regions
             assert decoder.stats().prefix_cache_partial_bytes == 0
             assert owner.stats()["named"] == len(pages) - 1
         else:  # the last page stays cached for all: the rows needed are copied out of it
             assert decoder.stats().prefix_cache_partial_bytes == \
-                (n * decoder.row_bytes - (len(pages) - 1) * decoder.page_size) * decoder.num_regions
+                (n * decoder.layout.row_bytes - (len(pages) - 1) * decoder.layout.page_size) * decoder.layout.num_regions
             assert owner.stats()["named"] == len(pages)
             other.release(longer)
-        read = [rows[taken.kv.slot, :n].view(torch.int32) for rows in decoder.k_caches + decoder.v_caches]
+        read = [rows[taken.kv.slot, :n].view(torch.int32) for rows in decoder.layout.k_caches + decoder.layout.v_caches]
         assert all(torch.equal(a, b) for a, b in zip(read, written))
         decoder.release(taken)
         for kv in caches:

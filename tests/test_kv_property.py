@@ -17,9 +17,11 @@ from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import vmm
-from engine.kv.paged import PagedKVCache
-from engine.kv.tiers import DiskTier, HostTier, KVTiers
-from engine.kv.virtual import VirtualKVCache
+from engine.kv.manager import KVManager
+from engine.kv.paged import PagedLayout
+from engine.kv.disk_tier import DiskTier
+from engine.kv.tiers import HostTier, KVTiers
+from engine.kv.virtual import VirtualLayout
 from engine.map_ahead import MapAhead
 from engine.models.config import ModelConfig
 from engine.sampling_params import SamplingParams
@@ -38,14 +40,13 @@ CFG_2MIB = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_la
                        num_kv_heads=2, head_dim=8 * 1024)  # interleaved rows of 256 KiB: 8 to a page
 
 
-def make_cache(layout: str, pages: int, cuda: bool = False, swap_pages: int = 0):
+def make_layout(layout: str, pages: int, cuda: bool = False, swap_pages: int = 0):
     cfg = CFG_2MIB if cuda else CFG
     if layout == "paged":
-        return PagedKVCache(cfg, 4, pages, torch.float32, torch.device("cpu"), enable_prefix_caching=True)
+        return PagedLayout(cfg, 4, pages, torch.float32, torch.device("cpu"))
     backend = make_cuda_backend() if cuda else vmm.HostBackend(4096)
     swap = vmm.SwapSpace(backend, swap_pages * backend.page_size) if swap_pages else None
-    return VirtualKVCache(cfg, layout, 12 if swap else 6, MAX_LEN, torch.float32, backend, pages,
-                          enable_prefix_caching=True, swap=swap)
+    return VirtualLayout(cfg, layout, 12 if swap else 6, MAX_LEN, torch.float32, backend, pages, swap=swap)
 
 
 def prefix_value(tokens: list[int], salt: str | None = None) -> float:
@@ -64,16 +65,18 @@ class TrafficMachine(RuleBasedStateMachine):
                 policy=st.sampled_from(["fcfs", "lpm"]))
     def setup(self, layout, pages, swap_pages, swap_min_tokens, ahead, window, host_entries, disk_entries, policy):
         swap_pages = 0 if layout == "paged" else swap_pages  # swapping needs a virtual layout
-        self.kv = make_cache(layout, pages, self.cuda and layout != "paged", swap_pages)
-        self.kv.window = window  # sliding window: pages before it are let go as sequences grow
-        self.tier_dir = None
+        kv_layout = make_layout(layout, pages, self.cuda and layout != "paged", swap_pages)
+        self.tier_dir, tiers = None, None
         if host_entries or disk_entries:  # evicted entries go down, and come back at admission
-            size, cpu = self.kv.entry_bytes, torch.device("cpu")
+            size, cpu = kv_layout.entry_bytes, torch.device("cpu")
             host = HostTier(cpu, size, host_entries * size) if host_entries else None
             if disk_entries:
                 self.tier_dir = tempfile.mkdtemp(prefix="vkv-tier-test-")
             disk = DiskTier(self.tier_dir, b"p" * 32, size, disk_entries * (size + 128)) if disk_entries else None
-            self.kv.attach_tiers(KVTiers(host, disk), b"property")
+            tiers = KVTiers(host, disk)
+        # window: sliding window, pages before it are let go as sequences grow
+        self.kv = KVManager(kv_layout, True, namespace=b"property" if tiers else b"", window=window, tiers=tiers)
+        self.layout = kv_layout
         self.sched = Scheduler(self.kv, max_num_seqs=6, max_num_batched_tokens=48, policy=policy,
                                preemption_mode="swap" if swap_pages else "recompute", swap_min_tokens=swap_min_tokens)
         # The map-ahead worker maps pages while the "forward pass" below writes rows.
@@ -83,11 +86,11 @@ class TrafficMachine(RuleBasedStateMachine):
 
     def rows(self, seq: Sequence, layer: int, first: int, count: int) -> torch.Tensor:
         """K of `layer` for seq's tokens [first, count), first element of each row."""
-        if isinstance(self.kv, PagedKVCache):
-            bs = self.kv.block_size
+        if isinstance(self.layout, PagedLayout):
+            bs = self.layout.block_size
             blocks = torch.tensor(seq.kv.table[first // bs:-(-count // bs)], dtype=torch.long)
-            return self.kv.k_caches[layer][blocks].flatten(0, 1)[first % bs:count - first // bs * bs, 0, 0]
-        return self.kv.k_caches[layer][seq.kv.slot, first:count, 0, 0]
+            return self.layout.k_caches[layer][blocks].flatten(0, 1)[first % bs:count - first // bs * bs, 0, 0]
+        return self.layout.k_caches[layer][seq.kv.slot, first:count, 0, 0]
 
     @rule(prefix=st.sampled_from([[], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [7] * 20]),
           tail=st.lists(st.integers(0, 63), min_size=1, max_size=12), out=st.integers(1, 16),
@@ -146,13 +149,13 @@ class TrafficMachine(RuleBasedStateMachine):
 
     def write(self, seq, layer, first, values):
         count = first + len(values)
-        if isinstance(self.kv, PagedKVCache):
-            bs = self.kv.block_size
+        if isinstance(self.layout, PagedLayout):
+            bs = self.layout.block_size
             for i, v in enumerate(values):
                 pos = first + i
-                self.kv.k_caches[layer][seq.kv.table[pos // bs], pos % bs] = v
+                self.layout.k_caches[layer][seq.kv.table[pos // bs], pos % bs] = v
         else:
-            self.kv.k_caches[layer][seq.kv.slot, first:count] = values[:, None, None]
+            self.layout.k_caches[layer][seq.kv.slot, first:count] = values[:, None, None]
 
     @invariant()
     def pages_accounted_and_bytes_right(self):
@@ -184,7 +187,7 @@ class TrafficMachine(RuleBasedStateMachine):
         assert not self.sched.running and not self.sched.waiting and not self.sched.swapped
         if self.kv.prefix_cache:
             self.kv.prefix_cache.clear()
-        if isinstance(self.kv, VirtualKVCache):
+        if isinstance(self.layout, VirtualLayout):
             self.kv.reclaim(self.kv.pool.num_pages)
         self.kv.audit()
         assert self.kv.pool.num_free == self.kv.pool.num_pages

@@ -6,10 +6,13 @@ import torch
 from helpers import NARROW, assert_pool_whole
 
 from engine import LLM, SamplingParams
-from engine.kv.paged import PagedKVCache
-from engine.kv.tiers import HEADER, DiskTier, HostTier, KVTiers
+from engine.kv.manager import KVManager
+from engine.kv.paged import PagedLayout
+from engine.kv.disk_tier import HEADER, DiskTier
+from engine.kv.tiers import HostTier, KVTiers
 from engine.models.config import ModelConfig
-from engine.scheduler import LPM_MAX_SKIPS, Scheduler
+from engine.admission import LPM_MAX_SKIPS
+from engine.scheduler import Scheduler
 from engine.serving.metrics import Metrics
 from engine.sequence import Sequence
 
@@ -162,7 +165,7 @@ CFG = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=
 
 
 def test_lpm_admits_the_longest_cached_prefix_first_and_starves_nobody():
-    kv = PagedKVCache(CFG, 4, 64, torch.float32, torch.device("cpu"), enable_prefix_caching=True)
+    kv = KVManager(PagedLayout(CFG, 4, 64, torch.float32, torch.device("cpu")), prefix_caching=True)
     params = SamplingParams(max_tokens=1)
     warm = Sequence("warm", 0, list(range(1, 17)), params, 0.0)
     kv.admit(warm)

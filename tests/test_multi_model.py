@@ -7,7 +7,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import vmm
 from engine import LLM, SamplingParams
-from engine.kv.virtual import VirtualKVCache
+from engine.kv.manager import KVManager
+from engine.kv.virtual import VirtualLayout
 from engine.models.config import ModelConfig
 from engine.multi import MultiLLM
 from engine.sampler import Sampled
@@ -59,8 +60,8 @@ def test_models_of_other_dtypes_and_layouts_share_the_pool():
            "c": {"model": "random:tiny", "kv_cache_dtype": "fp8"}}
     with MultiLLM(own, kv_cache_memory=4 << 20) as llms:
         together = {name: [o.outputs[0].token_ids for o in llms.generate(prompts, greedy, model=name)] for name in own}
-        assert llms.engines["a"].kv.dtype == torch.bfloat16 and llms.engines["b"].kv.layout == "interleaved"
-        assert llms.engines["c"].kv.dtype == torch.float8_e4m3fn
+        assert llms.engines["a"].kv.layout.dtype == torch.bfloat16 and llms.engines["b"].kv.layout.name == "interleaved"
+        assert llms.engines["c"].kv.layout.dtype == torch.float8_e4m3fn
         llms.audit()
     for name, options in own.items():
         with LLM(**options, kv_cache_memory=4 << 20) as llm:
@@ -145,8 +146,8 @@ class SharedTraffic(RuleBasedStateMachine):
         self.kvs, self.scheds, self.live = [], [], []
         for m in range(models):
             share = self.shared.tenant(str(m))
-            kv = VirtualKVCache(CFGS[m % 2], layout, 4, 48, torch.float32, share.backend, share.num_pages,
-                                enable_prefix_caching=True, pool=share)
+            kv = KVManager(VirtualLayout(CFGS[m % 2], layout, 4, 48, torch.float32, share.backend, share.num_pages,
+                                         pool=share), prefix_caching=True)
             self.kvs.append(kv)
             self.scheds.append(Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=32))  # registers as the tenant
             self.live.append([])

@@ -403,7 +403,7 @@ def test_structured_outputs_with_the_openai_client(client, server):
 
 def test_token_bytes_are_the_tokens_own_bytes():
     from engine.models import load_tokenizer
-    from engine.serving.protocol import TokenText
+    from engine.serving.token_text import TokenText
 
     tokenizer = load_tokenizer(None)
     text = "Größe: 世界 🎉 naïve"

@@ -392,9 +392,9 @@ def test_one_clients_tokenization_burst_does_not_queue_another_client(server):
         time.sleep(0.01)
         return tokenizer.encode("hello")
 
-    burst = [engine.preprocessor.submit("a", slow, "a") for _ in range(40)]
+    burst = [engine.preprocess.workers.submit("a", slow, "a") for _ in range(40)]
     order.append("b asks")
-    small = engine.preprocessor.submit("b", slow, "b")
+    small = engine.preprocess.workers.submit("b", slow, "b")
     assert small.result(timeout=30) and all(f.result(timeout=30) for f in burst)
     # in turn: after the two jobs in flight and at most one more of a's; FIFO: after all of a's
     assert order.index("b") - order.index("b asks") <= 3, order

@@ -53,7 +53,7 @@ def test_three_ranks_equal_one_rank(kv_layout, reference):
               max_num_seqs=4)
     try:
         kv = llm.engine.kv
-        assert kv.token_bytes * 3 == 2 * 30 * 3 * 64 * 4  # 1/N of every token's K/V (fp32)
+        assert kv.layout.token_bytes * 3 == 2 * 30 * 3 * 64 * 4  # 1/N of every token's K/V (fp32)
         assert kv.pool.num_pages * kv.pool.page_size <= BUDGET_PER_RANK[kv_layout]
         engine = llm.engine
         for i, prompt in enumerate(PROMPTS):

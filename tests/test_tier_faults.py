@@ -1,6 +1,6 @@
 """Fault injection at every OS call of the KV disk tier, in the manner of SQLite's I/O-error tests.
 
-Each method of engine.kv.tiers.FileSystem (every OS call the tier makes) fails in turn with each
+Each method of engine.kv.disk_tier.FileSystem (every OS call the tier makes) fails in turn with each
 errno class, every time it is called or only on its n-th call; then files are swapped for a FIFO,
 a directory or a symlink out of the directory between the scan and the read; and reads come back
 short; and adapter loading's reads fail the same ways. After each: no engine death, no hang (the test's timeout), greedy output equal to the
@@ -15,8 +15,8 @@ import torch
 from helpers import assert_pool_whole
 
 from engine import LLM, SamplingParams
-from engine.kv import tiers
-from engine.kv.tiers import FileSystem
+from engine.kv import disk_tier as tiers
+from engine.kv.disk_tier import FileSystem
 
 # random:tiny (512 bytes of KV per token) in 4 KiB pages: a pool of 24 pages holds one of the
 # prompts, so each round evicts the others to the disk tier and restores them from it.

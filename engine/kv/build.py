@@ -1,13 +1,16 @@
-"""Building an engine's KV cache from its config: the layout, the page source, the tiers."""
+"""Building an engine's KV cache from its config: the layout, the page source, the tiers, the
+namespace pages are named in, and the KV manager over them, whole."""
 from __future__ import annotations
 
 import torch
 
 import vmm
 from engine.config import DEFAULT_HOST_PAGE, EngineConfig
-from engine.kv.paged import PagedKVCache
-from engine.kv.tiers import make_tiers, namespace_of
-from engine.kv.virtual import VirtualKVCache
+from engine.kv.events import KVEventLog
+from engine.kv.manager import KVManager
+from engine.kv.paged import PagedLayout
+from engine.kv.tiers import KVTiers, make_tiers, namespace_of
+from engine.kv.virtual import VirtualLayout
 from engine.models import weights_fingerprint
 from engine.models.config import ModelConfig
 
@@ -22,17 +25,36 @@ def backend_for(c: EngineConfig, shareable: bool = False) -> vmm.Backend:
 
 
 def make_kv_cache(c: EngineConfig, cfg: ModelConfig, budget: int, max_model_len: int, tile_rows: int,
-                  pool: vmm.PoolShare | None = None) -> VirtualKVCache | PagedKVCache:
-    """One rank's KV cache: cfg holds its share of the KV heads, budget its bytes (or pool, a
-    share of a pool several models draw from). tile_rows: what the attention kernel loads
-    past a sequence's end (engine/attention.py)."""
+                  pool: vmm.PoolShare | None = None, window: int | None = None) -> KVManager:
+    """One rank's KV manager over its layout: cfg holds its share of the KV heads, budget its
+    bytes (or pool, a share of a pool several models draw from). tile_rows: what the attention
+    kernel loads past a sequence's end (engine/attention.py); window: the model's sliding window."""
+    layout = make_layout(c, cfg, budget, max_model_len, tile_rows, pool)
+    events = KVEventLog()
+    if c.kv_events_config is not None and c.kv_events_config.publishes:
+        events.start(layout.page_end(0))  # before the tiers: a disk tier's files are announced
+    namespace, tiers = b"", None
+    try:
+        if c.offloading:
+            namespace, tiers = make_tiers_for(layout, c, events)
+        if c.kv_pool is not None:
+            namespace = shared_namespace(layout, c)
+        return KVManager(layout, c.enable_prefix_caching, namespace=namespace, window=window, tiers=tiers,
+                         events=events)
+    except BaseException:
+        layout.close()
+        raise
+
+
+def make_layout(c: EngineConfig, cfg: ModelConfig, budget: int, max_model_len: int, tile_rows: int,
+                pool: vmm.PoolShare | None) -> VirtualLayout | PagedLayout:
     if c.kv_layout == "paged":
         itemsize = torch.empty((), dtype=c.kv_dtype).element_size()
         block_bytes = c.block_size * cfg.kv_bytes_per_token(itemsize)
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {budget} is below one block ({block_bytes} bytes)")
-        return PagedKVCache(cfg, c.block_size, num_blocks, c.kv_dtype, c.device, c.enable_prefix_caching)
+        return PagedLayout(cfg, c.block_size, num_blocks, c.kv_dtype, c.device)
     if c.kv_pool is not None:  # a pool several engine processes draw from (vmm/owner.py)
         pool = vmm.AttachedPool(c.kv_pool, backend_for(c) if c.device.type == "cuda" else None)
     if pool is not None:
@@ -46,25 +68,24 @@ def make_kv_cache(c: EngineConfig, cfg: ModelConfig, budget: int, max_model_len:
     swap = None
     if c.preemption_mode == "swap":  # swapped sequences keep their slots: twice the slots
         swap = vmm.SwapSpace(backend, int(c.swap_space * (1 << 30)), c.swap_path)
-    return VirtualKVCache(cfg, c.kv_layout, c.max_num_seqs * (2 if swap else 1), max_model_len, c.kv_dtype,
-                          backend, num_pages, c.enable_prefix_caching, tile_rows, swap, pool)
+    return VirtualLayout(cfg, c.kv_layout, c.max_num_seqs * (2 if swap else 1), max_model_len, c.kv_dtype,
+                         backend, num_pages, tile_rows, swap, pool)
 
 
-def shared_names(kv: VirtualKVCache, c: EngineConfig) -> None:
+def shared_namespace(layout: VirtualLayout, c: EngineConfig) -> bytes:
     """Over a pool several processes share, pages are named in a namespace of the weights and
     the KV geometry, so no process maps another model's or layout's pages for a prefix."""
-    geometry = {"compute_dtype": str(c.compute_dtype), **kv.geometry()}
-    kv.name_pages_in(namespace_of(weights_fingerprint(c.model, c.seed), geometry))
+    geometry = {"compute_dtype": str(c.compute_dtype), **layout.geometry()}
+    return namespace_of(weights_fingerprint(c.model, c.seed), geometry)
 
 
-def attach_tiers(kv: VirtualKVCache | PagedKVCache, c: EngineConfig) -> None:
-    """The KV tiers below the pool. Pages are named in a namespace of the weights and the KV
-    geometry, so a disk tier never hands an engine another model's or layout's bytes."""
-    geometry = kv.geometry()
+def make_tiers_for(layout: VirtualLayout | PagedLayout, c: EngineConfig, events: KVEventLog) -> tuple[bytes, KVTiers]:
+    """The KV tiers below the pool, and the namespace pages are named in: one of the weights and
+    the KV geometry, so a disk tier never hands an engine another model's or layout's bytes."""
+    geometry = layout.geometry()
     describe = {"model": c.model or "bundled", "compute_dtype": str(c.compute_dtype), **geometry}
     weights = weights_fingerprint(c.model, c.seed) if c.kv_offloading_path else b""
     namespace = namespace_of(weights, {k: v for k, v in describe.items() if k != "model"})
-    tiers = make_tiers(c.device, kv.entry_bytes, int(c.kv_offloading_size * (1 << 30)),
-                       c.kv_offloading_path, int(c.kv_offloading_path_size * (1 << 30)), namespace, describe,
-                       kv.events)
-    kv.attach_tiers(tiers, namespace)
+    tiers = make_tiers(c.device, layout.entry_bytes, int(c.kv_offloading_size * (1 << 30)),
+                       c.kv_offloading_path, int(c.kv_offloading_path_size * (1 << 30)), namespace, describe, events)
+    return namespace, tiers

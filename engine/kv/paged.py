@@ -3,8 +3,9 @@
 Per layer, K and V are pools of blocks [num_blocks, block_size, kv_heads, head_dim]. A sequence
 owns a block table (page k of the sequence is `seq.kv.table[k]`) and takes one more block
 every `block_size` tokens. Block ids and their reference counts live in a
-`vmm.PageAllocator`, the bookkeeping the virtual caches use, and prefix caching, forks and
-copy-on-write come from the same base class, so the two differ only in where K/V live. The
+`vmm.PageAllocator`, the bookkeeping the virtual layouts use, and prefix caching, forks and
+copy-on-write come from the same KV manager (engine/kv/manager.py), so the two differ only in
+where K/V live. The
 native CPU kernel reads blocks through the table, as it reads virtual slots; the sdpa
 reference gathers them first.
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 import vmm
-from engine.kv.base import KVCacheBase, KVHandle
+from engine.kv.layout import KVHandle, KVLayout
 from engine.models.config import ModelConfig
 from engine.sequence import Sequence
 
@@ -37,15 +38,15 @@ class BlockTable(KVHandle):
         return tuple(self.table)
 
 
-class PagedKVCache(KVCacheBase):
-    layout = "paged"
+class PagedLayout(KVLayout):
+    name = "paged"
 
     def __init__(self, cfg: ModelConfig, block_size: int, num_blocks: int, dtype: torch.dtype,
-                 device: torch.device, enable_prefix_caching: bool = False):
+                 device: torch.device):
         H, D = cfg.num_kv_heads, cfg.head_dim
         self.block_size = block_size
         self._token_bytes = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
-        super().__init__(vmm.PageAllocator(num_blocks, block_size * self._token_bytes), enable_prefix_caching)
+        self.pool = vmm.PageAllocator(num_blocks, block_size * self._token_bytes)
         shape = (num_blocks, block_size, H, D)
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
@@ -101,7 +102,7 @@ class PagedKVCache(KVCacheBase):
         return [cache[block].view(-1).view(torch.uint8) for cache in (*self.k_caches, *self.v_caches)]
 
     def geometry(self) -> dict:
-        return {"layout": self.layout, "dtype": str(self.k_caches[0].dtype), "block_size": self.block_size,
+        return {"layout": self.name, "dtype": str(self.k_caches[0].dtype), "block_size": self.block_size,
                 "k_cache": list(self.k_caches[0].shape[1:]), "layers": len(self.k_caches)}
 
     # -- blocks ---------------------------------------------------------------------------
@@ -139,9 +140,9 @@ class PagedKVCache(KVCacheBase):
                 self.pool.drop(block)
 
     # -- checks ---------------------------------------------------------------------------
-    def audit(self) -> None:
-        expected = Counter(b for h in self.handles for b in h.table if b != GONE)
-        expected.update(self.held_by_cache())
+    def audit(self, handles: set[KVHandle], held: dict[int, int]) -> None:
+        expected = Counter(b for h in handles for b in h.table if b != GONE)
+        expected.update(held)
         self.pool.check(expected)
 
     def block_table(self, seqs: list[Sequence], ctx_lens: list[int]) -> tuple[list[list[int]], int]:
@@ -149,6 +150,5 @@ class PagedKVCache(KVCacheBase):
                 for s, ctx in zip(seqs, ctx_lens)], self.block_size
 
     def close(self) -> None:
-        self._let_cache_go()
         self.k_caches.clear()
         self.v_caches.clear()

@@ -11,7 +11,7 @@ with requests that carry the same salt (vLLM's semantics). Hashing costs about 1
 
 A prefix that ends inside a page is a hit to the token: entries are also indexed by their
 parent's name with their tokens (`partial`), and the KV cache copies the cached page whose
-first rows are the sequence's next tokens into a page of its own (engine/kv/base.py `_partial`).
+first rows are the sequence's next tokens into a page of its own (engine/kv/lookup.py `partial`).
 Entries let go to the KV tiers keep that index (`partial_evicted`, the last EVICTED_INDEX of
 them, while a tier holds them): the page is then restored from the tier instead (entries the
 disk tier found at start have no tokens here, so they serve whole pages only).
@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 from engine.kv.events import GPU, KVEventLog
 from vmm import PageAllocator
@@ -88,11 +89,12 @@ def tail_name(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
 
 
 class PrefixCache:
-    def __init__(self, pool: PageAllocator, events: KVEventLog | None = None):
+    def __init__(self, pool: PageAllocator, events: KVEventLog | None = None,
+                 on_evict: Callable[[bytes, tuple[int, ...]], None] | None = None):
         self.pool = pool
         self.events = events or KVEventLog()  # what comes and goes, for routers (Note [KV events])
         self.shared = hasattr(pool, "lookup")  # a pool several processes draw from: one directory of names
-        self.on_evict = None  # called with (name, pages) before an entry's pages are let go (the KV tiers)
+        self.on_evict = on_evict  # called with (name, pages) before an entry's pages are let go (the KV tiers)
         self.entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         # each entry's tokens under its parent's name (a root for a first page), for hits that
         # end inside a page (`partial`); entries imported from a shared pool have none

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 import vmm
-from engine.kv.base import KVCacheBase, KVHandle
+from engine.kv.layout import KVHandle, KVLayout
 from engine.models.config import ModelConfig
 from engine.sequence import Sequence
 from vmm.backend import consecutive_runs
@@ -53,14 +52,13 @@ class Slot(KVHandle):
         return self.slot
 
 
-class VirtualKVCache(KVCacheBase):
+class VirtualLayout(KVLayout):
     def __init__(self, cfg: ModelConfig, layout: str, num_slots: int, max_model_len: int,
-                 dtype: torch.dtype, backend: vmm.Backend, num_pages: int,
-                 enable_prefix_caching: bool = False, tile_rows: int = 1,
+                 dtype: torch.dtype, backend: vmm.Backend, num_pages: int, tile_rows: int = 1,
                  swap: vmm.SwapSpace | None = None, pool: vmm.PoolShare | vmm.AttachedPool | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown virtual kv_layout {layout!r}: choose one of {LAYOUTS}")
-        self.layout, self.num_slots, self.dtype = layout, num_slots, dtype
+        self.name, self.num_slots, self.dtype = layout, num_slots, dtype
         L, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.row_elems = L * 2 * H * D if layout == "interleaved" else H * D
@@ -74,7 +72,7 @@ class VirtualKVCache(KVCacheBase):
         # else a share of a pool several models draw from (vmm/share.py); an AttachedPool (a pool
         # several processes draw from, vmm/attach.py) is this cache's to leave
         self.owns_pool = pool is None or isinstance(pool, vmm.AttachedPool)
-        super().__init__(vmm.PagePool(backend, num_pages) if pool is None else pool, enable_prefix_caching)
+        self.pool = vmm.PagePool(backend, num_pages) if pool is None else pool
         self.regions = [vmm.Reservation(self.pool, num_slots * self.slot_pages * self.page_size)
                         for _ in range(self.num_regions)]
         self.k_caches, self.v_caches = self._views(L, H, D)
@@ -87,7 +85,7 @@ class VirtualKVCache(KVCacheBase):
 
     def _views(self, L: int, H: int, D: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer, K and V as [slots, rows, H, D] views (row stride = row_elems)."""
-        if self.layout == "per_layer":
+        if self.name == "per_layer":
             views = [r.view(self.dtype, (self.num_slots, self.rows, H, D)) for r in self.regions]
             return views[0::2], views[1::2]
         rows = self.regions[0].view(self.dtype, (self.num_slots, self.rows, L, 2, H, D))
@@ -139,13 +137,21 @@ class VirtualKVCache(KVCacheBase):
             region.map(self._index(seq, k), page)
         self.mapped[seq.kv.slot] += 1
 
-    def install_many(self, seq: Sequence, entries: list[tuple[int, ...] | None]) -> None:
+    def install_prefix(self, seq: Sequence, entries: list[tuple[int, ...] | None]) -> None:
         """Into a slot with nothing there yet: each region's pages as one run (one access call,
-        one mmap per run of consecutive pages), not one call per page."""
+        one mmap per run of consecutive pages), not one call per page. A reused slot keeps its
+        private pages past the installed prefix; shared ones go."""
         fresh = entries and all(p is not None for p in entries) and \
             all(self.pages_at(seq, k) is None for k in range(len(entries)))
-        if not fresh:
-            return super().install_many(seq, entries)
+        if fresh:
+            self._map_prefix(seq, entries)
+        else:
+            super().install_prefix(seq, entries)
+        stale = [k for k in range(len(entries), self.slot_pages)
+                 if self.pages_at(seq, k) is not None and self.is_shared(seq, k)]
+        self._unmap(seq.kv.slot, stale)
+
+    def _map_prefix(self, seq: Sequence, entries: list[tuple[int, ...]]) -> None:
         done = []
         try:
             for r, region in enumerate(self.regions):
@@ -156,12 +162,6 @@ class VirtualKVCache(KVCacheBase):
                 region.unmap(self._index(seq, 0), len(entries))
             raise
         self.mapped[seq.kv.slot] += len(entries)
-
-    def after_install(self, seq: Sequence, num_installed: int) -> None:
-        """A reused slot keeps its private pages past the installed prefix; shared ones go."""
-        stale = [k for k in range(num_installed, self.slot_pages)
-                 if self.pages_at(seq, k) is not None and self.is_shared(seq, k)]
-        self._unmap(seq.kv.slot, stale)
 
     def unmap_page(self, seq: Sequence, k: int) -> None:
         self._unmap(seq.kv.slot, [k])
@@ -213,7 +213,7 @@ class VirtualKVCache(KVCacheBase):
                 for r in self.regions]
 
     def geometry(self) -> dict:
-        return {"layout": self.layout, "dtype": str(self.dtype), "page_size": self.page_size,
+        return {"layout": self.name, "dtype": str(self.dtype), "page_size": self.page_size,
                 "row_bytes": self.row_bytes, "regions": self.num_regions,
                 "k_cache": list(self.k_caches[0].shape[1:])}
 
@@ -239,11 +239,10 @@ class VirtualKVCache(KVCacheBase):
             self.free_slots.append(slot)
 
     # -- swapping -------------------------------------------------------------------------
-    def swap_out(self, seq: Sequence) -> bool:
+    def swap_out(self, seq: Sequence, held: dict[int, int]) -> bool:
         """Pages only seq maps (the prefix cache may hold them too) leave its slot; the bytes of
-        those under its computed rows are saved first. A page the cache holds stays there,
-        evictable, and comes back without a copy if it is still cached at swap-in."""
-        slot, held = seq.kv.slot, self.held_by_cache()
+        those under its computed rows are saved first."""
+        slot = seq.kv.slot
         mine = [k for k in self._slot_pages(slot)
                 if all(self.pool.ref_counts[p] == 1 + held.get(p, 0) for p in self.pages_at(seq, k))]
         kept = [k for k in mine if k < len(self.page_range(0, seq.num_computed_tokens))]
@@ -252,19 +251,14 @@ class VirtualKVCache(KVCacheBase):
         seq.kv.swapped = {k: (self.pages_at(seq, k), tuple(
             self.swap.save(r.addr + r.offset_of(self._index(seq, k))) for r in self.regions)) for k in kept}
         self._unmap(slot, mine)
-        self.swap_outs += 1
         return True
 
-    def swap_in(self, seq: Sequence, num_tokens: int, keep_free: int = 0) -> bool:
-        saved = seq.kv.swapped
-        missing, shared = self.plan_mapping(seq, num_tokens)
-        if not self.make_room((len(saved.keys() | missing) + len(shared)) * self.num_regions + keep_free):
-            return False
-        start = time.perf_counter()
-        handle = seq.kv
-        cache = self.prefix_cache.entries if self.prefix_cache else {}
-        for k, (pages, swap_slots) in sorted(saved.items()):
-            if k < handle.committed and cache.get(handle.names[k]) == pages:  # still cached: no copy
+    def swapped_pages(self, seq: Sequence) -> dict[int, tuple[int, ...]]:
+        return {k: pages for k, (pages, _) in (seq.kv.swapped or {}).items()}
+
+    def swap_in(self, seq: Sequence, still_cached: set[int]) -> None:
+        for k, (pages, swap_slots) in sorted(seq.kv.swapped.items()):
+            if k in still_cached:  # the prefix cache's very pages: no copy
                 self.install(seq, k, pages)
                 for swap_slot in swap_slots:
                     self.swap.discard(swap_slot)
@@ -272,12 +266,7 @@ class VirtualKVCache(KVCacheBase):
             self.map_fresh(seq, [k])
             for r, swap_slot in zip(self.regions, swap_slots):
                 self.swap.restore(swap_slot, r.addr + r.offset_of(self._index(seq, k)))
-        handle.swapped = None
-        self.swap_ins += 1
-        self.map_seconds += time.perf_counter() - start
-        if not self.ensure_mapped(seq, num_tokens):
-            raise AssertionError("swap_in made room, yet ensure_mapped found none")
-        return True
+        seq.kv.swapped = None
 
     @property
     def swap_bytes(self) -> tuple[int, int]:
@@ -287,12 +276,12 @@ class VirtualKVCache(KVCacheBase):
         """Pages mapped in idle slots (an upper bound: some may also be mapped elsewhere)."""
         return sum(self.mapped[s] for s in self.idle_slots) * self.num_regions
 
-    def reclaim(self, want_free: int) -> None:
+    def reclaim_idle(self, want_free: int) -> None:
+        """Idle slots, least recently used first."""
         while self.pool.num_free < want_free and self.idle_slots:
             slot, _ = self.idle_slots.popitem(last=False)
             self._unmap_slot(slot)
             self.free_slots.append(slot)
-        super().reclaim(want_free)
 
     def _unmap(self, slot: int, indices: list[int]) -> None:
         for first, count in consecutive_runs(indices):
@@ -311,7 +300,7 @@ class VirtualKVCache(KVCacheBase):
     def unmap_all(self) -> None:
         """Unmap the idle slots and release every page: the reservations, and so every view
         and pointer into them, stay as they are (on CUDA, graphs captured over them stay valid)."""
-        self.reclaim(self.pool.num_pages)
+        self.reclaim_idle(self.pool.num_pages)
         self.pool.release_memory()
 
     def wake_up(self) -> None:
@@ -322,24 +311,23 @@ class VirtualKVCache(KVCacheBase):
         return self.pool.asleep
 
     # -- checks and numbers ---------------------------------------------------------------
-    def audit(self) -> None:
+    def audit(self, handles: set[KVHandle], held: dict[int, int]) -> None:
         """Each page's count is its mappings plus the prefix cache's hold; regions in lockstep."""
-        self.pool.audit(self.regions, self.held_by_cache())
+        self.pool.audit(self.regions, held)
         for region in self.regions:
             per_slot = [0] * self.num_slots
             for index in region.mapped_pages():
                 per_slot[index // self.slot_pages] += 1
             assert per_slot == self.mapped, (per_slot, self.mapped)
         if self.swap:
-            held = [s for h in self.handles for _, slots in (h.swapped or {}).values() for s in slots]
-            assert sorted(held + list(self.swap.free_slots)) == list(range(self.swap.num_slots)), \
+            in_swap = [s for h in handles for _, slots in (h.swapped or {}).values() for s in slots]
+            assert sorted(in_swap + list(self.swap.free_slots)) == list(range(self.swap.num_slots)), \
                 "a swap slot is lost or held twice"
 
-    def pages_idle(self) -> int:
+    def pages_idle(self, held: dict[int, int]) -> int:
         """Pages that only idle slots (and maybe the prefix cache) reference."""
         refs = Counter(region.page_at(slot * self.slot_pages + i) for slot in self.idle_slots
                        for i in self._slot_pages(slot) for region in self.regions)
-        held = self.held_by_cache()
         return sum(1 for page, n in refs.items() if self.pool.own_refs(page) == n + held.get(page, 0))
 
     def block_table(self, seqs: list[Sequence], ctx_lens: list[int]) -> tuple[list[list[int]], int]:
@@ -347,7 +335,6 @@ class VirtualKVCache(KVCacheBase):
         return [[s.kv.slot] for s in seqs], self.rows
 
     def close(self) -> None:
-        self._let_cache_go()
         for region in (*self.regions, *([self.staging] if self.staging else [])):
             if not region.released:
                 region.release()

@@ -19,10 +19,7 @@ and checked on a worker thread (the engine's adapter registry is thread-safe) so
 never stalls a step.
 
 Tokenization, chat templating and request checks (grammars compiled) run on worker threads,
-each with its own tokenizer, so a large prompt never blocks the event loop and never shares a
-tokenizer with the engine thread; each client's jobs wait in a queue of its own and the
-threads serve the clients in turn (`FairWorkers`), so one client's burst of large prompts
-delays another client's request by at most one job per thread.
+each with its own tokenizer, the clients served in turn (engine/serving/preprocess.py).
 
 Several models over one pool (engine/multi.py): each model has its AsyncEngine and loop
 thread, and every loop does its engine work only while holding the models' shared `Turns`, a
@@ -33,7 +30,6 @@ models' caches). A model idle for `idle_sleep` seconds sleeps; its next request 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import queue
 import threading
@@ -41,23 +37,21 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.beam_search import BeamSearchOutput, BeamSearchParams
-from engine.inputs import Prompt, chat_prompt, tokenize
+from engine.beam_search import BeamSearchOutput
 from engine.llm_engine import EngineSleeping, LLMEngine
 from engine.lora import LoRARequest
 from engine.outputs import RequestOutput, RequestOutputKind
 from engine.multi import idle_long_enough
 from engine.processor import EngineRequest
-from engine.sampling_params import SamplingParams
 from engine.serving.commands import (Abort, Add, Cancel, Command, EngineDeadError, Lifecycle, Phase, RequestCancelled,
                                      Pause, Resume, Sleep, Snapshot, Stop, UpdateWeights, Wake)
 from engine.serving.metrics import Metrics
-from engine.serving.workers import FairWorkers, Turns
+from engine.serving.preprocess import Preprocessor
+from engine.serving.workers import Turns
 from engine.stats import EngineStats
 
 log = logging.getLogger("vkv.server")
 SLEEPING = "the engine is sleeping: POST /wake_up first"
-PREPROCESS_THREADS = 2  # fast tokenizers release the GIL: two clients' prompts tokenize at once
 
 
 @dataclass
@@ -82,10 +76,10 @@ class AsyncEngine:
         self.turns.engines.append(engine)
         self.idle_sleep = idle_sleep
         self.last_active = time.monotonic()
-        self.tokenizer = copy.deepcopy(engine.tokenizer)  # the handlers' own
+        self.preprocess = Preprocessor(engine)  # tokenization, chat templates, checks: on worker threads
+        self.tokenizer = self.preprocess.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
-        self.max_token_bytes = max(len(t.encode("utf-8", "surrogatepass")) for t in self.tokenizer.get_vocab())
         self.metrics = metrics or Metrics()
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.wake = threading.Event()
@@ -99,7 +93,6 @@ class AsyncEngine:
         self.turn_began: float | None = None
         self.stall_seconds = stall_seconds
         self.sleep_waiters: list[tuple[asyncio.Future, int]] = []  # (reply, level): sleep once nothing is in flight
-        self.preprocessor = FairWorkers(PREPROCESS_THREADS, lambda: copy.deepcopy(engine.tokenizer))
         self.thread = threading.Thread(target=self._loop, name="vkv-engine", daemon=True)
         self.thread.start()
 
@@ -116,39 +109,6 @@ class AsyncEngine:
         self.lifecycle = Lifecycle(phase, failure)
 
     # -- called from the event loop -------------------------------------------------------
-    async def tokenize(self, prompt, client: str = "") -> Prompt:
-        self._check_size(prompt.get("prompt") if isinstance(prompt, dict) else prompt)
-        return await self._preprocess(client, tokenize, self.engine.model_config.vocab_size, prompt)
-
-    async def chat_prompt(self, messages: list[dict], client: str = "", tools: list | None = None) -> Prompt:
-        self._check_size("".join(m["content"] for m in messages if isinstance(m.get("content"), str)))
-        return await self._preprocess(client, chat_prompt, messages, tools)
-
-    @property
-    def template_takes_tools(self) -> bool:
-        return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
-
-    def _check_size(self, text) -> None:
-        """Refuse a text too long to fit max_model_len before it takes the tokenizer's thread:
-        no token covers more characters than the longest token's UTF-8 bytes, so a longer text
-        needs more tokens than the model takes."""
-        if isinstance(text, str) and len(text) > self.max_model_len * self.max_token_bytes:
-            raise ValueError(f"the prompt's {len(text)} characters cannot fit in max_model_len "
-                             f"{self.max_model_len} tokens (none covers more than {self.max_token_bytes})")
-
-    async def _preprocess(self, client: str, fn, *args):
-        """fn(a worker's tokenizer, *args), in the client's turn."""
-        return await asyncio.wrap_future(self.preprocessor.submit(client, fn, *args))
-
-    async def process(self, request_id: str, prompt: Prompt, params: SamplingParams | BeamSearchParams,
-                      group: str | None = None, priority: int = 0,
-                      lora_request: LoRARequest | None = None) -> EngineRequest:
-        """The request checked (ValueError, with the reason, if the engine would refuse it). It
-        reads only what never changes (and compiles grammars or loads its LoRA adapter, which
-        may take a while), so it runs on the worker; the engine does not check it again."""
-        return await self._preprocess(group or request_id, lambda _: self.engine.process_inputs(
-            request_id, prompt, params, group=group, priority=priority, lora_request=lora_request))
-
     @property
     def lora_enabled(self) -> bool:
         return self.engine.config.enable_lora
@@ -161,11 +121,6 @@ class AsyncEngine:
         """At start-up, before any request: serve these adapters ({name: path}); ValueError by name."""
         for name, path in adapters.items():
             self.engine.add_lora(LoRARequest(name, self.engine.next_lora_id(), path))
-
-    async def add_lora(self, name: str, path: str) -> None:
-        """Load, check and serve an adapter, on a worker thread (ValueError by name)."""
-        await self._preprocess("admin", lambda _: self.engine.add_lora(LoRARequest(name, self.engine.next_lora_id(),
-                                                                                     path)))
 
     def remove_lora(self, name: str) -> bool:
         """Stop serving an adapter (the registry is thread-safe; requests running with it finish)."""
@@ -260,7 +215,7 @@ class AsyncEngine:
         self._shut = True
         self._command(Stop())
         self.thread.join(timeout=10)
-        self.preprocessor.shutdown()
+        self.preprocess.shutdown()
         if not self.thread.is_alive():
             self.engine.close()
 

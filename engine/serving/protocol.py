@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from engine.beam_search import BeamSearchParams
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import RequestOutput
 from engine.sampling_params import RANGES, SamplingParams
 from engine.structured import StructuredOutputsParams
 
@@ -370,78 +370,3 @@ def envelope(kind: str, request_id: str, model: str, choices: list, extra: dict 
 def error_body(message: str, kind: str = "invalid_request_error", code: int | str | None = None,
                param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-class TokenText:
-    """How tokens read in logprobs: their text and their exact bytes, cached per token id."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._bytes: dict[int, bytes] = {}
-        self._byte_level = _byte_decoder() if _is_byte_level(tokenizer) else None
-
-    def text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def bytes(self, token_id: int) -> list[int]:
-        """The token's own bytes: a byte-fallback token is its one byte, not U+FFFD."""
-        if token_id not in self._bytes:
-            piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            if self._byte_level and all(ch in self._byte_level for ch in piece):
-                raw = bytes(self._byte_level[ch] for ch in piece)
-            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                raw = bytes([int(piece[3:5], 16)])
-            else:
-                raw = piece.replace("\u2581", " ").encode()
-            self._bytes[token_id] = raw
-        return list(self._bytes[token_id])
-
-    def completion_logprobs(self, c: CompletionOutput, start: int = 0, offset: int = 0) -> dict | None:
-        """The completions API's form, for tokens from `start`; text offsets shifted by `offset`."""
-        if c.logprobs is None:
-            return None
-        records = c.logprobs[start:]
-        return {"tokens": [self.text(r.token_id) for r in records],
-                "token_logprobs": [r.logprob for r in records],
-                "top_logprobs": [{self.text(t): v for t, v in r.top} for r in records],
-                "text_offset": [offset + r.text_offset for r in records]}
-
-    def echoed_logprobs(self, scored: list, prompt_ids: list[int], completion: dict, shift: int) -> dict:
-        """The completions API's logprobs with echo: the prompt's tokens (the first has no
-        logprob, as OpenAI's), then the completion's, whose text offsets move past the prompt's
-        `shift` characters. A prompt token's offset is where its text starts among theirs."""
-        texts = [self.text(t) for t in prompt_ids]
-        offsets = [0]
-        for t in texts[:-1]:
-            offsets.append(offsets[-1] + len(t))
-        return {"tokens": texts + completion["tokens"],
-                "token_logprobs": [r.logprob if r else None for r in scored] + completion["token_logprobs"],
-                "top_logprobs": [{self.text(t): v for t, v in r.top} if r else None for r in scored]
-                + completion["top_logprobs"],
-                "text_offset": offsets + [shift + o for o in completion["text_offset"]]}
-
-    def chat_logprobs(self, c: CompletionOutput, start: int = 0) -> dict | None:
-        """The chat API's form: per token, its top_logprobs are exactly the k most likely."""
-        if c.logprobs is None:
-            return None
-        entry = lambda t, v: {"token": self.text(t), "logprob": v, "bytes": self.bytes(t)}
-        return {"content": [{**entry(r.token_id, r.logprob), "top_logprobs": [entry(t, v) for t, v in r.top]}
-                            for r in c.logprobs[start:]]}
-
-
-def _is_byte_level(tokenizer) -> bool:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return backend is not None and "ByteLevel" in type(backend.decoder).__name__ + str(backend.decoder)
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: printable stand-in character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table

@@ -46,7 +46,6 @@ import json
 import logging
 import signal
 import threading
-import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -129,8 +128,8 @@ class VKVReplica:
         self.engine = next(iter(self.engines.values()))
         kv = self.engine.engine.kv
         ends, k = [], 0
-        while kv.page_end(k) <= self.engine.max_model_len:
-            ends.append(kv.page_end(k))
+        while kv.layout.page_end(k) <= self.engine.max_model_len:
+            ends.append(kv.layout.page_end(k))
             k += 1
         self.naming = {"namespace": kv.namespace.hex(), "page_ends": ends}
         log.info("vkv: Ray replica serving %s", what)

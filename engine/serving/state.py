@@ -29,7 +29,8 @@ from engine.processor import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.serving.async_engine import SLEEPING, AsyncEngine
 from engine.serving.options import ServerOptions
-from engine.serving.protocol import TokenText, error_body
+from engine.serving.protocol import error_body
+from engine.serving.token_text import TokenText
 from engine.structured import StructuredOutputsParams
 
 
@@ -142,7 +143,7 @@ class ServerState:
                 params = dataclasses.replace(params, prompt_logprobs=prompt_logprobs)
             if deltas and isinstance(params, SamplingParams):
                 params.output_kind = RequestOutputKind.DELTA
-            return [await engine.process(f"{rid}-{i}", prompt, params, client, body.priority, lora)
+            return [await engine.preprocess.process(f"{rid}-{i}", prompt, params, client, body.priority, lora)
                     for i, prompt in enumerate(prompts)]
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
@@ -163,7 +164,7 @@ class ServerState:
         prompts = []
         for i, raw in enumerate(raw_prompts):
             try:
-                prompts.append(await engine.tokenize(raw, client))
+                prompts.append(await engine.preprocess.tokenize(raw, client))
             except ValueError as exc:
                 where = f"prompt[{i}]: " if len(raw_prompts) > 1 else ""
                 raise HTTPError(400, where + str(exc)) from exc

@@ -31,9 +31,9 @@ async def chat(body: ChatCompletionRequest, request: Request, state: ServerState
         if forced and (body.stop or body.stop_token_ids):
             raise ValueError("stop and stop_token_ids cannot be combined with a forced tool call (tool_choice "
                              "required or naming a function): they would cut the call's arguments")
-        conversation, template_tools = render(body.conversation(), use, engine.template_takes_tools)
+        conversation, template_tools = render(body.conversation(), use, engine.preprocess.template_takes_tools)
         client = state.client_of(request, body)
-        prompt, = state.salted([await engine.chat_prompt(conversation, client, template_tools)], body, client)
+        prompt, = state.salted([await engine.preprocess.chat_prompt(conversation, client, template_tools)], body, client)
     except ValueError as exc:
         raise HTTPError(400, str(exc)) from exc
     for name in ("max_completion_tokens", "max_tokens"):

@@ -29,7 +29,7 @@ async def load_lora_adapter(body: LoadLoRARequest, state: ServerState = Depends(
     if body.lora_name in state.loras() or body.lora_name in state.engines:
         raise HTTPError(400, f"the name {body.lora_name!r} is taken: unload it first")
     try:
-        await engine.add_lora(body.lora_name, body.lora_path)
+        await engine.preprocess.add_lora(body.lora_name, body.lora_path)
     except ValueError as exc:
         raise HTTPError(400, str(exc)) from exc
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
