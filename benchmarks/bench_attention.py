@@ -32,15 +32,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import machine_info, save  # noqa: E402
 
 import vmm  # noqa: E402
-from engine.attention import StepAttention, pick_attention  # noqa: E402
+from engine.worker.attention import StepAttention, pick_attention  # noqa: E402
 from engine.kv.batch import StepBatch  # noqa: E402
 from engine.kv.manager import KVManager  # noqa: E402
 from engine.kv.paged import PagedLayout  # noqa: E402
 from engine.kv.virtual import VirtualLayout  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
-from engine.ops import rope_table  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
+from engine.models.ops import rope_table  # noqa: E402
+from engine.request.sampling_params import SamplingParams  # noqa: E402
+from engine.request.sequence import Sequence  # noqa: E402
 
 SHAPES = {"smollm2-135m": (9, 3, 64, 30), "llama-3-8b": (32, 8, 128, 32)}
 CASES = {"decode-32x256": [(1, 256)] * 32, "decode-32x1024": [(1, 1024)] * 32, "prefill-512": [(512, 512)]}

@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import machine_info, save  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.parallel import free_port  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
+from engine.core.llm_engine import LLMEngine  # noqa: E402
+from engine.worker.parallel import free_port  # noqa: E402
+from engine.sched.scheduler import Scheduler  # noqa: E402
 from engine.serving.async_engine import AsyncEngine  # noqa: E402
 from engine.serving.options import ServerOptions  # noqa: E402
 from engine.serving.server import build_app  # noqa: E402

@@ -41,8 +41,8 @@ from engine.kv.tiers import make_tiers, namespace_of  # noqa: E402
 from engine.kv.manager import KVManager  # noqa: E402
 from engine.kv.virtual import VirtualLayout  # noqa: E402
 from engine.models import load_config  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
+from engine.request.sampling_params import SamplingParams  # noqa: E402
+from engine.request.sequence import Sequence  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=1)
 

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import machine_info, save  # noqa: E402
 from sharegpt import load_conversations, sample_requests  # noqa: E402
 
-import engine.attention_step  # noqa: E402
+import engine.worker.attention_step  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models import load_tokenizer  # noqa: E402
 
@@ -84,15 +84,15 @@ class Simulated:
     """While active, the sdpa kernel stores K and V rounded as a simulated format would."""
 
     def __init__(self, fmt: str, layers: int):
-        self.saved = engine.attention_step.narrow
+        self.saved = engine.worker.attention_step.narrow
         self.rounding = {"int8-simulated": int8_rounded, "fp8_e4m3-scaled-simulated": LayerScaledE4M3(layers)}.get(fmt)
 
     def __enter__(self):
         if self.rounding:
-            engine.attention_step.narrow = self.rounding
+            engine.worker.attention_step.narrow = self.rounding
 
     def __exit__(self, *exc):
-        engine.attention_step.narrow = self.saved
+        engine.worker.attention_step.narrow = self.saved
 
 
 def agreement(got: list[list[int]], want: list[list[int]]) -> dict:

@@ -8,7 +8,7 @@ Runs (each the same 32 prompts, 128 greedy tokens each, ignore_eos, 32 seats):
                 spread round-robin, max_loras=K: each step holds rows of all K
 
 Reports output tok/s and its ratio to the base; adapters are loaded before the clock starts.
-The delta of a segment is two small GEMMs per projection (engine/lora.py), so the cost grows
+The delta of a segment is two small GEMMs per projection (engine/worker/lora.py), so the cost grows
 with the number of distinct adapters in a step.
 
     python benchmarks/bench_lora.py --json benchmarks/results/cpu/lora.json \

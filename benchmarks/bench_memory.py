@@ -39,10 +39,10 @@ from engine.kv.paged import PagedLayout  # noqa: E402
 from engine.kv.virtual import VirtualLayout  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
 from engine.models.presets import PRESETS  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.sampler import Sampled  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
+from engine.request.sampling_params import SamplingParams  # noqa: E402
+from engine.sample.sampler import Sampled  # noqa: E402
+from engine.sched.scheduler import Scheduler  # noqa: E402
+from engine.request.sequence import Sequence  # noqa: E402
 
 MAX_MODEL_LEN = 2048
 ALLOCATORS = {  # name: (layout, page bytes or block tokens)

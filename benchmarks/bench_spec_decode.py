@@ -28,7 +28,7 @@ from sharegpt import load_conversations, sample_requests  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.inputs import chat_prompt  # noqa: E402
+from engine.request.inputs import chat_prompt  # noqa: E402
 
 
 def rewrite_prompts(tokenizer, num: int) -> list[list[int]]:
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     base = EngineConfig(model=args.model, device="cpu", dtype=args.dtype)
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     first = LLMEngine(base)
     loaded = (first.model, first.tokenizer)
     first.close()

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.parallel import free_port
+from engine.worker.parallel import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
 

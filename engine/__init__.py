@@ -1,10 +1,10 @@
 """vkv's serving engine: Llama-family models over virtual KV memory (see ../vmm)."""
-from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from engine.sched.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.llm import LLM
-from engine.lora import LoRARequest
+from engine.worker.lora import LoRARequest
 from engine.multi import MultiLLM
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.request.outputs import CompletionOutput, RequestOutput
+from engine.request.sampling_params import SamplingParams
 
 __all__ = ["LLM", "MultiLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams",
            "BeamSearchOutput", "BeamSearchSequence", "LoRARequest"]

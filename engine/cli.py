@@ -54,7 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_tp_worker(args: argparse.Namespace) -> None:
-    from engine.parallel import worker_main
+    from engine.worker.parallel import worker_main
 
     config = EngineConfig.from_cli_args(args)
     if not config.distributed_init or config.tensor_parallel_size < 2:

@@ -114,7 +114,7 @@ class EngineConfig:
     tensor_parallel_workers: str = "spawn"  # or "external": ranks 1..N-1 are started with `vkv tp-worker`
     map_ahead_tokens: int = 0  # > 0: a worker thread maps each sequence's next pages during the forward pass
     speculative_config: dict | None = None  # vLLM's: {"method": "ngram", "num_speculative_tokens": k, ...}
-    # LoRA adapters (engine/lora.py), vLLM's names: requests may name an adapter; a step runs rows
+    # LoRA adapters (engine/worker/lora.py), vLLM's names: requests may name an adapter; a step runs rows
     # of at most max_loras distinct adapters; at most max_cpu_loras stay loaded (default max_loras).
     enable_lora: bool = False
     max_loras: int = 1

@@ -6,13 +6,13 @@ from itertools import count
 
 from tqdm import tqdm
 
-from engine.beam_search import BeamSearchOutput, BeamSearchParams
+from engine.sched.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
-from engine.inputs import chat_prompt
-from engine.llm_engine import LLMEngine
-from engine.lora import LoRARequest
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.request.inputs import chat_prompt
+from engine.core.llm_engine import LLMEngine
+from engine.worker.lora import LoRARequest
+from engine.request.outputs import RequestOutput
+from engine.request.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
 

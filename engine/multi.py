@@ -21,10 +21,10 @@ import vmm
 from engine.config import EngineConfig
 from engine.kv.build import backend_for
 from engine.llm import as_prompt_list
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.processor import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.request.outputs import RequestOutput
+from engine.core.processor import EngineRequest
+from engine.request.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
 

@@ -1,5 +1,5 @@
 """Native fast paths, kept only where a measurement earns them, each with the pure-torch
-reference the tests hold it to (engine/ops.py, engine/attention.py).
+reference the tests hold it to (engine/models/ops.py, engine/worker/attention.py).
 
 `cpu_kernels()` loads ext/cpu/kernels.cpp as `torch.ops.vkv.*`, compiling it the first time on
 a machine (about 20 s; g++ and ninja) into $VKV_CACHE_DIR/ext (default ~/.cache/vkv/ext),

@@ -46,7 +46,7 @@ def weights_load_once():
     once per engine. Tensor-parallel shards load as usual. A test that updates weights in place
     takes `own_weights`; a copy updated anyway is not handed out again (a later engine of the
     same worker would run the updated weights: a chat in test_server.py answered garbage)."""
-    import engine.rank as rank
+    import engine.worker.rank as rank
 
     load, loaded = rank.load_model, {}
 
@@ -67,7 +67,7 @@ def weights_load_once():
 def own_weights(monkeypatch):
     """For a test whose engine writes its weights in place: its engines load a copy of their own
     (the shared one may still be running in an engine another test of this worker made)."""
-    import engine.rank as rank
+    import engine.worker.rank as rank
     from engine.models import load_model
 
     monkeypatch.setattr(rank, "load_model", load_model)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from engine.parallel import free_port
+from engine.worker.parallel import free_port
 
 # SmolLM2-135M's KV geometry (its pages, budgets and head splits) on a narrow random model
 # (engine/models/presets.py): for tests of page accounting, which do not need trained weights, at
@@ -111,7 +111,7 @@ def random_adapter(path, cfg, rank: int, targets=LORA_TARGETS, seed: int = 0, st
 
     from safetensors.torch import save_file
 
-    from engine.lora import TARGETS, projection_shapes
+    from engine.worker.lora import TARGETS, projection_shapes
     shapes, g, tensors = projection_shapes(cfg), torch.Generator().manual_seed(seed), {}
     for layer in range(cfg.num_layers):
         for module in targets:

@@ -18,9 +18,9 @@ import textwrap
 import pytest
 import torch
 
-from engine import attention, attention_step
-from engine.attention import StepAttention
-from engine.ops import rope_table
+from engine.worker import attention, attention_step
+from engine.worker.attention import StepAttention
+from engine.models.ops import rope_table
 from helpers import make_batch
 
 pytestmark = pytest.mark.contracts  # benchmarks/gpu_suite.py runs these on a GPU, the real kernels too
@@ -152,13 +152,13 @@ def test_flash_attention_4_tiles_are_mapped_and_zeroed_by_the_kv_cache():
     would die on an unmapped byte (a child process, so a fault fails this test only)."""
     script = textwrap.dedent("""
         import torch, vmm
-        from engine import attention
-        from engine.attention import StepAttention
+        from engine.worker import attention
+        from engine.worker.attention import StepAttention
         from engine.kv.manager import KVManager
         from engine.kv.virtual import VirtualLayout
         from engine.models.config import ModelConfig
-        from engine.sampling_params import SamplingParams
-        from engine.sequence import Sequence
+        from engine.request.sampling_params import SamplingParams
+        from engine.request.sequence import Sequence
         from helpers import make_batch
         from test_attention_contracts import COS_SIN, fa4_contract
         attention.library = lambda _: fa4_contract

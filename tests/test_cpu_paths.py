@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ext
-from engine import ops
+from engine.models import ops
 from engine import LLM, SamplingParams
 from engine.models.linear import Linear
 from helpers import assert_pool_whole

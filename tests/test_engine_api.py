@@ -2,7 +2,7 @@
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.request.detokenizer import IncrementalDetokenizer
 from helpers import assert_pool_whole
 
 

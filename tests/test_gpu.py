@@ -6,8 +6,8 @@ import torch
 
 import vmm
 from engine import LLM, SamplingParams
-from engine.attention import StepAttention, pick_attention
-from engine.ops import rope_table
+from engine.worker.attention import StepAttention, pick_attention
+from engine.models.ops import rope_table
 from helpers import assert_pool_whole, make_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(vmm.cuda_unavailable_reason() is not None,
@@ -31,7 +31,7 @@ def test_gpu_kernels_equal_the_reference_over_virtual_kv(kernel, layout):
     from engine.kv.manager import KVManager
     from engine.kv.virtual import VirtualLayout
     from engine.models.config import ModelConfig
-    from engine.sequence import Sequence
+    from engine.request.sequence import Sequence
 
     cfg = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=4, num_heads=32,
                       num_kv_heads=8, head_dim=128)

@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ext
-from engine import ops
-from engine.attention import StepAttention
+from engine.models import ops
+from engine.worker.attention import StepAttention
 from helpers import make_batch
 
 pytestmark = pytest.mark.skipif(ext.cpu_kernels() is None, reason=f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
@@ -137,13 +137,13 @@ def test_attention_reads_nothing_past_each_context():
     read fails this test instead of killing the suite."""
     script = textwrap.dedent("""
         import torch, vmm
-        from engine.attention import StepAttention
+        from engine.worker.attention import StepAttention
         from engine.kv.manager import KVManager
         from engine.kv.virtual import VirtualLayout
         from engine.models.config import ModelConfig
-        from engine.ops import rope_table
-        from engine.sequence import Sequence
-        from engine.sampling_params import SamplingParams
+        from engine.models.ops import rope_table
+        from engine.request.sequence import Sequence
+        from engine.request.sampling_params import SamplingParams
         from helpers import make_batch
         cfg = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=3, num_heads=6,
                           num_kv_heads=2, head_dim=64)

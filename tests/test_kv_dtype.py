@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import pick_attention
+from engine.worker.attention import pick_attention
 from engine.config import EngineConfig
 from helpers import PROMPTS, assert_pool_whole
 from lossy import (Tolerance, assert_agree_until_a_near_tie, assert_close, continuations, greedy_with_gaps,

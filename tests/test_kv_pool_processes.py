@@ -75,8 +75,8 @@ def test_pages_taken_by_another_process_between_check_and_alloc_leave_the_step_u
     from engine.kv.manager import KVManager
     from engine.kv.virtual import VirtualLayout
     from engine.models import load_config
-    from engine.sampling_params import SamplingParams
-    from engine.sequence import Sequence
+    from engine.request.sampling_params import SamplingParams
+    from engine.request.sequence import Sequence
     from vmm import AttachedPool
 
     owner = PoolOwner(HostBackend(64 << 10), 64, str(tmp_path / "pool.sock")).start()
@@ -122,8 +122,8 @@ def test_a_prefilled_prompt_is_handed_over_by_mapping_its_pages(tmp_path, kind, 
     from engine.kv.manager import KVManager
     from engine.kv.virtual import VirtualLayout
     from engine.models import load_config
-    from engine.sampling_params import SamplingParams
-    from engine.sequence import Sequence
+    from engine.request.sampling_params import SamplingParams
+    from engine.request.sequence import Sequence
     from vmm import AttachedPool
 
     cuda = kind != "host"

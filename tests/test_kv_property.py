@@ -22,12 +22,12 @@ from engine.kv.paged import PagedLayout
 from engine.kv.disk_tier import DiskTier
 from engine.kv.tiers import HostTier, KVTiers
 from engine.kv.virtual import VirtualLayout
-from engine.map_ahead import MapAhead
+from engine.worker.map_ahead import MapAhead
 from engine.models.config import ModelConfig
-from engine.sampling_params import SamplingParams
-from engine.sampler import Sampled
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.request.sampling_params import SamplingParams
+from engine.sample.sampler import Sampled
+from engine.sched.scheduler import Scheduler
+from engine.request.sequence import Sequence
 
 # Rows of 1,920 bytes (interleaved) and 480 bytes (per layer) straddle 4 KiB pages.
 CFG = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=3,

@@ -11,10 +11,10 @@ from engine.kv.paged import PagedLayout
 from engine.kv.disk_tier import HEADER, DiskTier
 from engine.kv.tiers import HostTier, KVTiers
 from engine.models.config import ModelConfig
-from engine.admission import LPM_MAX_SKIPS
-from engine.scheduler import Scheduler
+from engine.sched.admission import LPM_MAX_SKIPS
+from engine.sched.scheduler import Scheduler
 from engine.serving.metrics import Metrics
-from engine.sequence import Sequence
+from engine.request.sequence import Sequence
 
 # Three prompts of ~260 tokens on SmolLM2's KV geometry (helpers.NARROW) with nothing in common, and a pool that holds about one of
 # them: the second round finds every prompt evicted from the pool.

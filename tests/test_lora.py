@@ -1,4 +1,4 @@
-"""LoRA adapters (engine/lora.py): greedy output equals transformers + peft for each adapter;
+"""LoRA adapters (engine/worker/lora.py): greedy output equals transformers + peft for each adapter;
 a batch mixing adapters and the base model equals each alone; pages are named by adapter;
 max_loras bounds the adapters of a step; what does not fit is refused by name."""
 import json
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams
-from engine.lora import LoRABatch
+from engine.worker.lora import LoRABatch
 from helpers import PROMPTS, assert_pool_whole, peft_adapter
 
 N = 10
@@ -187,7 +187,7 @@ def test_the_server_serves_adapters_by_model_name(adapters):
     from helpers import serving
 
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.serving.async_engine import AsyncEngine
     from engine.serving.options import ServerOptions
     from engine.serving.server import build_app
@@ -229,9 +229,9 @@ def test_the_server_serves_adapters_by_model_name(adapters):
 
 def test_the_native_segments_kernel_equals_the_torch_reference():
     """lora_segments: short segments row by row, long ones through torch's GEMM, rows not in any
-    segment untouched; held to engine/lora.py's reference."""
+    segment untouched; held to engine/worker/lora.py's reference."""
     import ext
-    from engine.lora import reference
+    from engine.worker.lora import reference
     if ext.cpu_kernels() is None:
         pytest.skip(f"no CPU kernels: {ext.cpu_kernels_error()}")
     g = torch.Generator().manual_seed(0)

@@ -11,9 +11,9 @@ from engine.kv.manager import KVManager
 from engine.kv.virtual import VirtualLayout
 from engine.models.config import ModelConfig
 from engine.multi import MultiLLM
-from engine.sampler import Sampled
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sample.sampler import Sampled
+from engine.sched.scheduler import Scheduler
+from engine.request.sequence import Sequence
 from helpers import NARROW
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from ray_cluster import LocalRayCluster  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.parallel import free_port  # noqa: E402
+from engine.worker.parallel import free_port  # noqa: E402
 
 pytestmark = pytest.mark.ray
 KEY = "sk-ray"

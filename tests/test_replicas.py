@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.parallel import free_port
+from engine.worker.parallel import free_port
 from engine.top import render, scrape
 
 KEY = "sk-front"

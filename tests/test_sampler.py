@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine import LLM, SamplingParams
-from engine.sampler import SamplingError, sample
-from engine.sequence import Sequence
+from engine.sample.sampler import SamplingError, sample
+from engine.request.sequence import Sequence
 from helpers import assert_pool_whole
 
 EOS = (0,)

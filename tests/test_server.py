@@ -12,7 +12,7 @@ import pytest
 
 from engine.serving.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.serving.options import ServerOptions
 from engine.serving.server import build_app
 from helpers import free_port, serving

@@ -13,7 +13,7 @@ from uvicorn.protocols.http import h11_impl
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.serving.async_engine import AsyncEngine
 from engine.serving import http
 from engine.serving.http import GuardedH11Protocol

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sequence import Sequence
-from engine.spec_decode import NgramProposer, SpeculativeConfig, verify
+from engine.request.sequence import Sequence
+from engine.sample.spec_decode import NgramProposer, SpeculativeConfig, verify
 from helpers import assert_pool_whole
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}

@@ -58,9 +58,9 @@ def test_bad_grammars_are_refused_before_anything_runs(tiny, spec, words):
 
 
 def test_each_request_has_a_budget_in_the_grammar_engine(tiny, monkeypatch):
-    """engine/structured.py BUDGET bounds a grammar's size and the work of building it: past
+    """engine/request/structured.py BUDGET bounds a grammar's size and the work of building it: past
     it, the request is refused before anything runs."""
-    import engine.structured as structured
+    import engine.request.structured as structured
 
     options = {"choice": [f"option number {i}" for i in range(60)]}
     monkeypatch.setitem(structured.BUDGET, "max_items_in_row", 20)

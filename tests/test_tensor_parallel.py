@@ -9,8 +9,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.parallel import pool_state
+from engine.core.llm_engine import LLMEngine
+from engine.worker.parallel import pool_state
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.server import build_app
 from helpers import NARROW, assert_pool_whole
@@ -167,7 +167,7 @@ def test_a_worker_that_dies_at_start_up_fails_the_engine_at_once_with_its_own_er
 
     (tmp_path / "sitecustomize.py").write_text(  # only in the workers' fresh interpreters
         "import sys\n"
-        "if sys.orig_argv[1:3] == ['-m', 'engine.parallel']:\n"
+        "if sys.orig_argv[1:3] == ['-m', 'engine.worker.parallel']:\n"
         "    raise SystemExit('simulated worker start-up failure: no such device')\n")
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     start = time.monotonic()
@@ -183,7 +183,7 @@ def test_a_worker_started_by_the_cli_joins_an_external_rendezvous():
     import subprocess
     import sys
 
-    from engine.parallel import free_port
+    from engine.worker.parallel import free_port
 
     init = f"tcp://127.0.0.1:{free_port()}"
     flags = ["--model", "random:tiny", "--kv-cache-memory", str(1 << 20), "--page-size", "4096",

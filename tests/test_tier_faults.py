@@ -156,11 +156,11 @@ def test_namespace_file_is_never_written_through_a_link(tmp_path, reference):
 
 
 def test_adapter_files_that_fail_to_read_are_refused_by_name(tmp_path, monkeypatch):
-    """Adapter loading (engine/lora.py) under the same errno classes: every read of its files
+    """Adapter loading (engine/worker/lora.py) under the same errno classes: every read of its files
     failing gives a ValueError naming the adapter (a 400 on the server), never another error."""
     from safetensors.torch import save_file
 
-    from engine.lora import LoRARequest, load_adapter
+    from engine.worker.lora import LoRARequest, load_adapter
     from engine.models.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,

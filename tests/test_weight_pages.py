@@ -13,7 +13,7 @@ from helpers import assert_pool_whole, serving
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.llm_engine import EngineSleeping
+from engine.core.llm_engine import EngineSleeping
 from engine.models import load_config, load_model
 from engine.models.weight_pages import WeightPages
 from test_weights_update import GREEDY, PROMPTS, SHAPE, checkpoint, greedy
@@ -103,7 +103,7 @@ def test_weight_pages_over_each_backend_keep_addresses_and_take_new_values(backe
 def test_over_http_level_2_is_behind_the_flag_and_the_weights_come_back_through_an_update(tmp_path):
     import httpx
 
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.serving.async_engine import AsyncEngine
     from engine.serving.options import ServerOptions
     from engine.serving.server import build_app

@@ -126,7 +126,7 @@ def test_over_http_behind_the_key_and_the_flag(tmp_path):
     from helpers import serving
 
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.serving.async_engine import AsyncEngine
     from engine.serving.options import ServerOptions
     from engine.serving.server import build_app

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sequence import Sequence
+from engine.request.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ def make_kv_cache(c: EngineConfig, cfg: ModelConfig, budget: int, max_model_len:
                   pool: vmm.PoolShare | None = None, window: int | None = None) -> KVManager:
     """One rank's KV manager over its layout: cfg holds its share of the KV heads, budget its
     bytes (or pool, a share of a pool several models draw from). tile_rows: what the attention
-    kernel loads past a sequence's end (engine/attention.py); window: the model's sliding window."""
+    kernel loads past a sequence's end (engine/worker/attention.py); window: the model's sliding window."""
     layout = make_layout(c, cfg, budget, max_model_len, tile_rows, pool)
     events = KVEventLog()
     if c.kv_events_config is not None and c.kv_events_config.publishes:

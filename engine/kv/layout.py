@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sequence import Sequence
+from engine.request.sequence import Sequence
 from vmm import PageAllocator
 
 

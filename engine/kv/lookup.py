@@ -27,7 +27,7 @@ from collections.abc import Callable
 from engine.kv.layout import KVLayout
 from engine.kv.prefix_cache import PrefixCache, chain_hash, root_name
 from engine.kv.tiers import KVTiers
-from engine.sequence import Sequence
+from engine.request.sequence import Sequence
 from vmm import PoolExhausted
 
 

@@ -51,7 +51,7 @@ from engine.kv.layout import KVHandle, KVLayout
 from engine.kv.lookup import Lookup
 from engine.kv.prefix_cache import PrefixCache
 from engine.kv.tiers import KVTiers
-from engine.sequence import Sequence
+from engine.request.sequence import Sequence
 from engine.stats import KVStats
 from vmm import PoolExhausted
 from vmm.share import PoolShare, Tenant
@@ -180,7 +180,7 @@ class KVManager:
 
     def map_ahead(self, seq: Sequence, start: int, end: int, keep_free: int) -> None:
         """Fresh pages for rows [start, end) that seq will write in later steps, taken from the
-        free pool while keep_free pages stay free (see engine/map_ahead.py)."""
+        free pool while keep_free pages stay free (see engine/worker/map_ahead.py)."""
         layout = self.layout
         missing = [k for k in layout.page_range(start, layout.tile_end(end)) if layout.pages_at(seq, k) is None]
         room = (self.pool.num_free - keep_free) // layout.num_regions

@@ -22,7 +22,7 @@ import torch
 import vmm
 from engine.kv.layout import KVHandle, KVLayout
 from engine.models.config import ModelConfig
-from engine.sequence import Sequence
+from engine.request.sequence import Sequence
 
 
 GONE = -1  # a table entry before the sliding window: its block went back to the pool

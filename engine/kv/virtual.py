@@ -34,7 +34,7 @@ import torch
 import vmm
 from engine.kv.layout import KVHandle, KVLayout
 from engine.models.config import ModelConfig
-from engine.sequence import Sequence
+from engine.request.sequence import Sequence
 from vmm.backend import consecutive_runs
 
 LAYOUTS = ("interleaved", "per_layer")

@@ -10,7 +10,7 @@ does, in order, the same arithmetic as Hugging Face's modules:
     x = down_proj(silu_and_mul(gate_up_proj(x))) one GEMM for gate and up
 
 Checkpoints load as they are (`load_checkpoint` fuses q/k/v and gate/up once). The small fused
-operations run native on the CPU where the kernels build (engine/ops.py).
+operations run native on the CPU where the kernels build (engine/models/ops.py).
 
 Tensor parallelism (`shard`, Megatron's split): each rank keeps its share of the query and KV
 heads (q/k/v rows, o_proj columns) and of the MLP (gate/up rows, down_proj columns); o_proj
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 import vmm
-from engine import ops
+from engine.models import ops
 from engine.models.config import ModelConfig
 from engine.models.linear import FEW_ROWS, Linear
 from engine.models.weight_pages import WeightPages
@@ -250,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attn, logits_indices: torch.Tensor, lora=None) -> torch.Tensor:
         """Logits of the tokens at `logits_indices` (each sequence's last scheduled token).
         `attn(layer, q, k, v)` rotates, stores the new K/V and attends over the cached context;
-        `lora` (engine/lora.py LoRABatch), if any, adds its rows' adapter deltas to the projections."""
+        `lora` (engine/worker/lora.py LoRABatch), if any, adds its rows' adapter deltas to the projections."""
         x, residual = self.model.embed_tokens(input_ids), None
         few = self.decode and input_ids.shape[0] <= FEW_ROWS and lora is None
         step = getattr(attn, "native_args", None) if few else None

@@ -37,12 +37,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.beam_search import BeamSearchOutput
-from engine.llm_engine import EngineSleeping, LLMEngine
-from engine.lora import LoRARequest
-from engine.outputs import RequestOutput, RequestOutputKind
+from engine.sched.beam_search import BeamSearchOutput
+from engine.core.llm_engine import EngineSleeping, LLMEngine
+from engine.worker.lora import LoRARequest
+from engine.request.outputs import RequestOutput, RequestOutputKind
 from engine.multi import idle_long_enough
-from engine.processor import EngineRequest
+from engine.core.processor import EngineRequest
 from engine.serving.commands import (Abort, Add, Cancel, Command, EngineDeadError, Lifecycle, Phase, RequestCancelled,
                                      Pause, Resume, Sleep, Snapshot, Stop, UpdateWeights, Wake)
 from engine.serving.metrics import Metrics

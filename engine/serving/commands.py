@@ -6,7 +6,7 @@ import asyncio
 import enum
 from dataclasses import dataclass
 
-from engine.processor import EngineRequest
+from engine.core.processor import EngineRequest
 
 
 class EngineDeadError(RuntimeError):

@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import copy
 
-from engine.beam_search import BeamSearchParams
-from engine.inputs import Prompt, chat_prompt, tokenize
-from engine.llm_engine import LLMEngine
-from engine.lora import LoRARequest
-from engine.processor import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.sched.beam_search import BeamSearchParams
+from engine.request.inputs import Prompt, chat_prompt, tokenize
+from engine.core.llm_engine import LLMEngine
+from engine.worker.lora import LoRARequest
+from engine.core.processor import EngineRequest
+from engine.request.sampling_params import SamplingParams
 from engine.serving.workers import FairWorkers
 
 THREADS = 2  # fast tokenizers release the GIL: two clients' prompts tokenize at once

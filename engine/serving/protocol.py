@@ -17,10 +17,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from engine.beam_search import BeamSearchParams
-from engine.outputs import RequestOutput
-from engine.sampling_params import RANGES, SamplingParams
-from engine.structured import StructuredOutputsParams
+from engine.sched.beam_search import BeamSearchParams
+from engine.request.outputs import RequestOutput
+from engine.request.sampling_params import RANGES, SamplingParams
+from engine.request.structured import StructuredOutputsParams
 
 SHARED_WITH_SAMPLING_PARAMS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",

@@ -14,7 +14,7 @@ Approach.
   VKVIngress    one small deployment behind Ray's HTTP proxy: every route of vkv's server is
                 forwarded whole (method, path, query, headers, body) to a replica the router
                 picks, and the answer streams back as the replica wrote it. It tokenizes the
-                prompt once (engine/inputs.py, as the replica will) so the router can name its
+                prompt once (engine/request/inputs.py, as the replica will) so the router can name its
                 pages; a replica that dies before answering is replaced by another, once.
   VKVReplica    N replicas, each placed by Ray with its share of the cluster's CPUs: vkv's own
                 app (engine/serving/server.py make_app) over its engine, called in process, so
@@ -75,8 +75,8 @@ class RouteKey:
 
 
 def route_key(tokenizer, vocab_size: int, path: str, body: bytes) -> RouteKey:
-    """The prompt's tokens as the replica will make them (engine/inputs.py), or an empty key."""
-    from engine.inputs import chat_prompt, tokenize
+    """The prompt's tokens as the replica will make them (engine/request/inputs.py), or an empty key."""
+    from engine.request.inputs import chat_prompt, tokenize
     try:
         request = json.loads(body) if body else None
         if not isinstance(request, dict):

@@ -58,7 +58,7 @@ import httpx
 import vmm
 from engine.config import EngineConfig
 from engine.kv.build import backend_for
-from engine.parallel import free_port
+from engine.worker.parallel import free_port
 from engine.serving.options import ServerOptions
 
 log = logging.getLogger("vkv.server")

@@ -36,7 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.multi import MultiLLM
 from engine.serving.async_engine import AsyncEngine, EngineDeadError, RequestCancelled, Turns
 from engine.serving.http import BodyGuard, GuardedH11Protocol

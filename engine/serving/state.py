@@ -21,17 +21,17 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from engine.inputs import Prompt, check_cache_salt
-from engine.lora import LoRARequest
+from engine.request.inputs import Prompt, check_cache_salt
+from engine.worker.lora import LoRARequest
 from engine.multi import MultiLLM
-from engine.outputs import RequestOutputKind
-from engine.processor import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.request.outputs import RequestOutputKind
+from engine.core.processor import EngineRequest
+from engine.request.sampling_params import SamplingParams
 from engine.serving.async_engine import SLEEPING, AsyncEngine
 from engine.serving.options import ServerOptions
 from engine.serving.protocol import error_body
 from engine.serving.token_text import TokenText
-from engine.structured import StructuredOutputsParams
+from engine.request.structured import StructuredOutputsParams
 
 
 class HTTPError(Exception):

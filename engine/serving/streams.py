@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from engine.outputs import RequestOutput
-from engine.processor import EngineRequest
+from engine.request.outputs import RequestOutput
+from engine.core.processor import EngineRequest
 from engine.serving.async_engine import AsyncEngine, EngineDeadError, RequestCancelled
 from engine.serving.protocol import envelope, error_body, usage
 from engine.serving.state import HTTPError

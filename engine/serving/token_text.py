@@ -2,7 +2,7 @@
 or byte-fallback token is its own bytes, not U+FFFD), and each API's logprobs form."""
 from __future__ import annotations
 
-from engine.outputs import CompletionOutput
+from engine.request.outputs import CompletionOutput
 
 
 class TokenText:

@@ -26,7 +26,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from engine.structured import StructuredOutputsParams
+from engine.request.structured import StructuredOutputsParams
 
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 

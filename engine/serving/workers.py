@@ -6,7 +6,7 @@ import concurrent.futures
 import threading
 from collections import OrderedDict, deque
 
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.multi import step_budget
 
 

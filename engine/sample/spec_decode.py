@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import Sampled, filter_logits
-from engine.sequence import Sequence
+from engine.sample.sampler import Sampled, filter_logits
+from engine.request.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Who goes next, and who makes room: the scheduler's admission order (engine/scheduler.py).
+"""Who goes next, and who makes room: the scheduler's admission order (engine/sched/scheduler.py).
 
 First come, first served, except that a group (the sequences of one client) that has had fewer
 sequences admitted goes before one that has had more, so a request of many prompts cannot hold
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from engine.kv.manager import KVManager
-from engine.sequence import Sequence
+from engine.request.sequence import Sequence
 
 LPM_MAX_QUEUE = 128  # SGLang's threshold: longer queues are served FCFS
 LPM_MAX_SKIPS = 8  # times a waiting sequence may be passed over by later ones under lpm

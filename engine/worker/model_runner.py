@@ -6,12 +6,12 @@ import dataclasses
 
 import torch
 
-from engine.attention import AttentionBackend
+from engine.worker.attention import AttentionBackend
 from engine.kv.manager import KVManager
 from engine.kv.batch import StepBatch
-from engine.lora import LoRABatch
-from engine.ops import rope_table
-from engine.step import Scheduled
+from engine.worker.lora import LoRABatch
+from engine.models.ops import rope_table
+from engine.sched.step import Scheduled
 
 
 @torch.inference_mode()
@@ -34,7 +34,7 @@ class ModelRunner:
     def __init__(self, model, kv: KVManager, attention: AttentionBackend, max_model_len: int,
                  device: torch.device, dtype: torch.dtype, workers=None):
         self.model, self.kv, self.attention, self.device = model, kv, attention, device
-        self.workers = workers  # engine.parallel.Workers when tensor parallel (kv is then a RecordedKV)
+        self.workers = workers  # engine.worker.parallel.Workers when tensor parallel (kv is then a RecordedKV)
         self.cos_sin = rope_table(model.inv_freq, max_model_len, dtype, device)
 
     def prepare(self, scheduled: Scheduled) -> tuple[torch.Tensor, StepBatch, torch.Tensor, list, list,

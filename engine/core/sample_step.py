@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import sample
-from engine.step import RowResult, SchedulerOutput
-from engine.sequence import Sequence
-from engine.spec_decode import verify_rows
-from engine.structured import Grammars
+from engine.sample.sampler import sample
+from engine.sched.step import RowResult, SchedulerOutput
+from engine.request.sequence import Sequence
+from engine.sample.spec_decode import verify_rows
+from engine.request.structured import Grammars
 
 
 @dataclass
@@ -28,7 +28,7 @@ class StepSample:
 
 def sample_step(logits: torch.Tensor, rows: list[tuple[Sequence, int, int]], out: SchedulerOutput,
                 grammars: Grammars, eos_ids: tuple[int, ...]) -> StepSample:
-    """rows: (seq, its first logits row, rows) per sampling sequence (engine/model_runner.py)."""
+    """rows: (seq, its first logits row, rows) per sampling sequence (engine/worker/model_runner.py)."""
     drafted = [r for r in rows if r[2] > 1]
     results: dict[Sequence, RowResult] = verify_rows(logits, drafted)
     step = StepSample(results, len(drafted), sum(n - 1 for _, _, n in drafted),

@@ -35,7 +35,7 @@ import torch
 import ext
 from engine.config import ATTENTION_BACKENDS
 from engine.kv.batch import StepBatch
-from engine.attention_step import FP8, FlashStep, KVCacheStep, NativeStep, TorchStep, flash_varlen
+from engine.worker.attention_step import FP8, FlashStep, KVCacheStep, NativeStep, TorchStep, flash_varlen
 
 LIBRARIES = {"flash-attn": ("flash_attn", "flash_attn_with_kvcache"),
              "flash-attn-4": ("flash_attn.cute", "flash_attn_varlen_func")}

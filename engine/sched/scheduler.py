@@ -29,7 +29,7 @@ sequence with at least `swap_min_tokens` computed; below that, and whenever the 
 recompute is used.
 
 Admission order (fcfs with groups taking turns, priority, lpm; LoRA adapters' turns) and the
-choice of whom to preempt are engine/admission.py's. Seats are shared: a group waiting with
+choice of whom to preempt are engine/sched/admission.py's. Seats are shared: a group waiting with
 nothing running while another holds more than its fair share of the seats (or of the pages it
 needs) gets one, the other's newest sequence preempted.
 
@@ -45,12 +45,12 @@ from collections import deque
 
 import torch
 
-from engine.admission import AdmissionOrder
+from engine.sched.admission import AdmissionOrder
 from engine.config import check_scheduling
 from engine.kv.manager import KVManager
-from engine.sampler import Sampled
-from engine.sequence import Sequence, SequenceStatus
-from engine.step import RowResult, Scheduled, SchedulerOutput, SeqOutput
+from engine.sample.sampler import Sampled
+from engine.request.sequence import Sequence, SequenceStatus
+from engine.sched.step import RowResult, Scheduled, SchedulerOutput, SeqOutput
 
 log = logging.getLogger("vkv.scheduler")
 

@@ -98,7 +98,7 @@ class StructuredOutputsParams:
 
 class Grammars:
     """Compiles requests' grammars and makes their matchers; wraps the tokenizer once, on first use.
-    Requests are compiled where they are checked (engine/processor.py: a server's tokenizer
+    Requests are compiled where they are checked (engine/core/processor.py: a server's tokenizer
     thread), matchers are made on the engine's thread; the lock keeps the wrapper and the cache
     whole between them."""
 

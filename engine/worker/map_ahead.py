@@ -22,7 +22,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine.kv.manager import KVManager
-from engine.step import Scheduled
+from engine.sched.step import Scheduled
 
 
 class MapAhead:

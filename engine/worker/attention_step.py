@@ -1,4 +1,4 @@
-"""One step of attention, as each kernel family runs it (engine/attention.py chooses the kernel
+"""One step of attention, as each kernel family runs it (engine/worker/attention.py chooses the kernel
 and prepares its step once a step): every layer calls `step(layer, q, k, v)`, which applies the
 rotary embedding, stores K and V in place in the layer's cache ([blocks, rows, heads, D]) and
 attends over each sequence's rows.
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv.batch import StepBatch
-from engine.ops import rope_reference
+from engine.models.ops import rope_reference
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 

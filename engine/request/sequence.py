@@ -3,7 +3,7 @@
 Where its KV lives (a slot, a block table) is the KV cache's business, kept on the sequence
 as `kv` from admission to release and written by the cache alone. Everything else that
 changes while it runs (its tokens, how far they are computed, its drafts, its status and finish
-reason) is the scheduler's: no other module writes it (engine/scheduler.py).
+reason) is the scheduler's: no other module writes it (engine/sched/scheduler.py).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from itertools import count
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.structured import consume
+from engine.request.sampling_params import SamplingParams
+from engine.request.structured import consume
 
 
 class SequenceStatus(Enum):
@@ -46,9 +46,9 @@ class Sequence:
     grammar: object | None = None  # structured outputs: the matcher that masks its next token
     draft: list[int] = field(default_factory=list)  # speculative tokens this step verifies
     cache_salt: str | None = None  # shares cached pages only with sequences of the same salt
-    lora: object | None = None  # the LoRA adapter it runs with (engine/lora.py Adapter); its pages are its own
+    lora: object | None = None  # the LoRA adapter it runs with (engine/worker/lora.py Adapter); its pages are its own
     siblings: list[Sequence] = field(default_factory=list)  # n > 1: fork from it once its prompt is computed
-    beam: object | None = None  # a beam search's beams: the BeamGroup that steers them (engine/beam_search.py)
+    beam: object | None = None  # a beam search's beams: the BeamGroup that steers them (engine/sched/beam_search.py)
     kv: object | None = None  # its KV state while it holds a place: the KV manager's handle (engine/kv/layout.py)
 
     def __post_init__(self):

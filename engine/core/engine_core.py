@@ -3,7 +3,7 @@
     drafts (spec_decode) -> Scheduler.schedule -> ModelRunner.run -> sample_step (sampler,
     spec_decode, beam rows) -> Scheduler.update_from_output
 
-The core knows sequences and token ids, never text: the LLMEngine (engine/llm_engine.py) makes
+The core knows sequences and token ids, never text: the LLMEngine (engine/core/llm_engine.py) makes
 a request's sequences before a step and turns what they did into outputs after it. The
 scheduler writes every sequence's schedule state. A row whose sampling raises ends as that
 exception, failing its request alone; a failure of the batch as a whole (the forward pass, the
@@ -15,15 +15,15 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kv.manager import KVManager
-from engine.map_ahead import MapAhead
-from engine.model_runner import ModelRunner
-from engine.sample_step import StepSample, sample_step
-from engine.sampler import Sampled, score
-from engine.scheduler import Scheduler
-from engine.step import SchedulerOutput, SeqOutput
-from engine.sequence import Sequence
-from engine.spec_decode import NgramProposer, SpeculativeConfig
-from engine.structured import Grammars
+from engine.worker.map_ahead import MapAhead
+from engine.worker.model_runner import ModelRunner
+from engine.core.sample_step import StepSample, sample_step
+from engine.sample.sampler import Sampled, score
+from engine.sched.scheduler import Scheduler
+from engine.sched.step import SchedulerOutput, SeqOutput
+from engine.request.sequence import Sequence
+from engine.sample.spec_decode import NgramProposer, SpeculativeConfig
+from engine.request.structured import Grammars
 
 
 @dataclass

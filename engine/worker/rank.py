@@ -1,6 +1,6 @@
 """What one rank holds: its shard of the weights, its attention backend and its KV cache.
 
-LLMEngine builds rank 0 (the only rank without tensor parallelism); engine/parallel.py builds
+LLMEngine builds rank 0 (the only rank without tensor parallelism); engine/worker/parallel.py builds
 ranks 1..N-1 in their own processes by the same function, so every rank's KV cache has the same
 geometry (rows of 1/N of the bytes, the same page size and page count).
 """
@@ -10,11 +10,11 @@ import dataclasses
 
 import ext
 import vmm
-from engine.attention import AttentionBackend, pick_attention
+from engine.worker.attention import AttentionBackend, pick_attention
 from engine.config import EngineConfig
 from engine.kv.build import make_kv_cache
 from engine.kv.manager import KVManager
-from engine.model_runner import activation_peak
+from engine.worker.model_runner import activation_peak
 from engine.models import load_config, load_model
 from engine.models.config import ModelConfig
 

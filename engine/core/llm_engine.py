@@ -4,7 +4,7 @@ goes one way:
     InputProcessor (a request checked, its sequences) -> EngineCore.step (schedule, run,
     sample, update) -> OutputProcessor (text, stop strings, outputs) -> EngineCore.finish
 
-The core (engine/core.py) knows sequences and tokens; the processors know requests and text.
+The core (engine/core/engine_core.py) knows sequences and tokens; the processors know requests and text.
 The sequences a stop string ended go back to the core, which finishes them before the next
 step. A failure while sampling or processing one request fails that request alone (finish
 reason "error", the message in its output) and the step goes on for the others; a failure of
@@ -17,20 +17,20 @@ import logging
 import time
 
 import vmm
-from engine.beam_search import BeamSearchOutput, BeamSearchParams
+from engine.sched.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.kv.publisher import make_publisher
-from engine.lora import LoRARegistry, LoRARequest
+from engine.worker.lora import LoRARegistry, LoRARequest
 from engine.models import load_tokenizer, weights
 from engine.models.loader import checkpoint_dir, read_checkpoint
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.parallel import RecordedKV, start_ranks
-from engine.processor import EngineRequest, InputProcessor
-from engine.sampling_params import SamplingParams
+from engine.core.output_processor import OutputProcessor
+from engine.request.outputs import RequestOutput
+from engine.worker.parallel import RecordedKV, start_ranks
+from engine.core.processor import EngineRequest, InputProcessor
+from engine.request.sampling_params import SamplingParams
 from engine.stats import Counters, EngineStats
-from engine.structured import Grammars
+from engine.request.structured import Grammars
 
 log = logging.getLogger("vkv.engine")
 
@@ -48,7 +48,7 @@ class LLMEngine:
         over the same weights (a fresh KV cache and scheduler) without loading them again.
         pool: this model's share of a physical pool several models draw from (engine/multi.py);
         config.kv_cache_memory is then ignored. With tensor_parallel_size N > 1, ranks 1..N-1
-        run in processes of their own (engine/parallel.py)."""
+        run in processes of their own (engine/worker/parallel.py)."""
         self.config = c = config
         rank, self.workers = start_ranks(c, loaded[0] if loaded else None, pool)
         self.rank, self.model_config, self.max_model_len = rank, rank.model_config, rank.max_model_len
@@ -73,14 +73,14 @@ class LLMEngine:
         log.info("vkv: %s", "; ".join(f"{k}: {v}" for k, v in self.platform().items()))
 
     def platform(self) -> dict[str, str]:
-        """Which paths run on this machine, and why (engine/rank.py)."""
+        """Which paths run on this machine, and why (engine/worker/rank.py)."""
         return self.rank.platform(self.config)
 
     # -- requests -------------------------------------------------------------------------
     def process_inputs(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams, *,
                        group: str | None = None, priority: int = 0,
                        lora_request: LoRARequest | None = None) -> EngineRequest:
-        """The request tokenized and checked, its LoRA adapter loaded (engine/processor.py);
+        """The request tokenized and checked, its LoRA adapter loaded (engine/core/processor.py);
         ValueError, with the numbers, for one the engine would refuse. Thread-safe: a server
         runs it off the engine's thread."""
         return self.processor.process(request_id, prompt, params, group, priority, lora_request)

@@ -14,9 +14,9 @@ in the batch are right on every rank (the tests audit that). Row-parallel projec
 all-reduced inside the model (engine/models/llama.py); only rank 0 computes logits and samples.
 
 Workers: each local rank is a fresh interpreter running this module (`python -m
-engine.parallel`, as `vkv tp-worker` runs it on another host), never multiprocessing's spawn,
+engine.worker.parallel`, as `vkv tp-worker` runs it on another host), never multiprocessing's spawn,
 which re-imports the user's main module (a script on standard input, or one without a main
-guard, would kill every worker at import). It builds its rank itself (engine/rank.py); the
+guard, would kill every worker at import). It builds its rank itself (engine/worker/rank.py); the
 config comes on its standard input. A worker says "ready" before it joins the group, so one
 that dies on the way fails the engine at once with the worker's own error.
 
@@ -48,10 +48,10 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 from engine.models import load_config
-from engine.rank import Rank, build_rank, check_divisible
-from engine.sequence import Sequence
+from engine.worker.rank import Rank, build_rank, check_divisible
+from engine.request.sequence import Sequence
 
 log = logging.getLogger("vkv.parallel")
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -158,7 +158,7 @@ class Worker:
 
     def __init__(self, config: EngineConfig, rank: int, world: int, init: str):
         self.rank, self.errors = rank, tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.parallel", str(rank), str(world), init],
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.worker.parallel", str(rank), str(world), init],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors)
         self.proc.stdin.write(pickle.dumps(config))
         self.proc.stdin.close()
@@ -305,7 +305,7 @@ def worker_main(config: EngineConfig, rank: int, world: int, init: str) -> None:
 
 
 def _main() -> None:
-    """`python -m engine.parallel RANK WORLD INIT`, the pickled EngineConfig on standard input."""
+    """`python -m engine.worker.parallel RANK WORLD INIT`, the pickled EngineConfig on standard input."""
     rank, world, init = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     config = pickle.loads(sys.stdin.buffer.read())
     sys.stdout.buffer.write(READY)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sequence import Sequence
+from engine.request.sequence import Sequence
 
 
 class SamplingError(RuntimeError):

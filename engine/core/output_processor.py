@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.beam_search import BeamGroup, BeamSearchOutput
-from engine.detokenizer import IncrementalDetokenizer
-from engine.inputs import Prompt
-from engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind, TokenLogprob
-from engine.sampler import Sampled
-from engine.sampling_params import SamplingParams
-from engine.step import SeqOutput
-from engine.sequence import Sequence
+from engine.sched.beam_search import BeamGroup, BeamSearchOutput
+from engine.request.detokenizer import IncrementalDetokenizer
+from engine.request.inputs import Prompt
+from engine.request.outputs import CompletionOutput, RequestOutput, RequestOutputKind, TokenLogprob
+from engine.sample.sampler import Sampled
+from engine.request.sampling_params import SamplingParams
+from engine.sched.step import SeqOutput
+from engine.request.sequence import Sequence
 
 
 @dataclass
@@ -67,7 +67,7 @@ class OutputProcessor:
         self.requests[request_id] = RequestState(request_id, prompt, params, completions, beam, prompt_logprobs=scored)
 
     def add_prompt_scores(self, scores: list[tuple[Sequence, int, list[Sampled]]]) -> None:
-        """prompt_logprobs a step scored (engine/core.py): per sequence, the position of its first
+        """prompt_logprobs a step scored (engine/core/engine_core.py): per sequence, the position of its first
         scored prompt token and the scores. A sequence computing its prompt again after a
         preemption writes the same values."""
         for seq, position, scored in scores:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampler import Sampled
-from engine.sequence import Sequence
+from engine.sample.sampler import Sampled
+from engine.request.sequence import Sequence
 
 Scheduled = list[tuple[Sequence, int]]  # (sequence, number of its tokens computed this step)
 # What a step's rows gave a sequence: its tokens (one, or the kept drafts and one more), a beam's

@@ -13,14 +13,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.beam_search import BeamGroup, BeamSearchParams
+from engine.sched.beam_search import BeamGroup, BeamSearchParams
 from engine.config import EngineConfig
-from engine.inputs import Prompt, tokenize
-from engine.lora import Adapter, LoRARegistry, LoRARequest
+from engine.request.inputs import Prompt, tokenize
+from engine.worker.lora import Adapter, LoRARegistry, LoRARequest
 from engine.models.config import ModelConfig
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from engine.structured import Grammars
+from engine.request.sampling_params import SamplingParams
+from engine.request.sequence import Sequence
+from engine.request.structured import Grammars
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class InputProcessor:
         return EngineRequest(request_id, prompt, params, group, priority, grammar, self.adapter(lora_request))
 
     def adapter(self, request: LoRARequest | None) -> Adapter | None:
-        """The adapter a request names, loaded and checked (engine/lora.py); ValueError by name."""
+        """The adapter a request names, loaded and checked (engine/worker/lora.py); ValueError by name."""
         if request is None:
             return None
         if not isinstance(request, LoRARequest):

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sequence import Sequence
+from engine.request.outputs import CompletionOutput, RequestOutput
+from engine.request.sequence import Sequence
 
 
 @dataclass

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine.outputs import RequestOutputKind
-from engine.structured import StructuredOutputsParams
+from engine.request.outputs import RequestOutputKind
+from engine.request.structured import StructuredOutputsParams
 
 GREEDY_BELOW = 1e-5
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)

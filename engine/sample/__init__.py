@@ -1,0 +1,1 @@
+"""Tokens from logits: the sampler, and speculative decoding's proposer and verification."""
