@@ -87,7 +87,12 @@ def cmd_pool_owner(args: argparse.Namespace) -> None:
         backend = vmm.make_backend("cuda", args.page_size, device.index or 0, shareable=True)
     else:
         backend = vmm.HostBackend(args.page_size or DEFAULT_HOST_PAGE)
-    owner = vmm.PoolOwner(backend, max(1, args.kv_cache_memory // backend.page_size), args.socket)
+    from engine.config import KVEventsConfig
+    from engine.kv.pool_events import PoolEvents
+    events_config = KVEventsConfig.of(args.kv_events_config) if args.kv_events_config is not None else None
+    announce = events_config is not None and events_config.publishes
+    owner = vmm.PoolOwner(backend, max(1, args.kv_cache_memory // backend.page_size), args.socket, announce)
+    events = PoolEvents(owner, events_config) if announce else None  # the directory, for routers
     signal.signal(signal.SIGTERM, lambda *_: owner.request_stop())
     print(f"vkv: pool of {owner.pool.num_pages} pages of {backend.page_size} bytes at {args.socket}", flush=True)
     try:
@@ -96,6 +101,8 @@ def cmd_pool_owner(args: argparse.Namespace) -> None:
         pass
     finally:
         owner.stop()
+        if events is not None:
+            events.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     owner.add_argument("--page-size", type=int, default=None, help="bytes per physical page")
     owner.add_argument("--device", default="cpu", help="cpu (memfd pages) or cuda[:N] (the GPU's pages, exported "
                                                        "to each engine process; start those with --device cuda[:N])")
+    owner.add_argument("--kv-events-config", type=json.loads, default=None, metavar="JSON",
+                       help="vLLM's KVEventsConfig: the pool's directory (what every process attached to it can "
+                            "map) announced as vLLM's KV events, by this owner (the engine processes announce nothing)")
     owner.set_defaults(func=cmd_pool_owner)
 
     live = sub.add_parser("top", help="live view of a server's KV pool: pages per model, running and waiting")

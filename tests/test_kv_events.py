@@ -229,3 +229,54 @@ def test_metrics_routers_read_carry_vllms_names_and_meaning():
         assert info.labels["running_lora_adapters"] == "sql" and info.labels["waiting_lora_adapters"] == "chat,sql"
         assert info.labels["max_lora"] == "2" and info.value > 1.7e9
         assert ("model_name" in info.labels) == labelled
+
+
+def test_a_shared_pool_is_announced_by_its_owner_once_for_every_process(tmp_path):
+    """Over one pool several engines share (vmm/owner.py), the directory is the cache every
+    process hits: its owner announces it (engine/kv/pool_events.py), the engines nothing of their
+    own. Replayed, the stream holds exactly the directory's described entries, each page's tokens
+    chained from the prompt's start; a page another engine maps is not announced again, a
+    process letting go of its view removes nothing, eviction and the stop remove each once."""
+    from engine.kv.pool_events import PoolEvents
+    from vmm import HostBackend, PoolOwner
+
+    rep = f"ipc://{tmp_path}/pool-replay"
+    config = KVEventsConfig.of({"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/pool",
+                                "replay_endpoint": rep})
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(config.endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    owner = PoolOwner(HostBackend(64 << 10), 600, str(tmp_path / "pool.sock"), announce=True).start()
+    events = PoolEvents(owner, config, interval=0.05)
+    time.sleep(0.3)  # the subscription reaches the publisher (ZMQ's slow joiner)
+    engines = [LLM(model=NARROW, kv_pool=owner.path, kv_cache_memory=8 << 20, max_num_seqs=2, max_model_len=512)
+               for _ in range(2)]
+    try:
+        sequences = []
+        prompts = [PROMPTS[0], PROMPTS[0] + " and then more words", *PROMPTS[1:], PROMPTS[0]]
+        for i, p in enumerate(prompts):  # alternate engines: each maps what the other computed
+            (out,) = engines[i % 2].generate([p], GREEDY, use_tqdm=False)
+            sequences.append(list(out.prompt_token_ids) + list(out.outputs[0].token_ids))
+        assert sum(e.stats().kv.prefix_cache_imported for e in engines) > 0  # pages crossed processes
+        assert owner.stats()["evictions"] > 0  # the pool is small: the owner evicted for allocs
+        events.flush()
+        seen = Holdings()
+        for _, batch in replay(rep):
+            seen.apply(batch)
+        with owner.lock:
+            described = set(owner.announced)
+        assert seen.media[GPU] == {block_hash(n) for n in described} and described
+        for tokens in seen.chains.values():  # each announced page's tokens continue its prompt's
+            assert any(ids[:len(tokens)] == tokens for ids in sequences)
+    finally:
+        for e in engines:
+            e.close()
+        owner.stop()
+        events.close()
+    live = drain(sub)
+    sub.close(linger=0)
+    assert [seq for seq, _ in live] == list(range(len(live))), "the subscriber missed or reordered batches"
+    after = Holdings()
+    for _, batch in live:
+        after.apply(batch)
+    assert not after.media[GPU], "the directory was let go at stop without being announced"

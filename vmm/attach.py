@@ -13,10 +13,11 @@ one process.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from vmm import wire
 from vmm.backend import Backend
@@ -67,6 +68,7 @@ class AttachedPool:
         hello, fds = self._ask({"op": "hello"}, max_fds=1)
         self.page_size = hello["page_size"]
         self.process = hello["process"]  # the owner's id for this process
+        self.announces = bool(hello.get("announce"))  # the owner announces its directory: describe entries
         kind = hello.get("backend", "host")
         try:
             if (backend.name if backend is not None else "host") != kind:
@@ -219,22 +221,26 @@ class AttachedPool:
         return 0
 
     # -- names: what replicas share --------------------------------------------------------
-    def publish(self, entries: Iterable[tuple[bytes, tuple[int, ...]]]) -> list[bool]:
+    def publish(self, entries: Iterable[tuple[bytes, tuple[int, ...]]],
+                meta: Sequence[dict | None] | None = None) -> list[bool]:
         """Cache sealed entries (name, the page of each region) for every process; from now on
-        their pages are never written in place here. Returns, per entry, whether it was new."""
+        their pages are never written in place here. Returns, per entry, whether it was new.
+        meta: per entry, what the owner announces of it (if it announces: `announces`; its parent's
+        name, tokens and adapter, JSON; a description too large for one message loses its tokens)."""
         entries = [(name, tuple(pages)) for name, pages in entries]
+        described = list(meta) if meta is not None and self.announces else [None] * len(entries)
         published: list[bool] = []
         with self.lock:
             for _, pages in entries:
                 for page in pages:
                     if self.local[page] == 0:
                         raise DoubleFree(f"page {page} is not held by this process: it cannot publish it")
-            for start in range(0, len(entries), LOOKUP_BATCH):
-                batch = entries[start:start + LOOKUP_BATCH]
-                answer, _ = self._ask({"op": "publish", "entries": [[name.hex(), pages] for name, pages in batch]})
-                for (_, pages), new in zip(batch, answer["published"]):
+            for batch in _batches([[name.hex(), list(pages), *([m] if m is not None else [])]
+                                   for (name, pages), m in zip(entries, described)]):
+                answer, _ = self._ask({"op": "publish", "entries": batch})
+                for entry, new in zip(batch, answer["published"]):
                     if new:
-                        self.foreign.update(pages)
+                        self.foreign.update(entry[1])
                 published += answer["published"]
             return published
 
@@ -312,3 +318,21 @@ class AttachedPool:
         self._sock.close()
         self._release_imported()
         self.backend.close()
+
+
+def _batches(entries: list[list]) -> Iterator[list[list]]:
+    """Publish messages: at most LOOKUP_BATCH entries and half a datagram each; an entry whose
+    description alone would not fit keeps it without its tokens."""
+    batch, size = [], 0
+    for entry in entries:
+        n = len(json.dumps(entry, separators=(",", ":")))
+        if n > wire.MAX_MESSAGE // 2 and len(entry) > 2:
+            entry[2] = {**entry[2], "tokens": []}
+            n = len(json.dumps(entry, separators=(",", ":")))
+        if batch and (len(batch) == LOOKUP_BATCH or size + n > wire.MAX_MESSAGE // 2):
+            yield batch
+            batch, size = [], 0
+        batch.append(entry)
+        size += n
+    if batch:
+        yield batch

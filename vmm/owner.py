@@ -38,6 +38,12 @@ publish, lookup, take (an entry handed whole to one process: the last page of a 
 decode handoff, written on by the decoder), stats, audit. `audit` checks every page is free,
 held by a process, or cached (held by the directory), that its count equals its holders, and
 that a process's claim of what it holds equals the owner's record.
+Announcing (`announce=True`): the owner, the one writer of the directory, is also the one that
+says what it holds, for routers (engine/kv/pool_events.py turns it into vLLM's KV events): an
+entry published with a description (`meta`: its parent's name, its tokens, its adapter, as the
+publisher knows them; vmm reads none of it) is logged as stored, and logged as removed when it
+leaves the directory (evicted, taken, or at stop); `take_changes` hands the log over. An entry
+published without one (a prompt's partial last page) is not announced.
 
 Limitations. A CUDA pool shares pages between processes on one device: every process maps them
 on the device they were created on (peer access across devices is not set up). On the CUDA
@@ -55,7 +61,7 @@ import os
 import selectors
 import socket
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from vmm import wire
 from vmm.backend import Backend, consecutive_runs
@@ -66,10 +72,12 @@ from vmm.pool import PagePool
 log = logging.getLogger("vkv.pool")
 DIRECTORY = 0  # the holder id of the name directory; processes are 1, 2, ...
 LOOKUP_ANSWER_PAGES = 8192  # page ids in one lookup answer (well inside a datagram); the caller asks again
+MAX_CHANGES = 1 << 20  # directory changes kept for `take_changes`; past this the oldest go (counted)
 
 
 class PoolOwner:
-    def __init__(self, backend: Backend, num_pages: int, path: str):
+    def __init__(self, backend: Backend, num_pages: int, path: str, announce: bool = False):
+        """announce: log the directory's changes for `take_changes` (see the note)."""
         if not isinstance(backend, HostBackend) and not getattr(backend, "shareable", False):
             raise ValueError(f"a pool shared across processes needs the host backend or a CUDA backend made "
                              f"with shareable=True, not {backend.name}")
@@ -82,6 +90,10 @@ class PoolOwner:
         self.name_of: dict[int, bytes] = {}
         self.evictions = self.recovered = 0  # directory entries evicted; pages released for dead processes
         self.idle = 0  # cached pages no process references: what an alloc may evict
+        self.announce = announce
+        self.changes: deque[tuple] = deque()  # ("stored", name, meta) / ("removed", name), oldest first
+        self.announced: set[bytes] = set()  # names logged as stored and not yet as removed
+        self.changes_dropped = 0
         self._next_id = DIRECTORY + 1
         self._stopping = threading.Event()
         self.lock = threading.Lock()  # the loop's steps, and stats/audit from other threads
@@ -182,7 +194,7 @@ class PoolOwner:
         try:
             if op == "hello":
                 hello = {"backend": self.pool.backend.name, "page_size": self.pool.page_size,
-                         "num_pages": self.pool.num_pages, "process": client}
+                         "num_pages": self.pool.num_pages, "process": client, "announce": self.announce}
                 if isinstance(self.pool.backend, HostBackend):  # one file holds every page: slots in it
                     return {**hello, "handles": consecutive_runs(self.pool.handles)}, [self.pool.backend.fd]
                 return hello, []
@@ -194,9 +206,10 @@ class PoolOwner:
                 for page in m["pages"]:
                     self._give_up(client, int(page))
                 return {"free": self.pool.num_free}, []
-            if op == "publish":
-                return {"published": [self._publish(client, bytes.fromhex(name), tuple(map(int, pages)))
-                                      for name, pages in m["entries"]]}, []
+            if op == "publish":  # entries: [name, pages] or [name, pages, meta]
+                return {"published": [self._publish(client, bytes.fromhex(e[0]), tuple(map(int, e[1])),
+                                                    e[2] if len(e) > 2 else None)
+                                      for e in m["entries"]]}, []
             if op == "lookup":
                 names = [bytes.fromhex(n) for n in m["names"]]
                 found = self._lookup(client, names)
@@ -259,9 +272,10 @@ class PoolOwner:
         self.idle += self.holders[page] == {DIRECTORY}
         self.pool.drop(page)
 
-    def _publish(self, client: int, name: bytes, pages: tuple[int, ...]) -> bool:
+    def _publish(self, client: int, name: bytes, pages: tuple[int, ...], meta: dict | None = None) -> bool:
         """Cache a sealed entry under its name (the directory takes a reference on each page);
-        False if the name, or one of its pages, is known already (the caller's stay its own)."""
+        False if the name, or one of its pages, is known already (the caller's stay its own).
+        meta: what to announce of it (see the note), or None."""
         if not pages or any(page not in self.held[client] for page in pages):
             raise ValueError(f"pages {list(pages)[:8]} are not all held by this process")
         if name in self.directory or any(page in self.name_of for page in pages):
@@ -271,6 +285,9 @@ class PoolOwner:
             self.name_of[page] = name
             self._add(page, DIRECTORY)
             self.pool.hold(page)
+        if self.announce and meta is not None:
+            self._log(("stored", name, meta))
+            self.announced.add(name)
         return True
 
     def _lookup(self, client: int, names: list[bytes]) -> list[tuple[int, ...]]:
@@ -319,6 +336,21 @@ class PoolOwner:
         for page in self.directory.pop(name):
             del self.name_of[page]
             self._release(DIRECTORY, page)
+        if name in self.announced:
+            self.announced.discard(name)
+            self._log(("removed", name))
+
+    def _log(self, change: tuple) -> None:
+        if len(self.changes) >= MAX_CHANGES:  # nobody takes them: the oldest go, counted
+            self.changes.popleft()
+            self.changes_dropped += 1
+        self.changes.append(change)
+
+    def take_changes(self) -> list[tuple]:
+        """The directory's changes since the last call, oldest first (with announce=True)."""
+        with self.lock:
+            changes, self.changes = list(self.changes), deque()
+            return changes
 
     # -- numbers and the audit -------------------------------------------------------------
     def stats(self) -> dict:

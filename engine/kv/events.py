@@ -16,6 +16,9 @@ where it makes it, and nowhere else:
   CPU      the host tier (engine/kv/tiers.py HostTier): an entry offloaded or dropped for room
   STORAGE  the disk tier (DiskTier): an entry queued, found at start, trimmed, found damaged,
            failed to write (its writer thread), or the whole tier turned off
+Over a pool several engine processes share (vmm/owner.py) the directory is the cache every
+process hits, and its one writer, the pool's owner, announces it (engine/kv/pool_events.py):
+each process's prefix cache then records nothing of its own.
 The engine takes the log after each step (and after sleep) and hands it to the publisher. An
 entry's name is its 32-byte SHA-256 chain hash; on the wire it is its first 8 bytes as an
 unsigned integer (vLLM's block hashes are integers).
@@ -28,9 +31,8 @@ before is one `Stored` with its parent and all its tokens.
 Limitations. Tier events carry no token ids: entries move between tiers by name. A KV page
 holds a whole number of tokens only if the layout says so: where a page's token count differs
 from the run before it (a per_layer page of 85 fp32 tokens, then one of 86), a new event
-starts, each with its own `block_size`. Over a pool several processes share, a page another
-process computed is announced when this process maps it (without tokens), and the owner's
-evictions of pages no process maps are not announced (the owner process publishes nothing).
+starts, each with its own `block_size`. Over a shared pool a page's description travels to the
+owner with its name (a page of very many tokens, past half a message, is announced without them).
 """
 from __future__ import annotations
 

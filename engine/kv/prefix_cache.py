@@ -92,8 +92,11 @@ class PrefixCache:
     def __init__(self, pool: PageAllocator, events: KVEventLog | None = None,
                  on_evict: Callable[[bytes, tuple[int, ...]], None] | None = None):
         self.pool = pool
-        self.events = events or KVEventLog()  # what comes and goes, for routers (Note [KV events])
         self.shared = hasattr(pool, "lookup")  # a pool several processes draw from: one directory of names
+        # what comes and goes, for routers (Note [KV events]); over a shared pool the directory's
+        # owner announces what the pool holds for every process (vmm/owner.py, engine/kv/pool_events.py),
+        # not each process its view of it: this cache then records nothing (a log never started)
+        self.events = KVEventLog() if self.shared else (events or KVEventLog())
         self.on_evict = on_evict  # called with (name, pages) before an entry's pages are let go (the KV tiers)
         self.entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         # each entry's tokens under its parent's name (a root for a first page), for hits that
@@ -143,8 +146,9 @@ class PrefixCache:
             self.children.setdefault(parent, {})[h] = tuple(token_ids)
             self.parent_of[h] = parent
         self.events.stored([h], None if first else parent, list(token_ids), len(token_ids), lora_name, GPU)
-        if self.shared:
-            self.pool.publish([(h, pages)])
+        if self.shared:  # described for the owner's announcements (sent only if it announces)
+            self.pool.publish([(h, pages)], [{"parent": None if first or parent is None else parent.hex(),
+                                              "tokens": list(token_ids), "size": len(token_ids), "lora": lora_name}])
 
     def partial(self, parent: bytes, token_ids: list[int]) -> tuple[tuple[int, ...], int] | None:
         """The entry after `parent` whose tokens begin with the longest run of token_ids, and

@@ -29,6 +29,9 @@ checks the client's key and the body's size, then proxies the OpenAI routes:
     its pool references released by the owner the moment it died.
   - /metrics: every replica's series with a `rank` label, and the pool's (pages free, cached,
     named, processes, pages recovered from dead replicas), and `vkv:kv_handoff_pages_total`.
+  - KV events (`--kv-events-config`): the pool's directory, what every replica can map, is
+    announced by its owner here (engine/kv/pool_events.py) on the configured ports; the
+    replicas announce nothing of their own.
 
 Limitations. On a GPU every replica runs on the pool's one device (the owner creates the pages
 shareable and exports them; each replica imports them): not yet run on a GPU by this project
@@ -58,12 +61,13 @@ import httpx
 import vmm
 from engine.config import EngineConfig
 from engine.kv.build import backend_for
+from engine.kv.pool_events import PoolEvents
 from engine.worker.parallel import free_port
 from engine.serving.options import ServerOptions
 
 log = logging.getLogger("vkv.server")
 FRONT_DOOR_FLAGS = {"--port", "--host", "--api-key", "--data-parallel-size", "-dp", "--prefill-ranks", "--kv-pool",
-                    "--replica-rank", "--data-parallel-rank"}
+                    "--replica-rank", "--data-parallel-rank", "--kv-events-config"}
 AFFINITY_BYTES = 512  # the prompt start a request's affinity is hashed from
 BUSIER = 2  # requests in flight past the least busy replica's before affinity gives way
 RESTART_GAP = 5.0  # seconds at least between a replica's start and its restart
@@ -115,8 +119,11 @@ class ReplicaSet:
         self.options, self.key = options, secrets.token_hex(16)
         self.dir = tempfile.mkdtemp(prefix="vkv-pool-")
         backend = backend_for(config, shareable=True)  # the replicas' device: memfd or exported GPU pages
+        events = config.kv_events_config
+        announce = events is not None and events.publishes  # the pool's directory, announced by its owner
         self.owner = vmm.PoolOwner(backend, max(1, config.kv_budget_bytes(0) // backend.page_size),
-                                   os.path.join(self.dir, "pool.sock")).start()
+                                   os.path.join(self.dir, "pool.sock"), announce).start()
+        self.events = PoolEvents(self.owner, events) if announce else None
         self.argv = replica_argv(argv)
         self.threads = max(1, (os.cpu_count() or 1) // n)
         self.replicas = [Replica(r, "prefill" if r < k else ("decode" if k else "both")) for r in range(n)]
@@ -207,6 +214,8 @@ class ReplicaSet:
                 except subprocess.TimeoutExpired:
                     replica.process.kill()
         self.owner.stop()
+        if self.events is not None:
+            self.events.close()
         os.rmdir(self.dir)
 
     # -- routing ----------------------------------------------------------------------
