@@ -1,4 +1,4 @@
-"""Block-table KV cache: the PagedAttention baseline, in the same engine.
+"""The block-table layout (engine/kv/layout.py): the PagedAttention baseline, in the same engine.
 
 Per layer, K and V are pools of blocks [num_blocks, block_size, kv_heads, head_dim]. A sequence
 owns a block table (page k of the sequence is `seq.kv.table[k]`) and takes one more block

@@ -1,4 +1,4 @@
-"""Virtual KV cache: each running sequence owns a slot, a contiguous virtual range per region,
+"""The virtual layouts (engine/kv/layout.py): each running sequence owns a slot, a contiguous virtual range per region,
 and pool pages are mapped into it as the sequence grows.
 
 Layouts (`kv_layout`):
