@@ -1,5 +1,5 @@
-"""The virtual layouts (engine/kv/layout.py): each running sequence owns a slot, a contiguous virtual range per region,
-and pool pages are mapped into it as the sequence grows.
+"""The virtual layouts (engine/kv/layout.py): each running sequence owns a slot, a contiguous
+virtual range per region, and pool pages are mapped into it as the sequence grows.
 
 Layouts (`kv_layout`):
   interleaved  one region; a token row holds K and V of every layer, [slots, rows, L, 2, H, D].
