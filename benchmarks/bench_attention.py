@@ -61,10 +61,17 @@ def build(layout: str, seqs, shape, dtype, device):
     if layout == "paged":
         kv = KVManager(PagedLayout(cfg, 16, sum(-(-c // 16) for _, c in seqs) + len(seqs), dtype, device))
     else:
-        backend = vmm.make_backend(device.type if device.type == "cuda" else "host",
-                                   None if device.type == "cuda" else 64 << 10)
         regions, row = (1, token_bytes) if layout == "interleaved" else (2 * layers, token_bytes // (2 * layers))
-        pages = regions * sum(-(-c * row // backend.page_size) + 1 for _, c in seqs)
+        for host_page in (64 << 10, 2 << 20):  # 64 KiB host pages, or 2 MiB where the mappings would not fit
+            backend = vmm.make_backend(device.type if device.type == "cuda" else "host",
+                                       None if device.type == "cuda" else host_page)
+            pages = regions * sum(-(-c * row // backend.page_size) + 1 for _, c in seqs)
+            limit = backend.max_mapped_pages()
+            if device.type == "cuda" or limit is None or pages <= limit or host_page == 2 << 20:
+                break
+            print(f"  {layout}: {pages} pages of 64 KiB exceed the {limit} mappings this host allows "
+                  f"(vm.max_map_count): 2 MiB pages instead")
+            backend.close()
         kv = KVManager(VirtualLayout(cfg, layout, len(seqs), longest, dtype, backend, pages))
     for s, (_, c) in zip(held, seqs):
         kv.admit(s)
