@@ -92,7 +92,11 @@ def cmd_pool_owner(args: argparse.Namespace) -> None:
     events_config = KVEventsConfig.of(args.kv_events_config) if args.kv_events_config is not None else None
     announce = events_config is not None and events_config.publishes
     owner = vmm.PoolOwner(backend, max(1, args.kv_cache_memory // backend.page_size), args.socket, announce)
-    events = PoolEvents(owner, events_config) if announce else None  # the directory, for routers
+    try:
+        events = PoolEvents(owner, events_config) if announce else None  # the directory, for routers
+    except BaseException:  # its ports taken, say: no pool (and no socket file) left behind
+        owner.stop()
+        raise
     signal.signal(signal.SIGTERM, lambda *_: owner.request_stop())
     print(f"vkv: pool of {owner.pool.num_pages} pages of {backend.page_size} bytes at {args.socket}", flush=True)
     try:

@@ -1,6 +1,8 @@
 """KV events in vLLM's format (engine/kv/events.py, engine/kv/publisher.py): decoded here with
 vLLM's own schema, they account for every page the pool's prefix cache and the tiers take in
 and let go, once each, in order; the replay socket serves what a subscriber missed."""
+import json
+import os
 import time
 
 import msgspec
@@ -280,3 +282,52 @@ def test_a_shared_pool_is_announced_by_its_owner_once_for_every_process(tmp_path
     for _, batch in live:
         after.apply(batch)
     assert not after.media[GPU], "the directory was let go at stop without being announced"
+
+
+def test_pool_events_refuse_what_they_cannot_do_and_leave_nothing(tmp_path, monkeypatch):
+    """An owner that does not announce is refused by name; a description too large for one owner
+    message travels without its tokens (announced all the same); `-dp`'s replicas never get the
+    events config (the front door announces); a publisher whose port is taken fails its start
+    and the replicas' pool goes with it (no owner thread, no socket file)."""
+    from engine.kv.pool_events import PoolEvents
+    from engine.serving.replicas import replica_argv
+    from vmm import HostBackend, PoolOwner, wire
+    from vmm.attach import _batches
+
+    config = KVEventsConfig.of({"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/p"})
+    owner = PoolOwner(HostBackend(64 << 10), 4, str(tmp_path / "quiet.sock"))
+    with pytest.raises(ValueError, match="announce=True"):
+        PoolEvents(owner, config)
+    owner.stop()
+
+    huge = [["ab" * 32, [0], {"parent": None, "tokens": list(range(100_000)), "size": 100_000, "lora": None}],
+            ["cd" * 32, [1], {"parent": "ab" * 32, "tokens": [1, 2, 3], "size": 3, "lora": None}]]
+    batches = list(_batches(huge))
+    sent = [entry for batch in batches for entry in batch]
+    assert sent[0][2] == {"parent": None, "tokens": [], "size": 100_000, "lora": None}
+    assert sent[1][2]["tokens"] == [1, 2, 3]
+    assert all(len(json.dumps({"op": "publish", "entries": b})) < wire.MAX_MESSAGE for b in batches)
+
+    assert replica_argv(["--model", "m", "--kv-events-config", '{"enable_kv_cache_events": true}', "--seed", "1"]) \
+        == ["--model", "m", "--seed", "1"]
+    assert replica_argv(['--kv-events-config={"a": 1}', "--seed", "1"]) == ["--seed", "1"]
+
+    import tempfile
+
+    from engine.config import EngineConfig
+    from engine.serving.options import ServerOptions
+    from engine.serving import replicas
+    from engine.serving.replicas import ReplicaSet
+    taken = zmq.Context.instance().socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    made = []  # the replica set's pool directory
+    real = tempfile.mkdtemp
+    monkeypatch.setattr(replicas.tempfile, "mkdtemp", lambda **kw: made.append(real(**kw)) or made[-1])
+    config = EngineConfig(model="random:tiny", kv_cache_memory=4 << 20, page_size=65536,
+                          kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"})
+    try:
+        with pytest.raises(ValueError, match="cannot open"):
+            ReplicaSet(ServerOptions(data_parallel_size=2), config, [])
+    finally:
+        taken.close(linger=0)
+    assert made and not os.path.exists(made[0])  # the pool, its socket and its directory gone

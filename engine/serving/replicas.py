@@ -123,7 +123,12 @@ class ReplicaSet:
         announce = events is not None and events.publishes  # the pool's directory, announced by its owner
         self.owner = vmm.PoolOwner(backend, max(1, config.kv_budget_bytes(0) // backend.page_size),
                                    os.path.join(self.dir, "pool.sock"), announce).start()
-        self.events = PoolEvents(self.owner, events) if announce else None
+        try:
+            self.events = PoolEvents(self.owner, events) if announce else None
+        except BaseException:  # its ports taken, say: the pool goes with it, nothing left behind
+            self.owner.stop()
+            os.rmdir(self.dir)
+            raise
         self.argv = replica_argv(argv)
         self.threads = max(1, (os.cpu_count() or 1) // n)
         self.replicas = [Replica(r, "prefill" if r < k else ("decode" if k else "both")) for r in range(n)]
