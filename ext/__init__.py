@@ -195,9 +195,14 @@ def bf16_gemm() -> tuple[bool, str]:
     """(whether oneDNN runs bf16 GEMMs natively on this CPU, why): probed by packing a small
     bf16 weight, the call the model makes. Without AVX512-BF16/AMX/AVX-NE-CONVERT (or at least
     AVX512-BW/VL/DQ) oneDNN refuses it, and where it runs emulated it is several times slower
-    than fp32 (measured on an AVX2 EPYC: 51 vs 9 ms for 256 x 576 -> 1536)."""
+    than fp32 (measured on an AVX2 EPYC: 51 vs 9 ms for 256 x 576 -> 1536). A narrower
+    VKV_CPU_ISA than this CPU's stands for a CPU without native bf16 (none below AVX-512 has
+    it, bar AVX-NE-CONVERT's newest), so the engine takes that CPU's path, not only its kernels."""
     if not torch.backends.mkldnn.is_available():
         return False, "PyTorch was built without oneDNN"
+    isa = kernel_isa()[0]
+    if isa != native_isa():
+        return False, f"VKV_CPU_ISA={isa} stands for a CPU without native bf16 arithmetic"
     flags = cpu_flags()
     if not flags & {"avx512_bf16", "amx_bf16", "avx_ne_convert"}:
         return False, "this CPU has no native bf16 arithmetic (no AVX512-BF16, AMX or AVX-NE-CONVERT)"
