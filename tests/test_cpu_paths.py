@@ -96,6 +96,30 @@ def test_an_isa_the_cpu_lacks_is_refused_with_the_reason(monkeypatch):
     ext.kernel_isa.cache_clear()
 
 
+def test_a_narrower_isa_takes_the_bf16_path_of_a_cpu_without_native_bf16(monkeypatch):
+    """VKV_CPU_ISA=avx2 on an AVX-512 CPU with native bf16 stands for an AVX2 CPU, which has none:
+    bf16 is computed in fp32 there (the path an AVX2 machine takes), whatever this CPU's flags say;
+    with the CPU's own ISA, its flags decide."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("PyTorch was built without oneDNN: no native bf16 anywhere")
+    monkeypatch.setattr(ext, "native_isa", lambda: "avx512")
+    monkeypatch.setattr(ext, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
+    try:
+        for asked in ("avx2", "scalar", "avx512"):
+            monkeypatch.setenv("VKV_CPU_ISA", asked)
+            ext.kernel_isa.cache_clear()
+            ext.bf16_gemm.cache_clear()
+            got, why = ext.bf16_gemm()
+            if asked == "avx512":  # the flags and oneDNN decide (oneDNN refuses on a CPU really without)
+                assert "VKV_CPU_ISA" not in why, why
+            else:
+                assert not got and f"VKV_CPU_ISA={asked}" in why, why
+    finally:
+        monkeypatch.undo()
+        ext.kernel_isa.cache_clear()
+        ext.bf16_gemm.cache_clear()
+
+
 def test_native_bf16_runs_onednn_for_batches_and_bf16_panels_in_fp32_for_decode():
     """Where the CPU computes bf16 natively, steps of more than a few rows run oneDNN's bf16 GEMM;
     decode steps of a few rows run each layer in one native call over bf16 panels kept beside
