@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--plot", dest="plot_path")
     args = parser.parse_args(argv)
     if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})  # set before torch loads
+        again = [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)]
+        os.execve(sys.executable, again, {**os.environ, **AVX2_ENV})  # set before torch loads
     threads = torch.get_num_threads()
     root = Path(args.llamacpp_dir)
     bin_dir = llamacpp(root, args.isa)
