@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     requests = workload(load_tokenizer(None), args.requests, args.system_tokens, args.max_output, args.seed)
     import ray
+    # a SIGTERM (a stopped job, `kill`) ends the run through `finally` too, so the cluster goes with it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     cluster = LocalRayCluster(nodes=2, cpus_per_node=1)
     try:
         port = free_port()  # one for all: a cluster's Serve keeps the HTTP address it started with

@@ -147,29 +147,16 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(args.llamacpp_dir)
     bin_dir = llamacpp(root, args.isa)
     prompts, seqs = [int(p) for p in args.prompts.split(",")], [int(s) for s in args.seqs.split(",")]
-    rows, bandwidths = [], []
+    rows, every_run = [], []
     for dtype in args.dtypes.split(","):
         model = converted(bin_dir, root, DTYPES[dtype])
         per_token = model.stat().st_size  # every weight once a token (the tied embedding is the LM head)
         shapes = [(p, s) for p in prompts for s in seqs]
-        runs = []  # per repeat: each shape's (vkv, llama.cpp) tok/s, decode alone's, the bandwidth
         with LLM(kv_cache_memory=3 << 29, dtype=dtype, max_num_seqs=max(seqs), max_model_len=1024) as llm:
             vkv_run(llm, 16, 8, 2)  # first-call costs, untimed
             path = llm.engine.model.gemm_path
-            for rep in range(args.repeats):
-                time.sleep(1)  # vkv's OpenMP threads stop spinning before llama.cpp starts
-                bandwidth, theirs = read_gbps(), {}
-                for p in prompts:
-                    for r in llamacpp_runs(bin_dir, model, p, args.generated, args.seqs, threads):
-                        theirs[p, r["pl"]] = args.generated * r["pl"] / r["t"]
-                theirs["decode"] = llamacpp_runs(bin_dir, model, 4, 256, "1", threads)[0]["speed_tg"]
-                ours = {(p, s): args.generated * s / vkv_run(llm, p, args.generated, s) for p, s in shapes}
-                ours["decode"] = 256 / vkv_run(llm, 4, 256, 1)
-                runs.append({"read_bandwidth_gbps": bandwidth, "vkv": ours, "llamacpp": theirs})
-                bandwidths.append(bandwidth)
-                print(f"{dtype} repeat {rep + 1}: read bandwidth {bandwidth:.1f} GB/s; "
-                      + ", ".join(f"{k if k == 'decode' else '%d+%d x%d' % (k[0], args.generated, k[1])} "
-                                  f"{ours[k] / theirs[k]:.2f}x" for k in ours), flush=True)
+            runs = [one_repeat(llm, bin_dir, model, shapes, args.generated, threads) for _ in range(args.repeats)]
+        every_run += runs
         for key in shapes + ["decode"]:
             row = {"dtype": dtype, **paired([r["vkv"][key] for r in runs], [r["llamacpp"][key] for r in runs])}
             if key == "decode":
@@ -181,10 +168,10 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 row |= {"prompt": key[0], "seqs": key[1]}
             rows.append(row)
-            print(f"{dtype} {'decode alone' if key == 'decode' else '%d+%d x%d' % (key[0], args.generated, key[1])}: "
-                  f"vkv {row['vkv_tok_s']:.1f}, llama.cpp {row['llamacpp_tok_s']:.1f} tok/s, {row['ratio']:.2f}x "
+            print(f"{dtype} {label(key, args.generated)}: vkv {row['vkv_tok_s']:.1f}, llama.cpp "
+                  f"{row['llamacpp_tok_s']:.1f} tok/s, {row['ratio']:.2f}x "
                   f"(repeats {' '.join(f'{x:.2f}' for x in row['ratios'])})", flush=True)
-    bandwidth = statistics.median(bandwidths)
+    bandwidth = statistics.median(r["read_bandwidth_gbps"] for r in every_run)
     version = subprocess.run([str(bin_dir / "llama-batched-bench"), "--version"], capture_output=True, text=True)
     result = {"benchmark": "vs_llamacpp", "command": "python benchmarks/bench_vs_llamacpp.py " + " ".join(argv or sys.argv[1:]),
               "machine": machine_info(), "threads": threads, "repeats": args.repeats, "read_bandwidth_gbps": bandwidth,
@@ -197,6 +184,28 @@ def main(argv: list[str] | None = None) -> dict:
               "(llama.cpp: llama-quantize; vkv: its own conversion)", "rows": rows}
     save(result, args.json_path, args.plot_path, plot)
     return result
+
+
+def one_repeat(llm: LLM, bin_dir: Path, model: Path, shapes: list[tuple[int, int]], generated: int,
+               threads: int) -> dict:
+    """Each shape and decode alone once by llama.cpp, then by vkv, with the bandwidth just before:
+    {"read_bandwidth_gbps", "vkv": {shape or "decode": tok/s}, "llamacpp": {...}}."""
+    time.sleep(1)  # vkv's OpenMP threads stop spinning before llama.cpp starts
+    bandwidth, theirs = read_gbps(), {}
+    for p in sorted({p for p, _ in shapes}):
+        seqs = ",".join(str(s) for q, s in shapes if q == p)
+        for r in llamacpp_runs(bin_dir, model, p, generated, seqs, threads):
+            theirs[p, r["pl"]] = generated * r["pl"] / r["t"]
+    theirs["decode"] = llamacpp_runs(bin_dir, model, 4, 256, "1", threads)[0]["speed_tg"]
+    ours = {(p, s): generated * s / vkv_run(llm, p, generated, s) for p, s in shapes}
+    ours["decode"] = 256 / vkv_run(llm, 4, 256, 1)
+    print(f"{str(llm.engine.config.dtype).removeprefix('torch.')} repeat: read bandwidth {bandwidth:.1f} GB/s; "
+          + ", ".join(f"{label(k, generated)} {ours[k] / theirs[k]:.2f}x" for k in ours), flush=True)
+    return {"read_bandwidth_gbps": bandwidth, "vkv": ours, "llamacpp": theirs}
+
+
+def label(key, generated: int) -> str:
+    return "decode alone" if key == "decode" else f"{key[0]}+{generated} x{key[1]}"
 
 
 def paired(ours: list[float], theirs: list[float]) -> dict:
