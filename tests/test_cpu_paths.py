@@ -145,8 +145,8 @@ def test_native_bf16_runs_onednn_for_batches_and_bf16_panels_in_fp32_for_decode(
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_decode_layer_in_one_native_call_equals_the_layer_by_layer_path(dtype, request):
-    """Steps of a few rows run each decoder layer as one native call (`decode_layer`): the same
+def test_the_decode_layers_in_one_native_call_equal_the_layer_by_layer_path(dtype, request):
+    """Steps of a few rows run every decoder layer in one native call (`decode_layers`): the same
     kernels in the same order as the layer-by-layer path, so the same logprobs to the bit. In
     bf16 that path is the one for bf16 weights under fp32 arithmetic (a CPU without native bf16;
     forced here, so every CPU checks it)."""

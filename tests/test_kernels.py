@@ -95,6 +95,27 @@ def test_every_fp8_value_decodes_exactly_and_stores_saturate(cache_dtype, query_
     assert v_cache[0, 0, 0].float().abs().max() == top
 
 
+@pytest.mark.parametrize("cache_dtype", [F32, BF16])
+def test_a_bf16_rope_table_under_fp32_rows_rotates_as_its_widened_copy(cache_dtype):
+    """decode_layers runs fp32 rows over a bf16 model's bf16 table (no widened copy a step): the
+    kernel widens each value as it reads it, so q, k and the stored rows equal, bit for bit,
+    those rotated by the table widened to fp32 first."""
+    torch.manual_seed(0)
+    table = ops.rope_table(1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64), 50, BF16, "cpu")
+    positions, seq = torch.tensor([3, 17, 49]), torch.zeros(3, dtype=torch.int32)
+    batch = make_batch([(3, 50)], [[0]], 64)
+    q, k, v = torch.randn(3, 9, 64), torch.randn(3, 3, 64), torch.randn(3, 3, 64)
+    results = []
+    for cos_sin in (table, table.float()):
+        qq, kk = q.clone(), k.clone()
+        caches = [torch.zeros(1, 64, 3, 64, dtype=cache_dtype) for _ in range(2)]
+        torch.ops.vkv.rope_store(qq, kk, v, positions, cos_sin, *caches, batch.block_table, 64, seq)
+        results.append((qq, kk, *caches))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    assert not torch.equal(results[0][0], q)  # rotated
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norm_and_activation_equal_their_references(dtype):
     torch.manual_seed(0)

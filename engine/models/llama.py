@@ -132,7 +132,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def decode_weights(self) -> tuple:
-        """The layer's weights as the native `decode_layer` takes them (the projections' panels;
+        """The layer's weights as the native `decode_layers` takes them (the projections' panels;
         norms and bias in fp32: copies under bf16 arithmetic, which `weights.apply` makes again)."""
         a, m = self.self_attn, self.mlp
         bias = None if a.qkv_proj.bias is None else a.qkv_proj.bias.float()
@@ -254,11 +254,13 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None
         few = self.decode and input_ids.shape[0] <= FEW_ROWS and lora is None
         step = getattr(attn, "native_args", None) if few else None
-        if step is not None and step(0) is not None:  # a few rows: each layer in one native call, in fp32
+        args = step() if step is not None else None
+        if args is not None:  # a few rows: every layer in one native call, in fp32
             x = x.float()
             residual = torch.empty_like(x)
-            for i, weights in enumerate(self.decode):
-                x = torch.ops.vkv.decode_layer(x, residual, i == 0, *weights, *step(i))
+            norms_in, norms_post, eps, qkv, qkv_bias, o, gate_up, down, heads, kv_heads = zip(*self.decode)
+            torch.ops.vkv.decode_layers(x, residual, norms_in, norms_post, eps[0], qkv, qkv_bias, o, gate_up, down,
+                                        heads[0], kv_heads[0], *args)  # x: the last layer's output
             x, residual = x.to(self.compute_dtype), residual.to(self.compute_dtype)  # (bf16: rounded as bf16 holds them)
         else:
             for layer in self.model.layers:

@@ -21,11 +21,10 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 class NativeStep:
     """vkv's CPU kernels: rotary embedding and the K/V store in one call, then one attention
-    call per layer for the whole batch (and, for a few rows, the whole layer in one call)."""
+    call per layer for the whole batch (and, for a few rows, every layer in one call)."""
 
     def __init__(self, k_caches, v_caches, batch: StepBatch, cos_sin: torch.Tensor, window: int | None):
         self.k_caches, self.v_caches, self.batch, self.cos_sin, self.window = k_caches, v_caches, batch, cos_sin, window
-        self.cos_sin_f32 = None  # the table in fp32, for decode_layer (made at its first use)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache, b = self.k_caches[layer], self.v_caches[layer], self.batch
@@ -36,16 +35,14 @@ class NativeStep:
                                 b.ctx_len, q.shape[-1] ** -0.5, out)
         return out
 
-    def native_args(self, layer: int) -> tuple | None:
-        """What the native `decode_layer` needs of this step for `layer` (after the layer's
-        weights), or None where it cannot run the layer (a sliding window)."""
+    def native_args(self) -> tuple | None:
+        """What the native `decode_layers` needs of this step (after the layers' weights), or None
+        where it cannot run the layers (a sliding window)."""
         if self.window:
             return None
-        b, k_cache = self.batch, self.k_caches[layer]
-        if self.cos_sin_f32 is None:  # decode_layer runs fp32 (bf16's cos and sin widened, once a step)
-            self.cos_sin_f32 = self.cos_sin.float()
-        return (b.positions, self.cos_sin_f32, k_cache, self.v_caches[layer], b.block_table, b.block_size, b.token_seq,
-                b.q_start, b.q_len, b.ctx_len, k_cache.shape[-1] ** -0.5)
+        b = self.batch  # (decode_layers runs fp32; a bf16 table is widened as it is read)
+        return (b.positions, self.cos_sin, self.k_caches, self.v_caches, b.block_table, b.block_size, b.token_seq,
+                b.q_start, b.q_len, b.ctx_len, self.k_caches[0].shape[-1] ** -0.5)
 
 
 class TorchStep:

@@ -12,7 +12,7 @@
 //   silu_and_mul         silu(gate) * up over a fused [gate | up] projection
 //   linear_panels        x W^T: register tiles over W packed in column panels; at a few rows
 //                        (decode) each thread streams its panels once, at memory bandwidth
-//   decode_layer         a whole decoder layer of a few-row step, the kernels above in one call
+//   decode_layers        every decoder layer of a few-row step, the kernels above in one call
 //   lora_segments        out[rows] += (x[rows] A^T) B for each LoRA adapter's segment of rows
 //
 // Compiled once per machine by ext/__init__.py with -O3 -march=native -ffp-contract=off
@@ -680,7 +680,7 @@ VKV_INLINE void put(C* dst, const T* src, int64_t D) {
   }
 }
 
-template <typename T, typename C>
+template <typename T, typename C, typename CS>
 void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                      const at::Tensor& cos_sin, at::Tensor& k_cache, at::Tensor& v_cache,
                      const at::Tensor& block_table, int64_t block_size, const at::Tensor& token_seq) {
@@ -688,7 +688,7 @@ void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int32_t* seq = token_seq.data_ptr<int32_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
-  const T* cs = cos_sin.data_ptr<T>();  // [positions, D]: cos of the D/2 frequencies, then sin
+  const CS* cs = cos_sin.data_ptr<CS>();  // [positions, D]: cos of the D/2 frequencies, then sin
   T* qp = q.data_ptr<T>();
   T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
@@ -702,8 +702,8 @@ void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at
   const int64_t svc_b = v_cache.stride(0), svc_r = v_cache.stride(1), svc_h = v_cache.stride(2);
   at::parallel_for(0, Tn, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const T* c = cs + pos[t] * s_cs;
-      const T* s = c + half;
+      const CS* c = cs + pos[t] * s_cs;
+      const CS* s = c + half;
       // x * cos + rotate_half(x) * sin, each product rounded to T as torch does
       auto rotate = [c, s, half](T* __restrict x) {
 #pragma omp simd
@@ -732,13 +732,21 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v need D contiguous");
   TORCH_CHECK(q.size(2) % 2 == 0 && cos_sin.size(1) == q.size(2), "cos_sin must be [positions, D]");
   TORCH_CHECK(positions.scalar_type() == at::kLong && token_seq.scalar_type() == at::kInt, "index dtypes");
-  TORCH_CHECK(cos_sin.scalar_type() == q.scalar_type() && k.scalar_type() == q.scalar_type(), "dtypes must match");
+  // the table in q's dtype, or a bf16 one under fp32 q (decode_layers: widened as it is read, exactly)
+  const bool bf16_table = q.scalar_type() == at::kFloat && cos_sin.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((cos_sin.scalar_type() == q.scalar_type() || bf16_table) && k.scalar_type() == q.scalar_type(),
+              "dtypes must match (cos_sin may be bf16 under fp32 q)");
   check_cache(q, k_cache, "k_cache");
   check_cache(q, v_cache, "v_cache");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
   dispatch(q.scalar_type(), k_cache.scalar_type(), "rope_store", [&](auto t, auto c) {
-    rope_store_impl<decltype(t), decltype(c)>(q, k, v, positions, cos_sin, k_cache, v_cache, block_table, block_size,
-                                              token_seq);
+    using T = decltype(t);
+    if constexpr (std::is_same_v<T, float>)
+      if (bf16_table)
+        return rope_store_impl<T, decltype(c), c10::BFloat16>(q, k, v, positions, cos_sin, k_cache, v_cache,
+                                                              block_table, block_size, token_seq);
+    rope_store_impl<T, decltype(c), T>(q, k, v, positions, cos_sin, k_cache, v_cache, block_table, block_size,
+                                       token_seq);
   });
 }
 
@@ -1025,51 +1033,74 @@ void linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::opt
 int64_t panel_width() { return kPanel; }
 
 // ---------------------------------------------------------------------------------------------
-// One decoder layer of a decode step of a few rows, in one call: at one row the Python between
-// a layer's nine kernels (and a dispatch for each) costs as much as some of the kernels. The
-// same kernels as the layer-by-layer path, in the same order, so the arithmetic is identical:
+// Every decoder layer of a decode step of a few rows, in one call: at one row the Python between
+// a layer's nine kernels (and a dispatch for each) cost as much as some of the kernels, and a
+// call per layer still cost the step a Python loop and 30 dispatches of 25 arguments. The same
+// kernels as the layer-by-layer path, in the same order, so the arithmetic is identical. Per layer:
 //
-//   x, residual = add_rms_norm(x, residual)   (first: residual = x, no add)
+//   x, residual = add_rms_norm(x, residual)   (layer 0: residual = x, no add)
 //   q, k, v = x W_qkv^T (+ b)   rope_store    attention    x = attn W_o^T
 //   x, residual = add_rms_norm(x, residual)   x = silu_and_mul(x W_gu^T) W_down^T
 //
-// x and residual are [rows, hidden] fp32, updated in place; returns the layer's output. The
-// weights are the projections' panels (linear_panels).
-at::Tensor decode_layer(at::Tensor x, at::Tensor residual, bool first, const at::Tensor& input_norm,
-                        const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight,
-                        const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
-                        const at::Tensor& gate_up_weight, const at::Tensor& down_weight, int64_t num_heads,
-                        int64_t num_kv_heads, const at::Tensor& positions, const at::Tensor& cos_sin,
-                        at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& block_table, int64_t block_size,
-                        const at::Tensor& token_seq, const at::Tensor& q_start, const at::Tensor& q_len,
-                        const at::Tensor& ctx_len, double scale) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && residual.sizes() == x.sizes(), "x and residual: [rows, hidden] fp32");
-  const int64_t M = x.size(0), D = k_cache.size(3);
+// x and residual are [rows, hidden] fp32, updated in place: x ends as the last layer's output.
+// The weights are the projections' panels (linear_panels), a list entry per layer, as are the
+// caches; the step's intermediates are allocated once and reused by every layer.
+struct DecodeStep {  // what every layer of the step reads, and its intermediates
+  const at::Tensor &positions, &cos_sin, &block_table, &token_seq, &q_start, &q_len, &ctx_len;
+  int64_t block_size;
+  double eps, scale;
+  at::Tensor qkv, q, k, v, attended, h, gate_up, act;
+};
+
+void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& input_norm,
+                  const at::Tensor& post_norm, const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
+                  const at::Tensor& o_weight, const at::Tensor& gate_up_weight, const at::Tensor& down_weight,
+                  const at::Tensor& k_cache, const at::Tensor& v_cache) {
   if (first) {
     residual.copy_(x);
-    add_rms_norm(x, std::nullopt, input_norm, eps);
+    add_rms_norm(x, std::nullopt, input_norm, s.eps);
   } else {
-    add_rms_norm(x, residual, input_norm, eps);
+    add_rms_norm(x, residual, input_norm, s.eps);
   }
-  const int64_t nq = num_heads * D, nk = num_kv_heads * D, hidden = x.size(1), inter = down_weight.size(1);
-  at::Tensor qkv = x.new_empty({M, nq + 2 * nk});
-  linear_panels(x, qkv_weight, qkv_bias, qkv);
-  at::Tensor q = qkv.narrow(1, 0, nq).view({M, num_heads, D});
-  at::Tensor k = qkv.narrow(1, nq, nk).view({M, num_kv_heads, D});
-  at::Tensor v = qkv.narrow(1, nq + nk, nk).view({M, num_kv_heads, D});
-  rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, block_table, block_size, token_seq);
-  at::Tensor attended = x.new_empty({M, num_heads, D});
-  attention(q, k_cache, v_cache, block_table, block_size, q_start, q_len, ctx_len, scale, attended);
-  at::Tensor h = x.new_empty({M, hidden});
-  linear_panels(attended.view({M, nq}), o_weight, std::nullopt, h);
-  add_rms_norm(h, residual, post_norm, eps);
-  at::Tensor gate_up = x.new_empty({M, 2 * inter});
-  linear_panels(h, gate_up_weight, std::nullopt, gate_up);
-  at::Tensor act = x.new_empty({M, inter});
-  silu_and_mul(gate_up, act);
-  at::Tensor out = x.new_empty({M, hidden});
-  linear_panels(act, down_weight, std::nullopt, out);
-  return out;
+  linear_panels(x, qkv_weight, qkv_bias, s.qkv);
+  rope_store(s.q, s.k, s.v, s.positions, s.cos_sin, k_cache, v_cache, s.block_table, s.block_size, s.token_seq);
+  attention(s.q, k_cache, v_cache, s.block_table, s.block_size, s.q_start, s.q_len, s.ctx_len, s.scale, s.attended);
+  linear_panels(s.attended.view({x.size(0), -1}), o_weight, std::nullopt, s.h);
+  add_rms_norm(s.h, residual, post_norm, s.eps);
+  linear_panels(s.h, gate_up_weight, std::nullopt, s.gate_up);
+  silu_and_mul(s.gate_up, s.act);
+  linear_panels(s.act, down_weight, std::nullopt, x);
+}
+
+void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms, at::TensorList post_norms,
+                   double eps, at::TensorList qkv_weights, const c10::List<std::optional<at::Tensor>>& qkv_biases,
+                   at::TensorList o_weights, at::TensorList gate_up_weights, at::TensorList down_weights,
+                   int64_t num_heads, int64_t num_kv_heads, const at::Tensor& positions, const at::Tensor& cos_sin,
+                   at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& block_table,
+                   int64_t block_size, const at::Tensor& token_seq, const at::Tensor& q_start, const at::Tensor& q_len,
+                   const at::Tensor& ctx_len, double scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && residual.sizes() == x.sizes(),
+              "x and residual: [rows, hidden] fp32");
+  const size_t L = input_norms.size();
+  TORCH_CHECK(L > 0 && post_norms.size() == L && qkv_weights.size() == L && qkv_biases.size() == L &&
+              o_weights.size() == L && gate_up_weights.size() == L && down_weights.size() == L &&
+              k_caches.size() == L && v_caches.size() == L, "one entry per layer in every list");
+  const int64_t M = x.size(0), D = k_caches[0].size(3), nq = num_heads * D, nk = num_kv_heads * D;
+  const int64_t inter = down_weights[0].size(1);
+  DecodeStep s{positions, cos_sin, block_table, token_seq, q_start, q_len, ctx_len, block_size, eps, scale};
+  s.qkv = x.new_empty({M, nq + 2 * nk});
+  s.q = s.qkv.narrow(1, 0, nq).view({M, num_heads, D});
+  s.k = s.qkv.narrow(1, nq, nk).view({M, num_kv_heads, D});
+  s.v = s.qkv.narrow(1, nq + nk, nk).view({M, num_kv_heads, D});
+  s.attended = x.new_empty({M, num_heads, D});
+  s.h = x.new_empty({M, x.size(1)});
+  s.gate_up = x.new_empty({M, 2 * inter});
+  s.act = x.new_empty({M, inter});
+  for (size_t i = 0; i < L; ++i) {
+    TORCH_CHECK(down_weights[i].size(1) == inter && k_caches[i].size(3) == D, "every layer has the same shapes");
+    decode_layer(s, x, residual, i == 0, input_norms[i], post_norms[i], qkv_weights[i], qkv_biases.get(i),
+                 o_weights[i], gate_up_weights[i], down_weights[i], k_caches[i], v_caches[i]);
+  }
 }
 
 // LoRA deltas of a step (engine/lora.py): segment i is rows [bounds[2i], bounds[2i+1]) of x and
@@ -1144,11 +1175,11 @@ TORCH_LIBRARY(vkv, m) {
         "Tensor(d!) v_cache, Tensor block_table, int block_size, Tensor token_seq) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
-  m.def("decode_layer(Tensor(a!) x, Tensor(b!) residual, bool first, Tensor input_norm, Tensor post_norm, float eps, "
-        "Tensor qkv_weight, Tensor? qkv_bias, Tensor o_weight, Tensor gate_up_weight, Tensor down_weight, "
-        "int num_heads, int num_kv_heads, Tensor positions, Tensor cos_sin, Tensor(c!) k_cache, Tensor(d!) v_cache, "
-        "Tensor block_table, int block_size, Tensor token_seq, Tensor q_start, Tensor q_len, Tensor ctx_len, "
-        "float scale) -> Tensor");
+  m.def("decode_layers(Tensor(a!) x, Tensor(b!) residual, Tensor[] input_norms, Tensor[] post_norms, float eps, "
+        "Tensor[] qkv_weights, Tensor?[] qkv_biases, Tensor[] o_weights, Tensor[] gate_up_weights, "
+        "Tensor[] down_weights, int num_heads, int num_kv_heads, Tensor positions, Tensor cos_sin, "
+        "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor block_table, int block_size, Tensor token_seq, "
+        "Tensor q_start, Tensor q_len, Tensor ctx_len, float scale) -> ()");
   m.def("lora_segments(Tensor x, Tensor(a!) out, Tensor[] a, Tensor[] b, int[] bounds) -> ()");
   m.def("panel_width() -> int", &panel_width);  // output columns per panel of linear_panels' weights
   m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()");
@@ -1159,7 +1190,7 @@ TORCH_LIBRARY_IMPL(vkv, CPU, m) {
   m.impl("rope_store", &rope_store);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layers", &decode_layers);
   m.impl("lora_segments", &lora_segments);
   m.impl("linear_panels", &linear_panels);
 }
