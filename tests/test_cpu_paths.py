@@ -122,7 +122,7 @@ def test_a_narrower_isa_takes_the_bf16_path_of_a_cpu_without_native_bf16(monkeyp
 
 def test_native_bf16_runs_onednn_for_batches_and_bf16_panels_in_fp32_for_decode():
     """Where the CPU computes bf16 natively, steps of more than a few rows run oneDNN's bf16 GEMM;
-    decode steps of a few rows run each layer in one native call over bf16 panels kept beside
+    decode steps of a few rows run every layer in one native call over bf16 panels kept beside
     it, in fp32 arithmetic (streaming them decodes faster: engine/models/linear.py). Every
     generated token's logprob (the prefill's through oneDNN, the rest through the panels) is held
     to the fp32 engine's on the same tokens by bf16's computed tolerance (tests/lossy.py)."""

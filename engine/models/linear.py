@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 PACK_HINT = 128  # rows the packed layout is tuned for; good from 1 row to hundreds here
-FEW_ROWS = 4  # a decode step: each layer in one native call (llama.py); beside oneDNN's bf16 weight, the panels serve it
+FEW_ROWS = 4  # a decode step: every layer in one native call (llama.py); beside oneDNN's bf16 weight, the panels serve it
 
 
 class Linear(nn.Module):

@@ -28,6 +28,7 @@ from torch import nn
 import vmm
 from engine.models import ops
 from engine.models.config import ModelConfig
+from engine.models.huge_pages import onto_huge_pages
 from engine.models.linear import FEW_ROWS, Linear
 from engine.models.weight_pages import WeightPages
 
@@ -224,12 +225,14 @@ class LlamaForCausalLM(nn.Module):
         for module in linears if beside else ():
             module.pack_panels(dtype, drop=False)
         paths = sorted({module.pack_panels(dtype) if panels else module.pack() for module in linears})
+        if (panels or beside) and device.type == "cpu":  # before sleep mode's move
+            paths.append(onto_huge_pages([m.panels for m in linears if m.panels is not None]))
         if sleep_mode:  # before anything takes views of the weights
             self.pages = WeightPages(self, vmm.make_backend(device.type if device.type == "cuda" else "host",
                                                             device=device.index or 0))
         if (panels or beside) and not self.config.qk_norm and not self.sharded:
             self.decode = [layer.decode_weights() for layer in self.model.layers]
-        self.gemm_path = "; ".join(paths) + (f" (steps of <= {FEW_ROWS} rows: a layer in one native call"
+        self.gemm_path = "; ".join(paths) + (f" (steps of <= {FEW_ROWS} rows: every layer in one native call"
                                              + (", bf16 panels in fp32 arithmetic" if beside else "") + ")"
                                              if self.decode else "")
         return self
