@@ -6,7 +6,8 @@ import: only when this script runs and the binaries are missing). The bundled GG
 converted with llama.cpp's own `llama-quantize` to F32 and BF16, so both engines hold the same
 values (Q4_1's, widened). llama.cpp's `llama-batched-bench` runs each shape (1 and 32 sequences,
 two prompt lengths, 128 generated tokens each, EOS ignored) and vkv's `LLM.generate` the same:
-random prompt tokens, the whole run timed, prefill included. Decode alone: a 4-token prompt, 256
+random prompt tokens, the whole run timed, prefill included (vkv's prefix caching off, so no
+repeat reuses an earlier one's prompts: llama.cpp computes them every time). Decode alone: a 4-token prompt, 256
 tokens generated, one sequence (llama.cpp's text-generation speed of that run). Beside them, the
 machine's read bandwidth measured in the same run (`roofline.read_gbps`) and what decode
 streams per token, so each engine's decode is also a share of the bandwidth bound. Each engine
@@ -152,7 +153,10 @@ def main(argv: list[str] | None = None) -> dict:
         model = converted(bin_dir, root, DTYPES[dtype])
         per_token = model.stat().st_size  # every weight once a token (the tied embedding is the LM head)
         shapes = [(p, s) for p in prompts for s in seqs]
-        with LLM(kv_cache_memory=3 << 29, dtype=dtype, max_num_seqs=max(seqs), max_model_len=1024) as llm:
+        # prefix caching off: every repeat computes its prompts again, as llama-batched-bench does (the
+        # prompts of a shape are the same in every repeat)
+        with LLM(kv_cache_memory=3 << 29, dtype=dtype, max_num_seqs=max(seqs), max_model_len=1024,
+                 enable_prefix_caching=False) as llm:
             vkv_run(llm, 16, 8, 2)  # first-call costs, untimed
             path = llm.engine.model.gemm_path
             runs = [one_repeat(llm, bin_dir, model, shapes, args.generated, threads) for _ in range(args.repeats)]
