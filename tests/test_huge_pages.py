@@ -46,3 +46,16 @@ def test_without_huge_pages_the_panels_stay_and_the_reason_is_said(monkeypatch):
     small = torch.randn(4, 4)
     monkeypatch.setattr(huge_pages, "thp_mode", lambda: "madvise")
     assert onto_huge_pages([small]) == "panels on 4 KiB pages (under 2 MiB in all)"
+
+
+def test_an_arena_that_cannot_be_allocated_leaves_the_panels_where_they_are(monkeypatch):
+    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "madvise")
+    t = torch.randn(64, 576, 32)
+    ptr, before = t.data_ptr(), t.clone()
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+    monkeypatch.setattr(huge_pages.torch, "empty", no_memory)
+    assert onto_huge_pages([t]) == "panels on 4 KiB pages (no memory for the arena)"
+    assert t.data_ptr() == ptr and torch.equal(t, before)

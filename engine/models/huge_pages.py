@@ -21,8 +21,8 @@ Implementation. `onto_huge_pages` lays the panels out at 64-byte offsets, alloca
 panel by panel, each old storage freed as its panel moves (the peak is the arena plus one panel).
 Who writes what: the model's `prepare` calls it once, before sleep mode moves the weights.
 
-Limitations. Where the kernel has THP off (`never`), or refuses the advice, the panels stay
-where they are and the returned line says why. Sleep mode then moves every weight into memfd
+Limitations. Where the kernel has THP off (`never`), refuses the advice or the arena cannot be
+allocated, the panels stay where they are and the returned line says why. Sleep mode then moves every weight into memfd
 pages, which get no huge pages (`shmem_enabled` is usually `never`). The kernel may still back
 part of the span with 4 KiB pages (fragmented memory); `AnonHugePages` in /proc/self/smaps says.
 """
@@ -59,7 +59,10 @@ def onto_huge_pages(tensors: list[torch.Tensor]) -> str:
         end += -(-t.nbytes // 64) * 64
     if end < HUGE:
         return "panels on 4 KiB pages (under 2 MiB in all)"
-    arena = torch.empty(end + HUGE, dtype=torch.uint8)
+    try:
+        arena = torch.empty(end + HUGE, dtype=torch.uint8)
+    except RuntimeError:  # no room for a second copy's address space: the panels stay, the engine starts
+        return "panels on 4 KiB pages (no memory for the arena)"
     start = -(-arena.data_ptr() // HUGE) * HUGE
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
