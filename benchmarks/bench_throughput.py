@@ -11,6 +11,7 @@ only each request's own tokens count as useful output.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -36,6 +37,10 @@ def run_vkv(requests: list[BenchRequest], model: str | None, layout: str, max_nu
     assert [len(o.outputs[0].token_ids) for o in outs] == [r.output_len for r in requests]
     stats = llm.stats()
     llm.engine.close()
+    del llm, outs  # this engine's weights gone before the next one loads (a GPU holds one 8B model at a time)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {"system": f"vkv-{layout}", "elapsed_s": elapsed, "load_s": load,
             "preemptions": stats.preemptions, "peak_pages_mapped": stats.kv.peak_pages_mapped,
             "page_size": stats.kv.page_size, "map_seconds": stats.kv.map_seconds}

