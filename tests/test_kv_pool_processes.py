@@ -21,7 +21,9 @@ HELPER = Path(__file__).with_name("engine_process.py")
 
 
 def start(sock, layout, prompt):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
+                                                                     os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, str(HELPER), sock, layout, json.dumps(prompt)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
 

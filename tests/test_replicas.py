@@ -58,7 +58,8 @@ def front_door(model: list[str], ready_seconds: float):
     """`vkv serve -dp 2 --prefill-ranks 1` over `model`: (its URL, its process) once it answers;
     stopped with SIGTERM after, and no replica outlives it."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
+                                                                     os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", *model, "--port", str(port), "--api-key", KEY,
                              "--data-parallel-size", "2", "--prefill-ranks", "1", "--log-level", "warning"], env=env)
     url = f"http://127.0.0.1:{port}"
