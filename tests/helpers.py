@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -27,6 +29,13 @@ PROMPTS = [
 
 
 @functools.cache
+def child_env(*paths: str, **extra: str) -> dict[str, str]:
+    """The environment for a child process of a test: this repository (and `paths`) in front of
+    whatever PYTHONPATH already holds (packages carried to a machine outside site-packages)."""
+    front = [str(Path(__file__).resolve().parents[1]), *paths, os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, front)), **extra}
+
+
 def bundled_dir():
     from engine.models.loader import checkpoint_dir
     return checkpoint_dir(None)

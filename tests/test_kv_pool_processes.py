@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BACKENDS, make_cuda_backend
+from helpers import child_env
 
 CUDA_KIND = BACKENDS[1]
 from vmm import HostBackend, PoolOwner, cuda_unavailable_reason
@@ -21,9 +22,7 @@ HELPER = Path(__file__).with_name("engine_process.py")
 
 
 def start(sock, layout, prompt):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
-                                                                     os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
+    env = child_env(OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, str(HELPER), sock, layout, json.dumps(prompt)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
 

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,6 +19,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.worker.parallel import free_port
 from engine.top import render, scrape
+from helpers import child_env
 
 KEY = "sk-front"
 MODEL = ["--model", "random:smollm2-kv", "--kv-cache-memory", str(32 << 20), "--max-model-len", "512"]
@@ -58,8 +58,7 @@ def front_door(model: list[str], ready_seconds: float):
     """`vkv serve -dp 2 --prefill-ranks 1` over `model`: (its URL, its process) once it answers;
     stopped with SIGTERM after, and no replica outlives it."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
-                                                                     os.environ.get("PYTHONPATH")]))}
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", *model, "--port", str(port), "--api-key", KEY,
                              "--data-parallel-size", "2", "--prefill-ranks", "1", "--log-level", "warning"], env=env)
     url = f"http://127.0.0.1:{port}"

@@ -1,7 +1,8 @@
 """Every figure a reader is shown comes from a committed result file.
 
 benchmarks/README.md is made of sections, each a paragraph that opens in bold and names the
-command that measured it (`--json benchmarks/results/...json`). Every number in a section's
+command that measured it (`--json benchmarks/results/...json`, or the GPU suite's `--out
+benchmarks/results/DIR`, whose record is DIR/suite.json). Every number in a section's
 tables must be a value of that JSON as written (to the digits shown, in the units the table
 uses: ms of seconds, MiB of bytes, % of a fraction), or a ratio of two of its values (the "1.5x"
 cells, "+0.9%"). The front page's results summary quotes figures from those tables only: each
@@ -71,7 +72,8 @@ def sourced(written: str, unit: str, values: list[float]) -> bool:
 def sections_with_files() -> list[tuple[str, list[Path], list[list[str]]]]:
     found = []
     for title, body in sections(RESULTS.read_text()):
-        files = sorted({ROOT / m for m in re.findall(r"--json\s+(benchmarks/results/\S+?\.json)", body)})
+        files = sorted({ROOT / m for m in re.findall(r"--json\s+(benchmarks/results/\S+?\.json)", body)}
+                       | {ROOT / m / "suite.json" for m in re.findall(r"--out\s+(benchmarks/results/[\w.-]+)", body)})
         found.append((title, files, tables(body)))
     return found
 

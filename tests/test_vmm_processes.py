@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from conftest import BACKENDS, cuda_unavailable, make_cuda_backend
+from helpers import child_env
 from vmm import HostBackend, Reservation
 from vmm.attach import AttachedPool, OwnerError
 from vmm.errors import PoolExhausted
@@ -46,7 +47,7 @@ def attach(owner) -> AttachedPool:
 
 def spawn(owner):
     tests = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    env = child_env(str(tests))
     return subprocess.Popen([sys.executable, str(HELPER), owner.path, owner.kind], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
 

@@ -1,8 +1,8 @@
 """CUDA backend: the driver's virtual memory management API through `cuda.bindings.driver`.
 
 Physical pages come from `cuMemCreate` (8.9 us for 2 MiB on an H100, the CUDA driver 580;
-pools create them once, up front, so a step never waits for one); ranges from `cuMemAddressReserve`, aligned to the allocation granularity; `cuMemMap`
-puts a page at an address and `cuMemSetAccess` makes a whole contiguous run readable and
+pools create them once, up front, so a step never waits for one); ranges from
+`cuMemAddressReserve`, aligned to the allocation granularity; `cuMemMap` puts a page at an address and `cuMemSetAccess` makes a whole contiguous run readable and
 writable in one call. Unmapping is one `cuMemUnmap` per page mapped (the documentation
 promises a call only for "the entire contiguous address range that was mapped"), after
 waiting for the device. Every operation undoes what it did before it raises.
@@ -85,6 +85,7 @@ class CudaBackend(Backend):
         self.shareable = shareable  # pages created for export to other processes
         self.device = self._init_device(device)
         self._current = threading.local()
+        self._views_by_storage = False  # byte_view's fallback, taken once as_tensor has refused
         _ok("cuInit", cu.cuInit(0))
         self.cu_device = _ok("cuDeviceGet", cu.cuDeviceGet(device))
         self.context = _ok("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self.cu_device))
@@ -129,12 +130,14 @@ class CudaBackend(Backend):
         return dev
 
     def byte_view(self, addr: int, nbytes: int) -> torch.Tensor:
-        try:
-            return torch.as_tensor(_DeviceBytes(addr, nbytes), device=self.device)
-        except RuntimeError:  # a torch that asks the driver who owns the (still unmapped) range:
-            # a storage over the address on our device, which asks nothing (torch >= 2.1)
-            storage = torch._C._construct_storage_from_data_pointer(addr, self.device, nbytes)
-            return torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (nbytes,), (1,))
+        if not self._views_by_storage:
+            try:
+                return torch.as_tensor(_DeviceBytes(addr, nbytes), device=self.device)
+            except RuntimeError:  # a torch that asks the driver who owns the (still unmapped) range
+                self._views_by_storage = True  # from now on, without asking again
+        # a storage over the address on our device, which asks the driver nothing (torch >= 2.1)
+        storage = torch._C._construct_storage_from_data_pointer(addr, self.device, nbytes)
+        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (nbytes,), (1,))
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
