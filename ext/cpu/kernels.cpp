@@ -843,11 +843,14 @@ void silu_and_mul(const at::Tensor& gate_up, at::Tensor out) {
 constexpr int64_t kPanel = 2 * Vec::W;
 constexpr int kPanelRows = Vec::W == 16 ? 12 : 6;  // 24 of 32 / 12 of 16 registers hold the tile
 constexpr int64_t kPanelChunk = 16 * kPanelRows;
-// A one-row step over fp32 panels on AVX2 reads each thread's panels as two streams (panel_pair):
-// 21-23 against 18-20 GB/s in alternating runs of a decode step's projections on a 2-core AVX2
-// EPYC (bf16 panels: no gain measured; AVX-512 builds: not measured with it, left as they were).
+// A one-row step reads each thread's panels as two streams (panel_pair) over fp32 panels on AVX2
+// (21-23 against 18-20 GB/s in alternating runs of a decode step's projections on a 2-core AVX2
+// EPYC) and over bf16 panels everywhere: decode of the bundled model on the 2-core AVX-512 EPYC,
+// switched in one process, 14 alternations, median +9.8% and +7.7% tok/s (two runs) with the
+// AVX-512 kernels and +13.5% with the AVX2 ones, against one stream that prefetches the next panel
+// non-temporally. fp32 panels with AVX-512 measured even (0.998x) and keep the one stream.
 template <typename TW>
-constexpr bool kTwoStreams = Vec::W == 8 && std::is_same_v<TW, float>;
+constexpr bool kTwoStreams = std::is_same_v<TW, c10::BFloat16> || (Vec::W == 8 && std::is_same_v<TW, float>);
 
 // Row k of a panel, its kPanel weights, as the two vectors a tile multiplies. fp32: columns
 // [0, W) and [W, 2W). bf16: one load of all 2W weights (exactly a register), widened with no
@@ -896,8 +899,10 @@ VKV_INLINE void panel_store(float* tile, typename Vec::R a0, typename Vec::R a1)
 // is asked for non-temporally and, read once, leaves the shared L3 to what is read again (the KV
 // cache, the activations, the engine's Python between steps). Decode of the bundled model on the
 // 2-core AVX-512 EPYC, hint switched in one process, 12-16 alternations: median +4.9% tok/s in
-// bf16, +12% in fp32, +7.7% in bf16 with the AVX2 kernels. panel_pair's two streams measured 10%
-// slower with the same hint on the panels after theirs, so they keep the hardware's prefetch.
+// bf16, +12% in fp32, +7.7% in bf16 with the AVX2 kernels (one-row bf16 steps have since moved to
+// panel_pair, faster again; steps of 2 to kPanelRows rows keep this). panel_pair's two streams
+// measured 10% slower with the same hint on the panels after theirs (AVX2, fp32), so they keep the
+// hardware's prefetch.
 template <typename TW, int MR>
 VKV_INLINE void panel_tile(const float* x, int64_t K, const TW* w, const float* bias, float* out, int64_t N,
                            int64_t cols, const TW* ahead, bool once) {
