@@ -191,7 +191,8 @@ def plot(result: dict, path: str) -> None:
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
         ax.set_xticklabels([f"{c}\n{d}" for c, d in labels], fontsize=7)
         ax.set_yscale("log")
-        ax.set_ylabel("ms per layer call" + (" (device time where captured)" if any(r.get("device_ms") for r in mine) else ""))
+        captured = any(r.get("device_ms") for r in mine)
+        ax.set_ylabel("ms per layer call" + (" (device time where captured)" if captured else ""))
         ax.set_title(shape)
         ax.legend(fontsize=6, ncol=2)
     m = result["machine"]
@@ -236,12 +237,16 @@ def main(argv: list[str] | None = None) -> dict:
                             on_device, why = graph_time(lambda: attn(0, q, k, v), args.repeats)
                             captured = on_device is not None
                             r.update(device_ms=on_device * 1e3 if captured else None, device_ms_unavailable=why,
-                                     device_share_of_copy_bandwidth=kv_bytes / on_device / bandwidth if captured else None)
+                                     device_share_of_copy_bandwidth=(kv_bytes / on_device / bandwidth
+                                                                     if captured else None))
+                        alone = ""
+                        if r.get("device_ms") is not None:
+                            alone = (f"; kernels alone {r['device_ms']:.4f} ms "
+                                     f"({100 * r['device_share_of_copy_bandwidth']:5.1f}%)")
+                        elif r.get("device_ms_unavailable"):
+                            alone = f"; no graph: {r['device_ms_unavailable']}"
                         print(f"{shape_name:13s} {r['dtype']:8s} {case:15s} {layout:11s} {kernel:12s} {r['ms']:9.3f} ms "
-                              f"({100 * r['share_of_copy_bandwidth']:5.1f}% of copy bandwidth)"
-                              + (f"; kernels alone {r['device_ms']:.4f} ms ({100 * r['device_share_of_copy_bandwidth']:5.1f}%)"
-                                 if r.get("device_ms") else f"; no graph: {r['device_ms_unavailable']}" if r.get("device_ms_unavailable")
-                                 else ""), flush=True)
+                              f"({100 * r['share_of_copy_bandwidth']:5.1f}% of copy bandwidth){alone}", flush=True)
                     if kv is not None:
                         kv.close()
     result = {"benchmark": "attention_layouts", "device": str(device), "copy_bandwidth_gb_s": bandwidth / 1e9,

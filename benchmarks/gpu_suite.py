@@ -141,6 +141,9 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=520, help="seconds for the whole suite")
     p.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # the child: runs one part
     args = p.parse_args()
+    unknown = set(filter(None, args.skip.split(","))) - set(PARTS)
+    if unknown:
+        p.error(f"--skip names no part {sorted(unknown)}: the parts are {','.join(PARTS)}")
     import torch
 
     if not torch.cuda.is_available():

@@ -28,7 +28,6 @@ PROMPTS = [
 ]
 
 
-@functools.cache
 def child_env(*paths: str, **extra: str) -> dict[str, str]:
     """The environment for a child process of a test: this repository (and `paths`) in front of
     whatever PYTHONPATH already holds (packages carried to a machine outside site-packages)."""
@@ -36,6 +35,7 @@ def child_env(*paths: str, **extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, front)), **extra}
 
 
+@functools.cache
 def bundled_dir():
     from engine.models.loader import checkpoint_dir
     return checkpoint_dir(None)

@@ -4,7 +4,8 @@ Note [Virtual KV memory]
 ------------------------
 A `PagePool` creates N physical pages once (on an H100 a 2 MiB page's `cuMemCreate` took
 8.9 us and mapping it with access 27 us: creating up front keeps the first off a step's path).
-A `Reservation` is a contiguous range of virtual addresses with nothing behind it; `map_new`/`map_run` put pool pages behind parts of it as a sequence grows, so kernels that
+A `Reservation` is a contiguous range of virtual addresses with nothing behind it;
+`map_new`/`map_run` put pool pages behind parts of it as a sequence grows, so kernels that
 want one contiguous tensor (stock FlashAttention, torch SDPA) read it in place while the
 physical pages sit anywhere. The same page may be mapped into several ranges: every mapping is
 one reference, so prefix sharing, parallel sampling and beam search cost no copies until a

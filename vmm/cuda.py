@@ -2,10 +2,10 @@
 
 Physical pages come from `cuMemCreate` (8.9 us for 2 MiB on an H100, the CUDA driver 580;
 pools create them once, up front, so a step never waits for one); ranges from
-`cuMemAddressReserve`, aligned to the allocation granularity; `cuMemMap` puts a page at an address and `cuMemSetAccess` makes a whole contiguous run readable and
-writable in one call. Unmapping is one `cuMemUnmap` per page mapped (the documentation
-promises a call only for "the entire contiguous address range that was mapped"), after
-waiting for the device. Every operation undoes what it did before it raises.
+`cuMemAddressReserve`, aligned to the allocation granularity; `cuMemMap` puts a page at an
+address and `cuMemSetAccess` makes a whole contiguous run readable and writable in one call.
+Unmapping is one `cuMemUnmap` per page mapped (the documentation promises a call only for "the
+entire contiguous address range that was mapped"), after waiting for the device. Every operation undoes what it did before it raises.
 
 Driver calls act on the calling thread's current context. The backend retains the device's
 primary context (the one PyTorch uses) and makes it current in any thread before its first

@@ -22,8 +22,8 @@ panel by panel, each old storage freed as its panel moves (the peak is the arena
 Who writes what: the model's `prepare` calls it once, before sleep mode moves the weights.
 
 Limitations. Where the kernel has THP off (`never`), refuses the advice or the arena cannot be
-allocated, the panels stay where they are and the returned line says why. Sleep mode then moves every weight into memfd
-pages, which get no huge pages (`shmem_enabled` is usually `never`). The kernel may still back
+allocated, the panels stay where they are and the returned line says why. Sleep mode then moves
+every weight into memfd pages, which get no huge pages (`shmem_enabled` is usually `never`). The kernel may still back
 part of the span with 4 KiB pages (fragmented memory); `AnonHugePages` in /proc/self/smaps says.
 """
 from __future__ import annotations
