@@ -156,6 +156,53 @@ def test_the_panel_gemm_equals_f_linear(weights):
             assert torch.equal(panels(x[-1:]), got[-1:])
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_the_last_logits_in_one_call_equal_the_steps_they_replace(dtype):
+    """After decode_layers (fp32 x and residual), `last_logits` gives what the model's Python took
+    a dozen operations for: rows picked, rounded to the model's dtype, the last norm, the LM head
+    over panels, logits rounded as that dtype holds them. Bit for bit."""
+    from engine.models.linear import Linear
+    torch.manual_seed(0)
+    hidden, vocab = 576, 1000
+    head = Linear(hidden, vocab, bias=False)
+    torch.nn.init.normal_(head.weight, std=hidden ** -0.5)
+    head.pack_panels(dtype)
+    norm = torch.rand(hidden).to(dtype)
+    for rows, picked in ((1, [0]), (5, [4]), (7, [0, 3, 6]), (12, list(range(12)))):
+        x, residual = torch.randn(rows, hidden), torch.randn(rows, hidden)
+        index = torch.tensor(picked)
+        h, _ = ops.add_rms_norm(x.to(dtype)[index], residual.to(dtype)[index], norm, 1e-5, True)
+        want = head(h.float()).to(dtype).float()
+        got = torch.empty(len(picked), vocab)
+        torch.ops.vkv.last_logits(x, residual, index, norm, 1e-5, head.panels, dtype == BF16, got)
+        assert torch.equal(got, want)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rows=st.integers(1, 9), n=st.integers(1, 300), ties=st.booleans(),
+       special=st.lists(st.tuples(st.integers(0, 8), st.integers(0, 299),
+                                  st.sampled_from([float("nan"), float("inf"), float("-inf"), -0.0, 0.0])),
+                        max_size=4))
+def test_the_greedy_row_max_equals_torch_max(rows, n, ties, special):
+    """The sampler's native row_max gives torch.max(x, -1): each row's maximum and the first index
+    holding it, NaN (at the first NaN) where a row has one; ties, infinities and signed zeros
+    included, and rows that span the kernel's 64-wide second pass and its tail."""
+    from engine.sample.sampler import row_max
+    x = torch.randn(rows, n)
+    if ties:
+        x = x.round()  # many equal maxima
+    for r, c, value in special:
+        x[r % rows, c % n] = value
+    got_values, got_indices = row_max(x)
+    want_values, want_indices = x.max(-1)
+    assert torch.equal(got_indices, want_indices)
+    assert torch.equal(got_values.isnan(), want_values.isnan())
+    kept = ~want_values.isnan()
+    assert torch.equal(got_values[kept], want_values[kept])
+    nothing = torch.full((rows, n), float("-inf"))  # a row that allows no token: -inf, at index 0
+    assert torch.equal(row_max(nothing)[1], torch.zeros(rows, dtype=torch.long))
+
+
 def test_attention_reads_nothing_past_each_context():
     """A real virtual KV cache on the host backend maps pages only as far as each sequence has
     grown; touching an unmapped byte is a SIGSEGV. The kernel runs in a child process so a stray

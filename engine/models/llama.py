@@ -254,20 +254,22 @@ class LlamaForCausalLM(nn.Module):
         """Logits of the tokens at `logits_indices` (each sequence's last scheduled token).
         `attn(layer, q, k, v)` rotates, stores the new K/V and attends over the cached context;
         `lora` (engine/worker/lora.py LoRABatch), if any, adds its rows' adapter deltas to the projections."""
-        x, residual = self.model.embed_tokens(input_ids), None
+        x, residual = self.model.embed_tokens.forward(input_ids), None  # no hooks: .forward, not __call__
         few = self.decode and input_ids.shape[0] <= FEW_ROWS and lora is None
         step = getattr(attn, "native_args", None) if few else None
         args = step() if step is not None else None
-        if args is not None:  # a few rows: every layer in one native call, in fp32
+        if args is not None:  # a few rows: every layer in one native call, in fp32, then the logits in another
             x = x.float()
             residual = torch.empty_like(x)
+            logits = x.new_empty(logits_indices.shape[0], self.lm_head.panels_n)
             norms_in, norms_post, eps, qkv, qkv_bias, o, gate_up, down, heads, kv_heads = zip(*self.decode)
             torch.ops.vkv.decode_layers(x, residual, norms_in, norms_post, eps[0], qkv, qkv_bias, o, gate_up, down,
                                         heads[0], kv_heads[0], *args)  # x: the last layer's output
-            x, residual = x.to(self.compute_dtype), residual.to(self.compute_dtype)  # (bf16: rounded as bf16 holds them)
-        else:
-            for layer in self.model.layers:
-                x, residual = layer.forward(x, residual, attn, self.native, lora)  # no hooks: .forward, not __call__
+            torch.ops.vkv.last_logits(x, residual, logits_indices, self.model.norm.weight, self.model.norm.eps,
+                                      self.lm_head.panels, self.compute_dtype == torch.bfloat16, logits)
+            return logits  # (bf16: rounded where the layer-by-layer path's bf16 tensors round them)
+        for layer in self.model.layers:
+            x, residual = layer.forward(x, residual, attn, self.native, lora)
         if self.rank:
             return None
         x, _ = self.model.norm.forward(x[logits_indices], residual[logits_indices], self.native)  # rows that sample

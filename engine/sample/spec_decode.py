@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sample.sampler import Sampled, filter_logits
+from engine.sample.sampler import Sampled, filter_logits, row_max
 from engine.request.sequence import Sequence
 
 
@@ -135,7 +135,7 @@ def verify(logits: torch.Tensor, seq: Sequence, draft: list[int]) -> list[Sample
     of its own."""
     p = seq.params
     if p.greedy:
-        best = logits.argmax(-1).tolist()
+        best = row_max(logits.float())[1].tolist()
         kept = next((i for i, d in enumerate(draft) if d != best[i]), len(draft))
         return [Sampled(t) for t in draft[:kept]] + [Sampled(best[kept])]
     probs = filter_logits(logits.float() / p.temperature, [p] * logits.shape[0]).softmax(-1)
