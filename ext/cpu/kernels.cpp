@@ -1071,10 +1071,36 @@ struct DecodeStep {  // what every layer of the step reads, and its intermediate
   at::Tensor qkv, q, k, v, attended, h, gate_up, act;
 };
 
+// The first keys and values the layer's attention will read, asked into this core's L2 as the layer
+// starts (at most kContextPrefetch bytes of each cache). The step's weights have streamed through
+// the caches since the last step wrote them, so attention waited on memory for them, a miss at a
+// time: about a third of its time in decode. Prefetched here they arrive while the norm and the qkv
+// projection run (whose own weights are read non-temporally, so they do not push these out).
+// Measured on a 2-core EPYC (AVX-512), one sequence of 4 to 260 tokens, the switch alternated in
+// one process: attention 0.86 -> 0.56 ms a step in fp32, 0.56 -> 0.39 in bf16; decode_layers
+// 1.017x (18 of 20 pairs faster) and 1.013x (14 of 20).
+constexpr int64_t kContextPrefetch = 128 << 10;
+
+void prefetch_context(const DecodeStep& s, const at::Tensor& cache) {
+  const int64_t bytes = cache.element_size(), row = cache.size(2) * cache.size(3) * bytes;  // a key's heads
+  const int32_t* ctx = s.ctx_len.data_ptr<int32_t>();
+  const int32_t* table = s.block_table.data_ptr<int32_t>();
+  const char* base = static_cast<const char*>(cache.data_ptr());
+  int64_t left = kContextPrefetch / row;
+  for (int64_t b = 0; b < s.q_start.size(0) && left > 0; ++b)
+    for (int64_t key = 0; key < ctx[b] && left > 0; ++key, --left) {
+      const char* at = base + (table[b * s.block_table.stride(0) + key / s.block_size] * cache.stride(0) +
+                               key % s.block_size * cache.stride(1)) * bytes;
+      for (int64_t o = 0; o < row; o += 64) _mm_prefetch(at + o, _MM_HINT_T1);
+    }
+}
+
 void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& input_norm,
                   const at::Tensor& post_norm, const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
                   const at::Tensor& o_weight, const at::Tensor& gate_up_weight, const at::Tensor& down_weight,
                   const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  prefetch_context(s, k_cache);
+  prefetch_context(s, v_cache);
   if (first) {
     residual.copy_(x);
     add_rms_norm(x, std::nullopt, input_norm, s.eps);
