@@ -42,7 +42,8 @@ def sample_step(logits: torch.Tensor, rows: list[tuple[Sequence, int, int]], out
                 plain_rows.append(first)
                 plain.append(s)
     masks = grammars.masks([s.grammar for s in plain], logits.device)
-    plain_logits = logits if plain_rows == list(range(logits.shape[0])) else logits[plain_rows]  # (every row, in order: no copy)
+    every_row = plain_rows == list(range(logits.shape[0]))  # (then no copy)
+    plain_logits = logits if every_row else logits[plain_rows]
     for seq, result in zip(plain, sample(plain_logits, plain, eos_ids, masks)):
         results[seq] = result if isinstance(result, Exception) else [result]
     return step

@@ -230,7 +230,9 @@ class LlamaForCausalLM(nn.Module):
         if sleep_mode:  # before anything takes views of the weights
             self.pages = WeightPages(self, vmm.make_backend(device.type if device.type == "cuda" else "host",
                                                             device=device.index or 0))
-        if (panels or beside) and not self.config.qk_norm and not self.sharded:
+        # decode_layers runs every norm, the last one's too, under one eps
+        one_eps = len({self.model.norm.eps, *(layer.input_layernorm.eps for layer in self.model.layers)}) == 1
+        if (panels or beside) and not self.config.qk_norm and not self.sharded and one_eps:
             self.decode = [layer.decode_weights() for layer in self.model.layers]
         self.gemm_path = "; ".join(paths) + (f" (steps of <= {FEW_ROWS} rows: every layer in one native call"
                                              + (", bf16 panels in fp32 arithmetic" if beside else "") + ")"
@@ -258,15 +260,14 @@ class LlamaForCausalLM(nn.Module):
         few = self.decode and input_ids.shape[0] <= FEW_ROWS and lora is None
         step = getattr(attn, "native_args", None) if few else None
         args = step() if step is not None else None
-        if args is not None:  # a few rows: every layer in one native call, in fp32, then the logits in another
+        if args is not None:  # a few rows: every layer, the last norm and the LM head in one native call
             x = x.float()
             residual = torch.empty_like(x)
             logits = x.new_empty(logits_indices.shape[0], self.lm_head.panels_n)
             norms_in, norms_post, eps, qkv, qkv_bias, o, gate_up, down, heads, kv_heads = zip(*self.decode)
             torch.ops.vkv.decode_layers(x, residual, norms_in, norms_post, eps[0], qkv, qkv_bias, o, gate_up, down,
-                                        heads[0], kv_heads[0], *args)  # x: the last layer's output
-            torch.ops.vkv.last_logits(x, residual, logits_indices, self.model.norm.weight, self.model.norm.eps,
-                                      self.lm_head.panels, self.compute_dtype == torch.bfloat16, logits)
+                                        heads[0], kv_heads[0], *args, logits_indices, self.model.norm.weight,
+                                        self.lm_head.panels, self.compute_dtype == torch.bfloat16, logits)
             return logits  # (bf16: rounded where the layer-by-layer path's bf16 tensors round them)
         for layer in self.model.layers:
             x, residual = layer.forward(x, residual, attn, self.native, lora)
