@@ -211,19 +211,12 @@ def one_repeat(llm: LLM, bin_dir: Path, model: Path, shapes: list[tuple[int, int
     {"vkv": {shape or "decode": tok/s}, "llamacpp": {...}, "bandwidth": {shape: {engine: [GB/s, GB/s]}}}."""
     out = {"vkv": {}, "llamacpp": {}, "bandwidth": {}}
     for key in shapes + ["decode"]:
-        prompt, seqs, tokens = (4, 1, 256) if key == "decode" else (key[0], key[1], generated)
-
-        def theirs() -> float:
-            run = llamacpp_runs(bin_dir, model, prompt, tokens, str(seqs), threads)[0]
-            return run["speed_tg"] if key == "decode" else tokens * seqs / run["t"]
-
-        engines = {"vkv": lambda: tokens * seqs / vkv_run(llm, prompt, tokens, seqs), "llamacpp": theirs}
         out["bandwidth"][key] = {}
         for name in (("vkv", "llamacpp") if vkv_first else ("llamacpp", "vkv")):
             time.sleep(1)  # OpenMP threads (vkv's, the bandwidth probe's) stop spinning first
             before = read_gbps(PROBE_MIB)
             time.sleep(1)
-            out[name][key] = engines[name]()
+            out[name][key] = tok_s(name, key, llm, bin_dir, model, generated, threads)
             time.sleep(1)
             out["bandwidth"][key][name] = [before, read_gbps(PROBE_MIB)]
     print(f"{str(llm.engine.config.dtype).removeprefix('torch.')} repeat ({'vkv' if vkv_first else 'llama.cpp'} first): "
@@ -232,6 +225,16 @@ def one_repeat(llm: LLM, bin_dir: Path, model: Path, shapes: list[tuple[int, int
                       f"{'-'.join(f'{x:.0f}' for x in out['bandwidth'][k]['llamacpp'])})" for k in out["vkv"]),
           flush=True)
     return out
+
+
+def tok_s(engine: str, key, llm: LLM, bin_dir: Path, model: Path, generated: int, threads: int) -> float:
+    """One run of a shape (prompt, sequences), or of "decode" alone, by `engine`: output tok/s
+    (llama.cpp's decode alone: its text-generation speed)."""
+    prompt, seqs, tokens = (4, 1, 256) if key == "decode" else (*key, generated)
+    if engine == "vkv":
+        return tokens * seqs / vkv_run(llm, prompt, tokens, seqs)
+    run = llamacpp_runs(bin_dir, model, prompt, tokens, str(seqs), threads)[0]
+    return run["speed_tg"] if key == "decode" else tokens * seqs / run["t"]
 
 
 def label(key, generated: int) -> str:

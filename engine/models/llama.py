@@ -231,7 +231,9 @@ class LlamaForCausalLM(nn.Module):
             self.pages = WeightPages(self, vmm.make_backend(device.type if device.type == "cuda" else "host",
                                                             device=device.index or 0))
         # decode_layers runs every norm, the last one's too, under one eps
-        one_eps = len({self.model.norm.eps, *(layer.input_layernorm.eps for layer in self.model.layers)}) == 1
+        norms = [self.model.norm, *(n for layer in self.model.layers
+                                    for n in (layer.input_layernorm, layer.post_attention_layernorm))]
+        one_eps = len({norm.eps for norm in norms}) == 1
         if (panels or beside) and not self.config.qk_norm and not self.sharded and one_eps:
             self.decode = [layer.decode_weights() for layer in self.model.layers]
         self.gemm_path = "; ".join(paths) + (f" (steps of <= {FEW_ROWS} rows: every layer in one native call"

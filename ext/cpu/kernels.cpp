@@ -1123,8 +1123,25 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
   linear_panels(s.act, down_weight, std::nullopt, x);
 }
 
+// After the layers (decode_layers ends with it): the model's last norm and the LM head over the rows
+// that sample (in Python the dozen small operations it replaces cost about 0.3 ms a step, run on
+// caches the weights just streamed through). rows: int64 indices into x and residual; out:
+// [rows, vocab] fp32. With bf16 (the model computes in bf16) every value is rounded where the
+// layer-by-layer path's bf16 tensors round it: x and residual, the norm's output, the logits.
+// So both paths give the same logits, to the bit.
 void last_logits(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& rows, const at::Tensor& norm,
-                 double eps, const at::Tensor& panels, bool bf16, at::Tensor out);
+                 double eps, const at::Tensor& panels, bool bf16, at::Tensor out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && residual.sizes() == x.sizes() && rows.scalar_type() == at::kLong,
+              "x and residual: [rows, hidden] fp32; rows: int64");
+  at::Tensor h = x.index_select(0, rows), r = residual.index_select(0, rows);
+  if (bf16) {
+    h = h.to(at::kBFloat16);
+    r = r.to(at::kBFloat16);
+  }
+  add_rms_norm(h, r, norm, eps);
+  linear_panels(bf16 ? h.to(at::kFloat) : h, panels, std::nullopt, out);
+  if (bf16) out.copy_(out.to(at::kBFloat16));
+}
 
 void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms, at::TensorList post_norms,
                    double eps, at::TensorList qkv_weights, const c10::List<std::optional<at::Tensor>>& qkv_biases,
@@ -1161,26 +1178,6 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
     TORCH_CHECK(rows && final_norm && lm_head, "logits need rows, the final norm and the LM head");
     last_logits(x, residual, *rows, *final_norm, eps, *lm_head, bf16, *logits);
   }
-}
-
-// After the layers (decode_layers calls it): the model's last norm and the LM head over the rows
-// that sample (in Python the dozen small operations it replaces cost about 0.3 ms a step, run on
-// caches the weights just streamed through). rows: int64 indices into x and residual; out:
-// [rows, vocab] fp32. With bf16 (the model computes in bf16) every value is rounded where the
-// layer-by-layer path's bf16 tensors round it: x and residual, the norm's output, the logits.
-// So both paths give the same logits, to the bit.
-void last_logits(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& rows, const at::Tensor& norm,
-                 double eps, const at::Tensor& panels, bool bf16, at::Tensor out) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && residual.sizes() == x.sizes() && rows.scalar_type() == at::kLong,
-              "x and residual: [rows, hidden] fp32; rows: int64");
-  at::Tensor h = x.index_select(0, rows), r = residual.index_select(0, rows);
-  if (bf16) {
-    h = h.to(at::kBFloat16);
-    r = r.to(at::kBFloat16);
-  }
-  add_rms_norm(h, r, norm, eps);
-  linear_panels(bf16 ? h.to(at::kFloat) : h, panels, std::nullopt, out);
-  if (bf16) out.copy_(out.to(at::kBFloat16));
 }
 
 // Each row's maximum and the index of its first occurrence, as torch.max(x, -1) gives them (a
