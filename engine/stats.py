@@ -61,12 +61,19 @@ class Counters:
     spec_drafts: int = 0  # speculative proposals verified (one per sequence and step)
     spec_draft_tokens: int = 0  # tokens they proposed
     spec_accepted_tokens: int = 0  # of which the model kept
+    multi_step_calls: int = 0  # steps that ran several greedy decode steps in one call (num_scheduler_steps)
+    multi_step_decode_steps: int = 0  # the decode steps those calls ran
 
-    def count_step(self, drafts: int, drafted: int, accepted: int, new_tokens: int, outputs) -> None:
-        """One step: its verified drafts, the tokens it appended, and the requests it ended."""
+    def count_step(self, drafts: int, drafted: int, accepted: int, decode_steps: int, new_tokens: int,
+                   outputs) -> None:
+        """One step: its verified drafts, its decode steps in one call (1: a step as usual), the
+        tokens it appended, and the requests it ended."""
         self.spec_drafts += drafts
         self.spec_draft_tokens += drafted
         self.spec_accepted_tokens += accepted
+        if decode_steps > 1:
+            self.multi_step_calls += 1
+            self.multi_step_decode_steps += decode_steps
         self.generation_tokens += new_tokens
         for o in outputs:
             if o.finished:
@@ -93,6 +100,8 @@ class EngineStats:
     spec_drafts: int = 0  # speculative proposals verified (one per sequence and step)
     spec_draft_tokens: int = 0  # tokens they proposed
     spec_accepted_tokens: int = 0  # of which the model kept
+    multi_step_calls: int = 0  # steps that ran several greedy decode steps in one call (num_scheduler_steps)
+    multi_step_decode_steps: int = 0  # the decode steps those calls ran
     map_ahead_seconds: float = 0.0  # the map-ahead worker's mapping time
     map_ahead_wait_seconds: float = 0.0  # steps' time spent waiting for it (exposed)
     running_loras: tuple[str, ...] = ()  # adapters of the running sequences

@@ -84,6 +84,23 @@ def make_batch(seqs, table, block_size, device="cpu"):
                      i32([t + [0] * (width - len(t)) for t in table]), block_size)
 
 
+def drive(llm, requests: list[dict], add) -> dict:
+    """Random traffic: request i (a dict with an "arrive" step and an "abort" delay or None) is
+    added by add(engine, f"r{i}", request) at its step, and aborted that many steps later if it
+    has not finished; steps until nothing is left (a stall fails); the finished outputs by id."""
+    engine, done, step, last = llm.engine, {}, 0, max(r["arrive"] for r in requests)
+    while step < 2000 and (engine.has_unfinished() or step <= last):
+        for i, r in enumerate(requests):
+            if r["arrive"] == step:
+                add(engine, f"r{i}", r)
+            if r["abort"] is not None and r["arrive"] + r["abort"] == step and f"r{i}" not in done:
+                engine.abort(f"r{i}")
+        done |= {out.request_id: out for out in engine.step() if out.finished}
+        step += 1
+    assert not engine.has_unfinished(), f"stalled: {llm.stats()}; requests: {requests}"
+    return done
+
+
 def assert_pool_whole(llm) -> None:
     llm.engine.kv.audit()
     stats = llm.stats()

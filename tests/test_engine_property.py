@@ -7,7 +7,8 @@ roomy engine, no step may stall, and afterwards the pool is whole again.
 The model is `random:tiny` (2 layers, 512 bytes of KV per token; 128 in an fp8 cache), with
 4 KiB host pages. Requests run on the base model or one of two LoRA adapters (random, of
 ranks 4 and 2), at most `max_loras` of them in a step: a page cached for one must never serve
-another. With n-gram speculation on, greedy outputs must not change either.
+another. With n-gram speculation on, or several greedy decode steps a call (num_scheduler_steps),
+greedy outputs must not change either.
 """
 import functools
 import tempfile
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, event, example, given, settings, strategies 
 
 from engine import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from engine.config import EngineConfig
-from helpers import LORA_TARGETS, assert_pool_whole, random_adapter
+from helpers import LORA_TARGETS, assert_pool_whole, drive, random_adapter
 
 PAGE = 4096
 MAX_TOKENS = 16
@@ -52,14 +53,15 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, 
 
 
 def engine_for(layout: str, pages: int, seats: int, caching: bool, swap_pages: int = 0, ahead: int = 0,
-               kv_dtype: str = "auto", max_loras: int = 2, spec: bool = False) -> LLM:
+               kv_dtype: str = "auto", max_loras: int = 2, spec: bool = False, steps: int = 1) -> LLM:
     token_bytes = 512 if kv_dtype == "auto" else 128
     kv_memory = pages * (16 * token_bytes if layout == "paged" else PAGE)  # paged: blocks of 16 tokens
     swap = {"preemption_mode": "swap", "swap_space": swap_pages * PAGE / (1 << 30)} if swap_pages else {}
     config = EngineConfig(model="random:tiny", kv_layout=layout, page_size=PAGE, kv_cache_memory=kv_memory,
                           max_num_seqs=seats, enable_prefix_caching=caching, max_num_batched_tokens=32, seed=0,
                           map_ahead_tokens=ahead, kv_cache_dtype=kv_dtype, enable_lora=True, max_loras=max_loras,
-                          speculative_config=SPEC if spec else None, **swap)
+                          speculative_config=SPEC if spec else None, num_scheduler_steps=1 if spec else steps,
+                          **swap)
     llm = LLM.from_config(config, weights())
     llm.engine.scheduler.swap_min_tokens = 4  # short requests here: swap most preempted ones
     return llm
@@ -105,21 +107,22 @@ request = st.fixed_dictionaries({
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(layout=st.sampled_from(list(PAGES)), tight=st.booleans(), seats=st.integers(3, 5), caching=st.booleans(),
        swap_pages=st.sampled_from([0, 6, 64]), ahead=st.sampled_from([0, 4]), kv_dtype=st.sampled_from(KV_DTYPES),
-       max_loras=st.integers(1, 2), spec=st.booleans(), requests=st.lists(request, min_size=3, max_size=8))
+       max_loras=st.integers(1, 2), spec=st.booleans(), steps=st.sampled_from([1, 4]),
+       requests=st.lists(request, min_size=3, max_size=8))
 @example(  # found by this test: an idle beam swapped out and back in sampled another sequence's logits
     layout="per_layer", tight=False, seats=5, caching=False, swap_pages=6, ahead=4, kv_dtype="auto", max_loras=2,
-    spec=False, requests=[
+    spec=False, steps=1, requests=[
         {"kind": "plain", "prompt": (3, 3, 3, 3), "width": 2, "max_tokens": 4, "arrive": 2, "abort": None, "lora": None},
         {"kind": "beam", "prompt": (3, 3, 3, 3), "width": 3, "max_tokens": 2, "arrive": 2, "abort": None, "lora": None},
         {"kind": "beam", "prompt": tuple(SHARED) + (3, 3, 4, 4, 7, 13, 33, 45, 46, 89, 348, 3), "width": 3,
          "max_tokens": 10, "arrive": 0, "abort": None, "lora": None}])
 @example(  # the same shared prefix under the base model and both adapters, one adapter at a time
     layout="interleaved", tight=False, seats=4, caching=True, swap_pages=0, ahead=0, kv_dtype="auto", max_loras=1,
-    spec=False, requests=[{"kind": "plain", "prompt": tuple(SHARED) + (5, 6, 7, 8), "width": 2, "max_tokens": 6, "arrive": a,
+    spec=False, steps=1, requests=[{"kind": "plain", "prompt": tuple(SHARED) + (5, 6, 7, 8), "width": 2, "max_tokens": 6, "arrive": a,
                "abort": None, "lora": adapter} for a, adapter in ((0, None), (1, 0), (1, 1), (2, 0))])
 @example(  # found by this test: a client waiting only for its adapter's turn made seat sharing preempt forever
     layout="interleaved", tight=False, seats=4, caching=False, swap_pages=0, ahead=0, kv_dtype="auto", max_loras=1,
-    spec=False, requests=[{"kind": "beam", "prompt": (43, 445, 204, 264, 54, 230, 79, 128, 256), "width": 3, "max_tokens": 15,
+    spec=False, steps=1, requests=[{"kind": "beam", "prompt": (43, 445, 204, 264, 54, 230, 79, 128, 256), "width": 3, "max_tokens": 15,
                "arrive": 0, "abort": None, "lora": None},
               {"kind": "beam", "prompt": tuple(SHARED) + (43, 445, 204, 264, 54, 230, 79, 128, 256), "width": 3,
                "max_tokens": 15, "arrive": 0, "abort": None, "lora": 0},
@@ -129,29 +132,21 @@ request = st.fixed_dictionaries({
                "arrive": 3, "abort": None, "lora": 0}])
 @example(  # found by the scheduler's check: n = 2 under speculation, its prompt's last chunk one token long
     layout="interleaved", tight=False, seats=4, caching=False, swap_pages=0, ahead=0, kv_dtype="auto", max_loras=2,
-    spec=True, requests=[
+    spec=True, steps=1, requests=[
         {"kind": "plain", "prompt": tuple(range(100, 120)), "width": 2, "max_tokens": 4, "arrive": 0, "abort": None,
          "lora": None},
         {"kind": "n", "prompt": (5, 6, 7) * 4 + (5,), "width": 2, "max_tokens": 6, "arrive": 0, "abort": None,
          "lora": None}])
 def test_random_traffic_gives_each_request_what_it_gets_alone(layout, tight, seats, caching, swap_pages, ahead,
-                                                              kv_dtype, max_loras, spec, requests):
+                                                              kv_dtype, max_loras, spec, steps, requests):
     pages = (PAGES if kv_dtype == "auto" else PAGES_FP8)[layout][tight]
     llm = engine_for(layout, pages, seats, caching, 0 if layout == "paged" else swap_pages, ahead, kv_dtype,
-                     max_loras, spec)
-    engine, done, step = llm.engine, {}, 0
-    while step < 2000 and (engine.has_unfinished() or step <= 8):
-        for i, r in enumerate(requests):
-            if r["arrive"] == step:
-                add(engine, f"r{i}", r)
-            if r["abort"] is not None and r["arrive"] + r["abort"] == step and f"r{i}" not in done:
-                engine.abort(f"r{i}")
-        done |= {out.request_id: out for out in engine.step() if out.finished}
-        step += 1
-    assert not engine.has_unfinished(), f"stalled: {llm.stats()}; requests: {requests}"
+                     max_loras, spec, steps)
+    done = drive(llm, requests, add)
     event(f"preempted: {llm.stats().preemptions > 0}")
     event(f"swapped in: {llm.stats().kv.swap_ins > 0}")
     event(f"drafts accepted: {llm.stats().spec_accepted_tokens > 0}")
+    event(f"several decode steps a call: {llm.stats().multi_step_calls > 0}")
     for i, r in enumerate(requests):
         if f"r{i}" in done and r["abort"] is None:
             out = done[f"r{i}"]

@@ -3,6 +3,11 @@
     drafts (spec_decode) -> Scheduler.schedule -> ModelRunner.run -> sample_step (sampler,
     spec_decode, beam rows) -> Scheduler.update_from_output
 
+or, for a batch of plain greedy decodes under num_scheduler_steps > 1 (engine/core/multi_step.py):
+
+    Scheduler.schedule -> multi_step.plan -> Scheduler.look_ahead -> ModelRunner.run_steps
+    -> Scheduler.update_from_output
+
 The core knows sequences and token ids, never text: the LLMEngine (engine/core/llm_engine.py) makes
 a request's sequences before a step and turns what they did into outputs after it. The
 scheduler writes every sequence's schedule state. A row whose sampling raises ends as that
@@ -11,16 +16,18 @@ KV cache) propagates, and the engine is then broken.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kv.manager import KVManager
 from engine.worker.map_ahead import MapAhead
 from engine.worker.model_runner import ModelRunner
+from engine.core import multi_step
 from engine.core.sample_step import StepSample, sample_step
-from engine.sample.sampler import Sampled, score
+from engine.sample.sampler import Sampled, SamplingError, score
 from engine.sched.scheduler import Scheduler
-from engine.sched.step import SchedulerOutput, SeqOutput
+from engine.sched.step import Scheduled, SchedulerOutput, SeqOutput
 from engine.request.sequence import Sequence
 from engine.sample.spec_decode import NgramProposer, SpeculativeConfig
 from engine.request.structured import Grammars
@@ -48,6 +55,7 @@ class EngineCore:
         spec = c.speculative_config
         self.proposer = NgramProposer(SpeculativeConfig.from_dict(spec)) if spec else None
         self.map_ahead = MapAhead(kv, c.map_ahead_tokens, self.scheduler.headroom_pages) if c.map_ahead_tokens else None
+        self.max_steps = c.num_scheduler_steps
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -65,24 +73,46 @@ class EngineCore:
         out = self.scheduler.schedule(token_budget, drafts)
         if not out:
             return None
+        steps, stops = multi_step.plan(out, self.max_steps, self.max_model_len, self.eos_ids,
+                                       bool(self.scheduler.waiting or self.scheduler.swapped))
+        if steps > 1 and self.runner.runs_steps(len(out.scheduled)):
+            self.scheduler.look_ahead(out, steps)
         # (with nothing scheduled, only requests failed while scheduling: nothing runs)
-        scores, sampled = self._run(out) if out.scheduled else ([], StepSample({}))
+        if out.steps > 1:
+            scores, sampled = [], self._run_steps(out, stops)
+        else:
+            scores, sampled = self._run(out) if out.scheduled else ([], StepSample({}))
         seqs = self.scheduler.update_from_output(out, sampled.results)
         self._forget([o.seq for o in seqs if o.seq.is_finished])
         return CoreOutput(seqs, scores, sampled)
 
     def _run(self, out: SchedulerOutput) -> tuple[list[tuple[Sequence, int, list[Sampled]]], StepSample]:
         """The forward pass, then the prompt tokens it scored and each row's sampled tokens."""
-        if self.map_ahead:
-            self.map_ahead.start(out.scheduled)
-        try:
+        with self._mapping_ahead(out.scheduled):
             logits, rows, scoring = self.runner.run(out.scheduled)
-        finally:
-            if self.map_ahead:
-                self.map_ahead.wait()
         scores = [(seq, position + 1, score(logits[first:first + n], seq.token_ids[position + 1:position + 1 + n],
                                             seq.params.prompt_logprobs)) for seq, first, position, n in scoring]
         return scores, sample_step(logits, rows, out, self.grammars, self.eos_ids)
+
+    def _run_steps(self, out: SchedulerOutput, stops: list[int]) -> StepSample:
+        """Several greedy decode steps in one call: each sequence's tokens (a row whose logits were
+        not finite fails its request, as the sampler fails it)."""
+        with self._mapping_ahead(out.scheduled):
+            tokens = self.runner.run_steps(out.scheduled, out.steps, stops)
+        return StepSample({seq: SamplingError(f"request {seq.request_id!r}: the processed distribution has "
+                                              "non-finite logits") if -2 in picked else [Sampled(t) for t in picked]
+                           for seq, picked in tokens.items()}, decode_steps=max(map(len, tokens.values())))
+
+    @contextlib.contextmanager
+    def _mapping_ahead(self, scheduled: Scheduled):
+        """The map-ahead worker maps the scheduled sequences' next pages while the forward pass runs."""
+        if self.map_ahead:
+            self.map_ahead.start(scheduled)
+        try:
+            yield
+        finally:
+            if self.map_ahead:
+                self.map_ahead.wait()
 
     def finish(self, stopped: list[Sequence], failed: list[str]) -> None:
         """After output processing: the sequences a stop string ended, the requests whose

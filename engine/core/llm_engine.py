@@ -275,7 +275,7 @@ class LLMEngine:
         outputs, stopped, failed = self.output_processor.process(done.seqs)
         self.core.finish(stopped, failed)
         self.counters.count_step(done.sampled.drafts, done.sampled.drafted, done.sampled.accepted,
-                                 sum(len(o.new) for o in done.seqs), outputs)
+                                 done.sampled.decode_steps, sum(len(o.new) for o in done.seqs), outputs)
         return outputs
 
     # -- numbers --------------------------------------------------------------------------

@@ -24,6 +24,7 @@ class StepSample:
     drafts: int = 0  # sequences whose drafts this step verified
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of those, accepted
+    decode_steps: int = 1  # greedy decode steps run in one call (engine/core/multi_step.py)
 
 
 def sample_step(logits: torch.Tensor, rows: list[tuple[Sequence, int, int]], out: SchedulerOutput,

@@ -199,11 +199,14 @@ class KVManager:
         return missing, [k for k in written if k not in missing and layout.is_shared(seq, k)]
 
     def commit(self, seq: Sequence) -> None:
-        """After a step: offer seq's newly complete pages to the prefix cache; slide its window."""
+        """After a step: offer seq's newly complete pages to the prefix cache; slide its window.
+        (Called before seq takes the step's tokens: a page whose rows hold tokens fed back this
+        step, accepted drafts or a multi-step call's, is offered after the next step.)"""
         state, layout = seq.kv, self.layout
         if self.prefix_cache:
-            names = self.lookup.page_names(seq, seq.num_computed_tokens)
-            while state.committed < len(names) and layout.page_end(state.committed) <= seq.num_computed_tokens:
+            known = min(seq.num_computed_tokens, len(seq))  # pages named by tokens seq holds
+            names = self.lookup.page_names(seq, known)
+            while state.committed < len(names) and layout.page_end(state.committed) <= known:
                 k = state.committed
                 pages = layout.pages_at(seq, k)
                 if pages is not None:  # else the window has passed it already

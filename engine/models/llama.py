@@ -259,17 +259,10 @@ class LlamaForCausalLM(nn.Module):
         `attn(layer, q, k, v)` rotates, stores the new K/V and attends over the cached context;
         `lora` (engine/worker/lora.py LoRABatch), if any, adds its rows' adapter deltas to the projections."""
         x, residual = self.model.embed_tokens.forward(input_ids), None  # no hooks: .forward, not __call__
-        few = self.decode and input_ids.shape[0] <= FEW_ROWS and lora is None
-        step = getattr(attn, "native_args", None) if few else None
-        args = step() if step is not None else None
+        args = self._one_call(input_ids, attn) if lora is None else None
         if args is not None:  # a few rows: every layer, the last norm and the LM head in one native call
-            x = x.float()
-            residual = torch.empty_like(x)
-            logits = x.new_empty(logits_indices.shape[0], self.lm_head.panels_n)
-            norms_in, norms_post, eps, qkv, qkv_bias, o, gate_up, down, heads, kv_heads = zip(*self.decode)
-            torch.ops.vkv.decode_layers(x, residual, norms_in, norms_post, eps[0], qkv, qkv_bias, o, gate_up, down,
-                                        heads[0], kv_heads[0], *args, logits_indices, self.model.norm.weight,
-                                        self.lm_head.panels, self.compute_dtype == torch.bfloat16, logits)
+            logits = torch.empty(logits_indices.shape[0], self.lm_head.panels_n)
+            self._decode_layers(x, args, logits_indices, logits)
             return logits  # (bf16: rounded where the layer-by-layer path's bf16 tensors round them)
         for layer in self.model.layers:
             x, residual = layer.forward(x, residual, attn, self.native, lora)
@@ -277,3 +270,34 @@ class LlamaForCausalLM(nn.Module):
             return None
         x, _ = self.model.norm.forward(x[logits_indices], residual[logits_indices], self.native)  # rows that sample
         return self.lm_head.forward(x).float()
+
+    @torch.inference_mode()
+    def greedy_steps(self, input_ids: torch.Tensor, attn, steps: int, stop_ids: list[int]) -> torch.Tensor | None:
+        """Multi-step decode: each row (a sequence's last token) then `steps` greedy tokens in one
+        native call, each fed back as the next step's input, as `steps` calls of `forward` and an
+        argmax would pick them; [steps, rows] int64, -1 after the step where every row has picked
+        one of stop_ids, -2 where a row's logits were not finite. None where the one-call path
+        cannot run the step (then nothing was computed)."""
+        args = self._one_call(input_ids, attn)
+        if args is None:
+            return None
+        rows = input_ids.shape[0]
+        tokens = torch.empty(steps, rows, dtype=torch.long)
+        self._decode_layers(self.model.embed_tokens.forward(input_ids), args, torch.arange(rows),
+                            torch.empty(rows, self.lm_head.panels_n), self.model.embed_tokens.weight, tokens,
+                            torch.tensor(stop_ids, dtype=torch.long))
+        return tokens
+
+    def _one_call(self, input_ids: torch.Tensor, attn) -> tuple | None:
+        """The step's arguments of the native `decode_layers`, or None where it cannot run them (too
+        many rows, no native path, a sliding window)."""
+        step = getattr(attn, "native_args", None) if self.decode and input_ids.shape[0] <= FEW_ROWS else None
+        return step() if step is not None else None
+
+    def _decode_layers(self, x: torch.Tensor, args: tuple, rows: torch.Tensor, logits: torch.Tensor,
+                       *greedy: torch.Tensor) -> None:
+        norms_in, norms_post, eps, qkv, qkv_bias, o, gate_up, down, heads, kv_heads = zip(*self.decode)
+        torch.ops.vkv.decode_layers(x.float(), torch.empty(x.shape, dtype=torch.float32), norms_in, norms_post, eps[0],
+                                    qkv, qkv_bias, o, gate_up, down, heads[0], kv_heads[0], *args, rows,
+                                    self.model.norm.weight, self.lm_head.panels, self.compute_dtype == torch.bfloat16,
+                                    logits, *greedy)

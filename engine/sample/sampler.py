@@ -47,7 +47,7 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], eos_ids: tuple[int, ...],
 
 
 def _sample_batch(logits, seqs, eos_ids, masks) -> list[Sampled]:
-    adjusted = [row for row, seq in enumerate(seqs) if _adjusts(seq)]
+    adjusted = [row for row, seq in enumerate(seqs) if adjusts_logits(seq)]
     x = logits.float()
     if masks is not None or adjusted:  # the raw logits stay for logprobs and a row-by-row retry
         x = x.clone()
@@ -80,7 +80,8 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.max(-1)
 
 
-def _adjusts(seq: Sequence) -> bool:
+def adjusts_logits(seq: Sequence) -> bool:
+    """Whether seq's logits are processed before its pick (logit_bias, penalties, a min_tokens ban)."""
     p = seq.params
     return bool(p.logit_bias or p.repetition_penalty != 1.0 or (p.presence_penalty or p.frequency_penalty)
                 or (seq.num_output_tokens < p.min_tokens and (p.stop_token_ids or not p.ignore_eos)))

@@ -108,6 +108,13 @@ class Scheduler:
         scheduled, failed = self._checked(scheduled)
         return SchedulerOutput(scheduled, self._plan_forks(scheduled), failed)
 
+    def look_ahead(self, out: SchedulerOutput, steps: int) -> None:
+        """Multi-step decode (engine/core/multi_step.py): map the rows each scheduled sequence
+        writes in `steps` decode steps; out.steps is then `steps`, or 1 where memory is short (the
+        pages mapped so far stay its, for its next steps)."""
+        if steps > 1 and all(self.kv.ensure_mapped(seq, seq.num_computed_tokens + steps) for seq, _ in out.scheduled):
+            out.steps = steps
+
     def _checked(self, scheduled: Scheduled) -> tuple[Scheduled, list[SeqOutput]]:
         """Every scheduled sequence has a token left to compute, and computes at least one and
         none past what it knows (its tokens and drafts). One that breaks this (a bug: never
@@ -141,11 +148,11 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, results: dict[Sequence, RowResult]) -> list[SeqOutput]:
         """Apply what the step produced; a SeqOutput for each sequence that took tokens,
         finished or failed (those failed while scheduling first)."""
-        for seq, n in out.scheduled:  # computed: all it was given, less the drafts refused
-            if seq.status is SequenceStatus.RUNNING:
+        for seq, n in out.scheduled:  # computed: all it was given, less the drafts refused, plus
+            if seq.status is SequenceStatus.RUNNING:  # the tokens a multi-step call fed back
                 result = results.get(seq)
-                refused = len(seq.draft) + 1 - len(result) if seq.draft and isinstance(result, list) else 0
-                seq.num_computed_tokens += n - refused  # (a refused draft's row is overwritten later)
+                fed = len(result) - 1 - len(seq.draft) if isinstance(result, list) else 0
+                seq.num_computed_tokens += n + fed  # (a refused draft's row is overwritten later)
                 self.kv.commit(seq)
         results = dict(results)
         for parent, children in out.forks.items():

@@ -35,6 +35,7 @@ class SchedulerOutput:
     scheduled: Scheduled = field(default_factory=list)
     forks: dict[Sequence, list[Sequence]] = field(default_factory=dict)
     failed: list[SeqOutput] = field(default_factory=list)  # requests failed while scheduling (see _checked)
+    steps: int = 1  # greedy decode steps the batch runs in one call (multi-step: Scheduler.look_ahead)
 
     def __bool__(self) -> bool:
         return bool(self.scheduled or self.failed)

@@ -10,7 +10,9 @@ from engine.worker.attention import AttentionBackend
 from engine.kv.manager import KVManager
 from engine.kv.batch import StepBatch
 from engine.worker.lora import LoRABatch
+from engine.models.linear import FEW_ROWS
 from engine.models.ops import rope_table
+from engine.request.sequence import Sequence
 from engine.sched.step import Scheduled
 
 
@@ -37,13 +39,21 @@ class ModelRunner:
         self.workers = workers  # engine.worker.parallel.Workers when tensor parallel (kv is then a RecordedKV)
         self.cos_sin = rope_table(model.inv_freq, max_model_len, dtype, device)
 
-    def prepare(self, scheduled: Scheduled) -> tuple[torch.Tensor, StepBatch, torch.Tensor, list, list,
-                                                     LoRABatch | None]:
+    def runs_steps(self, rows: int) -> bool:
+        """Whether several greedy decode steps of `rows` sequences can run in one native call
+        (`run_steps`): the model's one-call decode path and its row limit, the native attention
+        kernel, no sliding window, one rank."""
+        return (bool(getattr(self.model, "decode", None)) and rows <= FEW_ROWS and self.attention.name == "native"
+                and not self.kv.window and not self.workers)
+
+    def prepare(self, scheduled: Scheduled, ahead: int = 0) -> tuple[torch.Tensor, StepBatch, torch.Tensor, list,
+                                                                      list, LoRABatch | None]:
         """The flat batch; per sequence that samples (seq, its first logits row, rows): one row
         after its last known token, plus one after each drafted token; per sequence scoring its
         prompt (seq, its first logits row, position, rows): the rows of its prompt positions
         this step computes, each the guess at the next prompt token; and the rows of each LoRA
-        adapter (the sequences ordered so that each adapter's rows are one segment)."""
+        adapter (the sequences ordered so that each adapter's rows are one segment). With
+        `ahead`, the block table also holds each sequence's next `ahead` rows (multi-step)."""
         scheduled = by_adapter(scheduled)
         input_ids, positions, token_seq, starts, q_lens, ctx_lens = [], [], [], [], [], []
         logits_indices, sampling, scoring, row = [], [], [], 0
@@ -65,7 +75,7 @@ class ModelRunner:
                 sampling.append((seq, len(logits_indices), rows))
                 logits_indices += range(row - rows, row)
         seqs = [s for s, _ in scheduled]
-        table, block_size = self.kv.layout.block_table(seqs, ctx_lens)
+        table, block_size = self.kv.layout.block_table(seqs, [ctx + ahead for ctx in ctx_lens])
         width = max(map(len, table))
         tensor = lambda x, dtype=torch.int32: torch.tensor(x, dtype=dtype, device=self.device)
         batch = StepBatch(seqs, starts, q_lens, ctx_lens, tensor(positions, torch.long), tensor(token_seq),
@@ -86,13 +96,25 @@ class ModelRunner:
                 self.workers.blame(error)
             raise
 
+    def run_steps(self, scheduled: Scheduled, steps: int, stop_ids: list[int]) -> dict[Sequence, list[int]]:
+        """Multi-step decode (where `runs_steps`; every sequence decoding one token, its pages
+        mapped for `steps` rows): each sequence's greedy tokens, up to the step where every
+        sequence had picked one of stop_ids; -2 where its logits were not finite (its last)."""
+        input_ids, batch, _, _, _, _ = self.prepare(scheduled, ahead=steps - 1)
+        tokens = self.model.greedy_steps(input_ids, self._attention(batch), steps, stop_ids)
+        if tokens is None:
+            raise RuntimeError("multi-step decode asked of a step the one-call path cannot run")
+        return {seq: [t for t in column if t != -1] for seq, column in zip(batch.seqs, tokens.T.tolist())}
+
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, logits_indices: torch.Tensor,
                 lora: LoRABatch | None = None) -> torch.Tensor | None:
         """The model over one flat batch; logits on rank 0, None on the other ranks."""
+        return self.model(input_ids, self._attention(batch), logits_indices, lora)
+
+    def _attention(self, batch: StepBatch):
         layout = self.kv.layout
-        attn = self.attention.prepare(layout.k_caches, layout.v_caches, batch, self.cos_sin,
+        return self.attention.prepare(layout.k_caches, layout.v_caches, batch, self.cos_sin,
                                       paged=layout.name == "paged", window=self.kv.window)
-        return self.model(input_ids, attn, logits_indices, lora)
 
 
 def by_adapter(scheduled: Scheduled) -> Scheduled:

@@ -13,7 +13,8 @@
 //   linear_panels        x W^T: register tiles over W packed in column panels; at a few rows
 //                        (decode) each thread streams its panels once, at memory bandwidth
 //   decode_layers        every decoder layer of a few-row step, the kernels above in one call,
-//                        then (given `logits`) last_logits
+//                        then (given `logits`) last_logits, and (given `tokens`) several greedy
+//                        steps in a row
 //   last_logits          the model's last norm and the LM head over the rows that sample
 //   row_max              each row's maximum and its first index, as torch.max(x, -1) (greedy)
 //   lora_segments        out[rows] += (x[rows] A^T) B for each LoRA adapter's segment of rows
@@ -1143,43 +1144,6 @@ void last_logits(const at::Tensor& x, const at::Tensor& residual, const at::Tens
   if (bf16) out.copy_(out.to(at::kBFloat16));
 }
 
-void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms, at::TensorList post_norms,
-                   double eps, at::TensorList qkv_weights, const c10::List<std::optional<at::Tensor>>& qkv_biases,
-                   at::TensorList o_weights, at::TensorList gate_up_weights, at::TensorList down_weights,
-                   int64_t num_heads, int64_t num_kv_heads, const at::Tensor& positions, const at::Tensor& cos_sin,
-                   at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& block_table,
-                   int64_t block_size, const at::Tensor& token_seq, const at::Tensor& q_start, const at::Tensor& q_len,
-                   const at::Tensor& ctx_len, double scale, const std::optional<at::Tensor>& rows,
-                   const std::optional<at::Tensor>& final_norm, const std::optional<at::Tensor>& lm_head, bool bf16,
-                   std::optional<at::Tensor> logits) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && residual.sizes() == x.sizes(),
-              "x and residual: [rows, hidden] fp32");
-  const size_t L = input_norms.size();
-  TORCH_CHECK(L > 0 && post_norms.size() == L && qkv_weights.size() == L && qkv_biases.size() == L &&
-              o_weights.size() == L && gate_up_weights.size() == L && down_weights.size() == L &&
-              k_caches.size() == L && v_caches.size() == L, "one entry per layer in every list");
-  const int64_t M = x.size(0), D = k_caches[0].size(3), nq = num_heads * D, nk = num_kv_heads * D;
-  const int64_t inter = down_weights[0].size(1);
-  DecodeStep s{positions, cos_sin, block_table, token_seq, q_start, q_len, ctx_len, block_size, eps, scale};
-  s.qkv = x.new_empty({M, nq + 2 * nk});
-  s.q = s.qkv.narrow(1, 0, nq).view({M, num_heads, D});
-  s.k = s.qkv.narrow(1, nq, nk).view({M, num_kv_heads, D});
-  s.v = s.qkv.narrow(1, nq + nk, nk).view({M, num_kv_heads, D});
-  s.attended = x.new_empty({M, num_heads, D});
-  s.h = x.new_empty({M, x.size(1)});
-  s.gate_up = x.new_empty({M, 2 * inter});
-  s.act = x.new_empty({M, inter});
-  for (size_t i = 0; i < L; ++i) {
-    TORCH_CHECK(down_weights[i].size(1) == inter && k_caches[i].size(3) == D, "every layer has the same shapes");
-    decode_layer(s, x, residual, i == 0, input_norms[i], post_norms[i], qkv_weights[i], qkv_biases.get(i),
-                 o_weights[i], gate_up_weights[i], down_weights[i], k_caches[i], v_caches[i]);
-  }
-  if (logits) {
-    TORCH_CHECK(rows && final_norm && lm_head, "logits need rows, the final norm and the LM head");
-    last_logits(x, residual, *rows, *final_norm, eps, *lm_head, bf16, *logits);
-  }
-}
-
 // Each row's maximum and the index of its first occurrence, as torch.max(x, -1) gives them (a
 // row holding NaN gives NaN, at its first NaN). torch's reduction with an index runs about 1 ns
 // an element (45 us a row of a 49,152-token vocabulary, 0.7 ms for 32 rows); here a vector
@@ -1237,6 +1201,86 @@ void row_max(const at::Tensor& x, at::Tensor values, at::Tensor indices) {
     }
   });
 }
+
+// Multi-step greedy decode (decode_layers given `tokens`, [steps, rows] int64, and the embedding):
+// after each step's logits, every row takes its greedy token (row_max: torch.max's first maximal
+// index) and, while steps remain, the next step runs on those tokens' embeddings one position on,
+// with no return to Python between steps. Each step is the one-step call's arithmetic, so the tokens
+// are the ones steps single calls pick. The rows' pages must be mapped for every step's position.
+// The loop ends early once every row has picked one of `stop_ids`, or a row's logits are not
+// finite (that row's token is then -2); the rows of `tokens` past the last step run are -1.
+void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms, at::TensorList post_norms,
+                   double eps, at::TensorList qkv_weights, const c10::List<std::optional<at::Tensor>>& qkv_biases,
+                   at::TensorList o_weights, at::TensorList gate_up_weights, at::TensorList down_weights,
+                   int64_t num_heads, int64_t num_kv_heads, const at::Tensor& positions, const at::Tensor& cos_sin,
+                   at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& block_table,
+                   int64_t block_size, const at::Tensor& token_seq, const at::Tensor& q_start, const at::Tensor& q_len,
+                   const at::Tensor& ctx_len, double scale, const std::optional<at::Tensor>& rows,
+                   const std::optional<at::Tensor>& final_norm, const std::optional<at::Tensor>& lm_head, bool bf16,
+                   std::optional<at::Tensor> logits, const std::optional<at::Tensor>& embed,
+                   std::optional<at::Tensor> tokens, const std::optional<at::Tensor>& stop_ids) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && residual.sizes() == x.sizes(),
+              "x and residual: [rows, hidden] fp32");
+  const size_t L = input_norms.size();
+  TORCH_CHECK(L > 0 && post_norms.size() == L && qkv_weights.size() == L && qkv_biases.size() == L &&
+              o_weights.size() == L && gate_up_weights.size() == L && down_weights.size() == L &&
+              k_caches.size() == L && v_caches.size() == L, "one entry per layer in every list");
+  const int64_t M = x.size(0), D = k_caches[0].size(3), nq = num_heads * D, nk = num_kv_heads * D;
+  const int64_t inter = down_weights[0].size(1);
+  const int64_t steps = tokens ? tokens->size(0) : 1;
+  if (tokens) {
+    TORCH_CHECK(logits && rows && rows->numel() == M && embed && embed->dim() == 2 && embed->size(1) == x.size(1),
+                "steps need logits for every row and the embedding");
+    TORCH_CHECK(tokens->dim() == 2 && tokens->size(1) == M && tokens->scalar_type() == at::kLong &&
+                tokens->is_contiguous(), "tokens: [steps, rows] int64 contiguous");
+    TORCH_CHECK(!stop_ids || stop_ids->scalar_type() == at::kLong, "stop_ids: int64");
+    tokens->fill_(-1);
+  }
+  // the positions and context lengths move on each step: a copy, so the caller's stay as given
+  const at::Tensor pos = steps > 1 ? positions.clone() : positions, ctx = steps > 1 ? ctx_len.clone() : ctx_len;
+  DecodeStep s{pos, cos_sin, block_table, token_seq, q_start, q_len, ctx, block_size, eps, scale};
+  s.qkv = x.new_empty({M, nq + 2 * nk});
+  s.q = s.qkv.narrow(1, 0, nq).view({M, num_heads, D});
+  s.k = s.qkv.narrow(1, nq, nk).view({M, num_kv_heads, D});
+  s.v = s.qkv.narrow(1, nq + nk, nk).view({M, num_kv_heads, D});
+  s.attended = x.new_empty({M, num_heads, D});
+  s.h = x.new_empty({M, x.size(1)});
+  s.gate_up = x.new_empty({M, 2 * inter});
+  s.act = x.new_empty({M, inter});
+  at::Tensor best = x.new_empty({M}), picked = x.new_empty({M}, x.options().dtype(at::kLong));
+  std::vector<char> stopped(M, 0);
+  for (int64_t step = 0; step < steps; ++step) {
+    for (size_t i = 0; i < L; ++i) {
+      TORCH_CHECK(down_weights[i].size(1) == inter && k_caches[i].size(3) == D, "every layer has the same shapes");
+      decode_layer(s, x, residual, i == 0, input_norms[i], post_norms[i], qkv_weights[i], qkv_biases.get(i),
+                   o_weights[i], gate_up_weights[i], down_weights[i], k_caches[i], v_caches[i]);
+    }
+    if (!logits) return;
+    TORCH_CHECK(rows && final_norm && lm_head, "logits need rows, the final norm and the LM head");
+    last_logits(x, residual, *rows, *final_norm, eps, *lm_head, bf16, *logits);
+    if (!tokens) return;
+    row_max(*logits, best, picked);
+    const float* value = best.data_ptr<float>();
+    int64_t* token = picked.data_ptr<int64_t>();
+    bool finite = true, all_stopped = true;
+    for (int64_t r = 0; r < M; ++r) {
+      if (!std::isfinite(value[r])) {
+        token[r] = -2;
+        finite = false;
+      }
+      if (stop_ids)
+        for (int64_t j = 0; j < stop_ids->numel() && !stopped[r]; ++j)
+          stopped[r] = token[r] == stop_ids->data_ptr<int64_t>()[j];
+      all_stopped &= stopped[r] != 0;
+    }
+    tokens->select(0, step).copy_(picked);
+    if (!finite || all_stopped || step + 1 == steps) break;
+    x.copy_(embed->index_select(0, picked));  // (a bf16 embedding widens exactly, as the first step's did)
+    pos.add_(1);
+    ctx.add_(1);
+  }
+}
+
 
 // LoRA deltas of a step (engine/lora.py): segment i is rows [bounds[2i], bounds[2i+1]) of x and
 // out, with A_i [R, K] and B_i [R, N] (the adapter's scaling folded in). A segment of a few rows
@@ -1315,7 +1359,8 @@ TORCH_LIBRARY(vkv, m) {
         "Tensor[] down_weights, int num_heads, int num_kv_heads, Tensor positions, Tensor cos_sin, "
         "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor block_table, int block_size, Tensor token_seq, "
         "Tensor q_start, Tensor q_len, Tensor ctx_len, float scale, Tensor? rows=None, Tensor? final_norm=None, "
-        "Tensor? lm_head=None, bool bf16=False, Tensor(e!)? logits=None) -> ()");
+        "Tensor? lm_head=None, bool bf16=False, Tensor(e!)? logits=None, Tensor? embed=None, Tensor(f!)? tokens=None, "
+        "Tensor? stop_ids=None) -> ()");
   m.def("last_logits(Tensor x, Tensor residual, Tensor rows, Tensor norm, float eps, Tensor panels, bool bf16, "
         "Tensor(a!) out) -> ()");
   m.def("row_max(Tensor x, Tensor(a!) values, Tensor(b!) indices) -> ()");
