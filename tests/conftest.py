@@ -50,12 +50,13 @@ def weights_load_once():
 
     load, loaded = rank.load_model, {}
 
-    def load_once(spec, cfg, device, dtype, seed=0, tp=(0, 1), compute_dtype=None, sleep_mode=False):
+    def load_once(spec, cfg, device, dtype, seed=0, tp=(0, 1), compute_dtype=None, sleep_mode=False,
+                  greedy_pick=False):
         if tp != (0, 1) or sleep_mode:  # (weights that sleep are one engine's)
-            return load(spec, cfg, device, dtype, seed, tp, compute_dtype, sleep_mode)
-        key = (spec, str(device), dtype, seed, compute_dtype)
+            return load(spec, cfg, device, dtype, seed, tp, compute_dtype, sleep_mode, greedy_pick)
+        key = (spec, str(device), dtype, seed, compute_dtype, greedy_pick)
         if key not in loaded or loaded[key].weights_version:  # never share weights updated in place
-            loaded[key] = load(spec, cfg, device, dtype, seed, tp, compute_dtype)
+            loaded[key] = load(spec, cfg, device, dtype, seed, tp, compute_dtype, greedy_pick=greedy_pick)
         return loaded[key]
 
     rank.load_model = load_once

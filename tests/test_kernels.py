@@ -203,6 +203,52 @@ def test_the_greedy_row_max_equals_torch_max(rows, n, ties, special):
     assert torch.equal(row_max(nothing)[1], torch.zeros(rows, dtype=torch.long))
 
 
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rows=st.integers(1, 4), n=st.integers(1, 300), k=st.sampled_from([1, 8, 64, 200]), seed=st.integers(0, 1 << 30),
+       twins=st.lists(st.tuples(st.integers(0, 299), st.integers(0, 299), st.sampled_from(["same", "ulp", "below bf16"])),
+                      max_size=6),
+       rivals=st.integers(0, 5), scale=st.sampled_from([1e-3, 1.0, 1e3]),
+       special=st.sampled_from([None, "nan h", "inf weight", "nan weight"]))
+def test_the_greedy_pick_from_bf16_panels_is_row_max_of_the_fp32_logits(rows, n, k, seed, twins, rivals, scale,
+                                                                         special):
+    """greedy_pick (multi-step decode's token under an fp32 LM head) reads the bf16 copy, bounds
+    each logit's distance to the fp32 one, and recomputes the tokens that may win: its token is
+    row_max's over the whole fp32 logits, to the index (ties: the first), with rows that are exact
+    twins, one ulp apart, or apart by less than bf16 can see, and with rivals of the winner that bf16
+    may rank above it (with the bound taken as 0, such rivals change the token in about half of the
+    cases); and non-finite rows are computed whole."""
+    from engine.models.linear import Linear
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    for a, b, how in twins:
+        a, b = a % n, b % n
+        w[b] = w[a] if how == "same" else torch.nextafter(w[a], torch.full_like(w[a], float("inf"))) \
+            if how == "ulp" else w[a] + w[a].abs() * 2.0 ** -12  # the same bf16 rounding, another fp32 row
+    h = torch.randn(rows, k, generator=gen) * scale
+    top = int((h[0] @ w.T).argmax())
+    for j in range(min(rivals, n - 1)):  # the winner's row, each weight moved by about 2^-9 of itself
+        w[(top + 1 + j) % n] = w[top] * (1 + 2.0 ** -9 * torch.randn(k, generator=gen))
+    if special == "nan h":
+        h[0, 0] = float("nan")
+    elif special == "inf weight":
+        w[n // 2, 0] = float("inf")
+    elif special == "nan weight":
+        w[n // 3, 0] = float("nan")
+    head = Linear(k, n)
+    head.weight.data = w
+    head.pack_panels(torch.float32)
+    head.pack_pick()
+    full = torch.empty(rows, n)
+    torch.ops.vkv.linear_panels(h, head.panels, None, full)
+    want_values, want_indices = full.max(-1)
+    values, indices = torch.empty(rows), torch.empty(rows, dtype=torch.long)
+    torch.ops.vkv.greedy_pick(h, head.panels, head.pick, head.pick_bounds, torch.empty(rows, n), values, indices)
+    assert torch.equal(indices, want_indices)
+    assert torch.equal(values.isnan(), want_values.isnan())
+    kept = ~want_values.isnan()
+    assert torch.equal(values[kept], want_values[kept])
+
+
 def test_attention_reads_nothing_past_each_context():
     """A real virtual KV cache on the host backend maps pages only as far as each sequence has
     grown; touching an unmapped byte is a SIGSEGV. The kernel runs in a child process so a stray

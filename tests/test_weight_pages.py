@@ -23,7 +23,7 @@ def weight_tensors(model) -> list[torch.Tensor]:
     """Every tensor an update writes (what WeightPages holds)."""
     found = []
     for m in model.modules():
-        for t in (*m._parameters.values(), getattr(m, "panels", None)):
+        for t in (*m._parameters.values(), *(getattr(m, name, None) for name in ("panels", "pick", "pick_bounds"))):
             if t is not None and t.numel() and not t.is_mkldnn:
                 found.append(t)
     return found
@@ -34,11 +34,12 @@ def held_bytes(pages: WeightPages) -> int:
     return os.fstat(pages.pool.backend.fd).st_blocks * 512
 
 
-@pytest.mark.parametrize("layout", ["per_layer", "paged"])
-def test_sleep_level_2_gives_the_weights_back_and_wakes_them_at_the_same_addresses(tmp_path, layout):
+@pytest.mark.parametrize("layout,steps", [("per_layer", 1), ("paged", 1), ("per_layer", 8)])
+def test_sleep_level_2_gives_the_weights_back_and_wakes_them_at_the_same_addresses(tmp_path, layout, steps):
+    """(steps: multi-step decode, whose greedy pick's bf16 copy of the LM head sleeps and wakes too)"""
     checkpoint(tmp_path / "w", seed=1)
     with LLM(model=str(tmp_path / "w"), kv_layout=layout, kv_cache_memory=4 << 20, enable_sleep_mode=True,
-             kv_offloading_size=0.01) as llm:
+             kv_offloading_size=0.01, num_scheduler_steps=steps) as llm:
         before = greedy(llm)
         model, pages = llm.engine.model, llm.engine.model.pages
         tensors = weight_tensors(model)

@@ -39,10 +39,12 @@ def greedy(llm) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("layout", ["per_layer", "paged"])
-def test_updated_weights_give_a_fresh_engines_outputs_and_no_stale_prefix(tmp_path, layout):
+@pytest.mark.parametrize("layout,steps", [("per_layer", 1), ("paged", 1), ("per_layer", 8)])
+def test_updated_weights_give_a_fresh_engines_outputs_and_no_stale_prefix(tmp_path, layout, steps):
+    """(steps: multi-step decode, whose greedy pick reads the LM head's bf16 copy: updated too)"""
     old, new = checkpoint(tmp_path / "old", 0), checkpoint(tmp_path / "new", 1)
-    opts = dict(kv_layout=layout, kv_cache_memory=16 << 20, kv_offloading_size=0.02, page_size=4096)  # 32 tokens a page
+    opts = dict(kv_layout=layout, kv_cache_memory=16 << 20, kv_offloading_size=0.02, page_size=4096,  # 32 tokens a page
+                num_scheduler_steps=steps)
     with LLM(model=str(tmp_path / "new"), **opts) as fresh:
         expected = greedy(fresh)
     with LLM(model=str(tmp_path / "old"), **opts) as llm:
@@ -58,6 +60,7 @@ def test_updated_weights_give_a_fresh_engines_outputs_and_no_stale_prefix(tmp_pa
         assert greedy(llm) == expected  # and hits under the new weights are right
         llm.update_weights_from_disk(str(tmp_path / "old"))
         assert greedy(llm) == before
+        assert (llm.stats().multi_step_calls > 0) == (steps > 1)
         assert_pool_whole(llm)
 
 
@@ -202,6 +205,8 @@ def test_assign_writes_parts_into_the_panels_as_packing_them_whole_would(cuts):
     torch.nn.init.normal_(updated.weight)
     packed.weight.data = new.clone()
     updated.pack_panels(torch.float32), packed.pack_panels(torch.float32)
+    updated.pack_pick(), packed.pack_pick()  # (and the greedy pick's bf16 copy and bounds)
     for a, b in zip(cuts, cuts[1:]):
         updated.assign(new[a:b], a)
     assert torch.equal(updated.panels, packed.panels)
+    assert torch.equal(updated.pick, packed.pick) and torch.equal(updated.pick_bounds, packed.pick_bounds)

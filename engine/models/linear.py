@@ -35,6 +35,17 @@ PACK_HINT = 128  # rows the packed layout is tuned for; good from 1 row to hundr
 FEW_ROWS = 4  # a decode step: every layer in one native call (llama.py); beside oneDNN's bf16 weight, the panels serve it
 
 
+def pick_bounds(w: torch.Tensor) -> torch.Tensor:
+    """Per row of an fp32 weight [n, k], fp64: |w - bf16(w)| + gamma (|w| + |bf16(w)|) (Euclidean
+    norms), gamma = 2k u / (1 - 2k u), u = 2^-24. |h| times it bounds the gap between h's product
+    with the row and with its bf16 rounding, both computed in fp32 (see `pack_pick`)."""
+    w = w.double()
+    b = w.float().bfloat16().double()
+    k, u = w.shape[1], 2.0 ** -24
+    gamma = 2 * k * u / (1 - 2 * k * u)
+    return (w - b).norm(dim=1) + gamma * (w.norm(dim=1) + b.norm(dim=1))
+
+
 class Linear(nn.Module):
     """y = x W^T + b, as nn.Linear (same parameter names, so checkpoints load as they are).
     `pack()`, once the weights are final, prepares the fast path for the device and dtype."""
@@ -47,6 +58,10 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None  # [ceil(n / width), k, width] for linear_panels (see above)
         self.panels_n = 0  # the packed weight's rows (a tensor-parallel shard's n, not out_features)
+        # an exact greedy pick from half the bytes (fp32 panels' bf16 copy and each row's error bound;
+        # ext/cpu/kernels.cpp's Note [An exact greedy pick from half the LM head's bytes]): `pack_pick`
+        self.pick: torch.Tensor | None = None
+        self.pick_bounds: torch.Tensor | None = None
         self.tied = False
 
     def pack(self) -> str:
@@ -79,6 +94,16 @@ class Linear(nn.Module):
             self._drop_plain()
         return f"vkv panel GEMM ({str(dtype).removeprefix('torch.')} weights, float32 arithmetic)"
 
+    def pack_pick(self) -> None:
+        """Beside fp32 panels (an LM head's), their bf16 copy and each row's bound (`pick_bounds`)."""
+        assert self.panels is not None and self.panels.dtype == torch.float32, "fp32 panels first"
+        self.pick = self.panels.to(torch.bfloat16)
+        self.pick_bounds = pick_bounds(self._panel_rows(0, self.panels_n))
+
+    def _panel_rows(self, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of the weight as the panels hold them ([end - start, k], a copy)."""
+        return self.panels.transpose(1, 2).reshape(-1, self.panels.shape[1])[start:end]
+
     def _drop_plain(self) -> None:
         """Once packed, only the packed copy stays (a tied embedding's weight is not ours to drop)."""
         if not self.tied:
@@ -107,6 +132,11 @@ class Linear(nn.Module):
                 n = min(width - at, end - r)
                 rows[panel, at:at + n].copy_(w[r - start:r - start + n])
                 r += n
+        if self.pick is not None:  # the panels the rows touch, and the rows' bounds
+            width = self.panels.shape[2]
+            first, last = start // width, -(-end // width)
+            self.pick[first:last].copy_(self.panels[first:last])
+            self.pick_bounds[start:end] = pick_bounds(self._panel_rows(start, end))
         if self.packed is not None:
             if (start, end) != (0, self.out_features):
                 raise ValueError("oneDNN's packed weight is written whole")

@@ -205,12 +205,14 @@ class LlamaForCausalLM(nn.Module):
         self.rank = rank
 
     def prepare(self, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype | None = None,
-                sleep_mode: bool = False) -> LlamaForCausalLM:
+                sleep_mode: bool = False, greedy_pick: bool = False) -> LlamaForCausalLM:
         """Move to the device and dtype, then put every projection's weight in the layout its
         GEMM runs fastest from, and decide whether the native small ops run. With a wider
         compute_dtype (bf16 weights on a CPU that computes bf16 in fp32), the weights are
         rounded to dtype and then widened, so the model computes with dtype's values. With
-        sleep_mode, the weights then move into pages that sleep (engine/models/weight_pages.py)."""
+        sleep_mode, the weights then move into pages that sleep (engine/models/weight_pages.py). With
+        greedy_pick (multi-step decode on), an fp32 LM head keeps a bf16 copy of its panels, from which
+        the one-call path's greedy steps pick each token exactly (ext/cpu/kernels.cpp `greedy_pick`)."""
         compute_dtype = compute_dtype or dtype
         self.weights_dtype, self.compute_dtype = dtype, compute_dtype
         self.to(device=device, dtype=dtype)
@@ -222,19 +224,22 @@ class LlamaForCausalLM(nn.Module):
         panels = self.native and compute_dtype == torch.float32  # vkv's GEMM (engine/models/linear.py)
         beside = (self.native and compute_dtype == torch.bfloat16 and not self.sharded  # decode's bf16 panels
                   and self._fits(linears, dtype))
-        for module in linears if beside else ():
-            module.pack_panels(dtype, drop=False)
-        paths = sorted({module.pack_panels(dtype) if panels else module.pack() for module in linears})
-        if (panels or beside) and device.type == "cpu":  # before sleep mode's move
-            paths.append(onto_huge_pages([m.panels for m in linears if m.panels is not None]))
-        if sleep_mode:  # before anything takes views of the weights
-            self.pages = WeightPages(self, vmm.make_backend(device.type if device.type == "cuda" else "host",
-                                                            device=device.index or 0))
         # decode_layers runs every norm, the last one's too, under one eps
         norms = [self.model.norm, *(n for layer in self.model.layers
                                     for n in (layer.input_layernorm, layer.post_attention_layernorm))]
-        one_eps = len({norm.eps for norm in norms}) == 1
-        if (panels or beside) and not self.config.qk_norm and not self.sharded and one_eps:
+        one_call = (panels or beside) and not self.config.qk_norm and not self.sharded \
+            and len({norm.eps for norm in norms}) == 1
+        for module in linears if beside else ():
+            module.pack_panels(dtype, drop=False)
+        paths = sorted({module.pack_panels(dtype) if panels else module.pack() for module in linears})
+        if greedy_pick and one_call and panels:  # multi-step decode picks from half the LM head's bytes
+            self.lm_head.pack_pick()
+        if (panels or beside) and device.type == "cpu":  # before sleep mode's move
+            paths.append(onto_huge_pages([t for m in linears for t in (m.panels, m.pick) if t is not None]))
+        if sleep_mode:  # before anything takes views of the weights
+            self.pages = WeightPages(self, vmm.make_backend(device.type if device.type == "cuda" else "host",
+                                                            device=device.index or 0))
+        if one_call:
             self.decode = [layer.decode_weights() for layer in self.model.layers]
         self.gemm_path = "; ".join(paths) + (f" (steps of <= {FEW_ROWS} rows: every layer in one native call"
                                              + (", bf16 panels in fp32 arithmetic" if beside else "") + ")"
@@ -281,11 +286,11 @@ class LlamaForCausalLM(nn.Module):
         args = self._one_call(input_ids, attn)
         if args is None:
             return None
-        rows = input_ids.shape[0]
+        rows, head = input_ids.shape[0], self.lm_head
         tokens = torch.empty(steps, rows, dtype=torch.long)
         self._decode_layers(self.model.embed_tokens.forward(input_ids), args, torch.arange(rows),
-                            torch.empty(rows, self.lm_head.panels_n), self.model.embed_tokens.weight, tokens,
-                            torch.tensor(stop_ids, dtype=torch.long))
+                            torch.empty(rows, head.panels_n), self.model.embed_tokens.weight, tokens,
+                            torch.tensor(stop_ids, dtype=torch.long), head.pick, head.pick_bounds)
         return tokens
 
     def _one_call(self, input_ids: torch.Tensor, attn) -> tuple | None:

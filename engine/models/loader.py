@@ -110,10 +110,10 @@ def load_config(spec: str | None) -> ModelConfig:
 
 def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                seed: int = 0, tp: tuple[int, int] = (0, 1), compute_dtype: torch.dtype | None = None,
-               sleep_mode: bool = False) -> LlamaForCausalLM:
+               sleep_mode: bool = False, greedy_pick: bool = False) -> LlamaForCausalLM:
     """The model on device in dtype (computing in compute_dtype, default dtype); with tp =
     (rank, world), rank's tensor-parallel share; with sleep_mode, its weights in pages that can
-    be given back (engine/models/weight_pages.py)."""
+    be given back (engine/models/weight_pages.py); greedy_pick: see LlamaForCausalLM.prepare."""
     path = checkpoint_dir(spec)
     if path is None:
         torch.manual_seed(seed)
@@ -135,7 +135,7 @@ def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: 
             raise ValueError(f"{path}: {exc}") from exc
     if tp[1] > 1:
         model.shard(*tp)
-    return model.prepare(device, dtype, compute_dtype, sleep_mode)
+    return model.prepare(device, dtype, compute_dtype, sleep_mode, greedy_pick)
 
 
 def weights_fingerprint(spec: str | None, seed: int = 0) -> bytes:
