@@ -232,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
         for module in linears if beside else ():
             module.pack_panels(dtype, drop=False)
         paths = sorted({module.pack_panels(dtype) if panels else module.pack() for module in linears})
-        if greedy_pick and one_call and panels:  # multi-step decode picks from half the LM head's bytes
+        if greedy_pick and one_call and panels and dtype == torch.float32:  # picks from half the LM head's bytes
             self.lm_head.pack_pick()
         if (panels or beside) and device.type == "cpu":  # before sleep mode's move
             paths.append(onto_huge_pages([t for m in linears for t in (m.panels, m.pick) if t is not None]))
