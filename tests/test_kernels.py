@@ -208,12 +208,15 @@ def test_the_greedy_row_max_equals_torch_max(rows, n, ties, special):
        twins=st.lists(st.tuples(st.integers(0, 299), st.integers(0, 299), st.sampled_from(["same", "ulp", "below bf16"])),
                       max_size=6),
        rivals=st.integers(0, 5), scale=st.sampled_from([1e-3, 1.0, 1e3]),
-       special=st.sampled_from([None, "nan h", "inf weight", "nan weight"]))
-def test_the_greedy_pick_from_bf16_panels_is_row_max_of_the_fp32_logits(rows, n, k, seed, twins, rivals, scale,
-                                                                         special):
-    """greedy_pick (multi-step decode's token under an fp32 LM head) reads the bf16 copy, bounds
-    each logit's distance to the fp32 one, and recomputes the tokens that may win: its token is
-    row_max's over the whole fp32 logits, to the index (ties: the first), with rows that are exact
+       special=st.sampled_from([None, "nan h", "inf weight", "nan weight"]),
+       kind=st.sampled_from(["fp32", "bf16 weights", "bf16 logits"]))
+def test_the_greedy_pick_from_half_the_bytes_is_row_max_of_the_logits(rows, n, k, seed, twins, rivals, scale,
+                                                                      special, kind):
+    """greedy_pick (multi-step decode's token) reads a copy of the LM head in half the bytes (bf16
+    beside fp32 panels; int8 and a scale a row beside bf16 ones), bounds each logit's distance to
+    the full pass's, and recomputes the tokens that may win: its token is row_max's over the whole
+    logits (bf16 logits: rounded to bf16 first, as the bf16 model rounds them), to the index (ties:
+    the first), with rows that are exact
     twins, one ulp apart, or apart by less than bf16 can see, and with rivals of the winner that bf16
     may rank above it (with the bound taken as 0, such rivals change the token in about half of the
     cases); and non-finite rows are computed whole."""
@@ -236,13 +239,17 @@ def test_the_greedy_pick_from_bf16_panels_is_row_max_of_the_fp32_logits(rows, n,
         w[n // 3, 0] = float("nan")
     head = Linear(k, n)
     head.weight.data = w
-    head.pack_panels(torch.float32)
+    head.pack_panels(torch.float32 if kind == "fp32" else torch.bfloat16)
     head.pack_pick()
+    rounded = kind == "bf16 logits"
     full = torch.empty(rows, n)
     torch.ops.vkv.linear_panels(h, head.panels, None, full)
+    if rounded:
+        full = full.bfloat16().float()
     want_values, want_indices = full.max(-1)
     values, indices = torch.empty(rows), torch.empty(rows, dtype=torch.long)
-    torch.ops.vkv.greedy_pick(h, head.panels, head.pick, head.pick_bounds, torch.empty(rows, n), values, indices)
+    torch.ops.vkv.greedy_pick(h, head.panels, head.pick, head.pick_bounds, head.pick_scales, rounded,
+                              torch.empty(rows, n), values, indices)
     assert torch.equal(indices, want_indices)
     assert torch.equal(values.isnan(), want_values.isnan())
     kept = ~want_values.isnan()

@@ -23,7 +23,7 @@ def weight_tensors(model) -> list[torch.Tensor]:
     """Every tensor an update writes (what WeightPages holds)."""
     found = []
     for m in model.modules():
-        for t in (*m._parameters.values(), *(getattr(m, name, None) for name in ("panels", "pick", "pick_bounds"))):
+        for t in (*m._parameters.values(), *(getattr(m, name, None) for name in ("panels", "pick", "pick_bounds", "pick_scales"))):
             if t is not None and t.numel() and not t.is_mkldnn:
                 found.append(t)
     return found

@@ -35,15 +35,15 @@ PACK_HINT = 128  # rows the packed layout is tuned for; good from 1 row to hundr
 FEW_ROWS = 4  # a decode step: every layer in one native call (llama.py); beside oneDNN's bf16 weight, the panels serve it
 
 
-def pick_bounds(w: torch.Tensor) -> torch.Tensor:
-    """Per row of an fp32 weight [n, k], fp64: |w - bf16(w)| + gamma (|w| + |bf16(w)|) (Euclidean
-    norms), gamma = 2k u / (1 - 2k u), u = 2^-24. |h| times it bounds the gap between h's product
-    with the row and with its bf16 rounding, both computed in fp32 (see `pack_pick`)."""
-    w = w.double()
-    b = w.float().bfloat16().double()
-    k, u = w.shape[1], 2.0 ** -24
-    gamma = 2 * k * u / (1 - 2 * k * u)
-    return (w - b).norm(dim=1) + gamma * (w.norm(dim=1) + b.norm(dim=1))
+def pick_bounds(w: torch.Tensor, near: torch.Tensor) -> torch.Tensor:
+    """Per row of a weight w [n, k] and its approximation `near` (the values the pick multiplies:
+    bf16(w), or scale * int8), fp64: |w - near| + gamma (|w| + |near|) (Euclidean norms), gamma =
+    (2k + 2) u / (1 - (2k + 2) u), u = 2^-24 (an FMA or a multiply and an add a term, and the
+    scale's product). |h| times it bounds the gap between h's two products, each computed in fp32."""
+    w, near = w.double(), near.double()
+    n = 2 * w.shape[1] + 2
+    gamma = n * 2.0 ** -24 / (1 - n * 2.0 ** -24)
+    return (w - near).norm(dim=1) + gamma * (w.norm(dim=1) + near.norm(dim=1))
 
 
 class Linear(nn.Module):
@@ -60,8 +60,9 @@ class Linear(nn.Module):
         self.panels_n = 0  # the packed weight's rows (a tensor-parallel shard's n, not out_features)
         # an exact greedy pick from half the bytes (fp32 panels' bf16 copy and each row's error bound;
         # ext/cpu/kernels.cpp's Note [An exact greedy pick from half the LM head's bytes]): `pack_pick`
-        self.pick: torch.Tensor | None = None
-        self.pick_bounds: torch.Tensor | None = None
+        self.pick: torch.Tensor | None = None  # bf16 panels beside fp32 ones; int8 beside bf16 ones
+        self.pick_bounds: torch.Tensor | None = None  # [n] fp64
+        self.pick_scales: torch.Tensor | None = None  # [n] fp32: each row's int8 scale
         self.tied = False
 
     def pack(self) -> str:
@@ -95,15 +96,33 @@ class Linear(nn.Module):
         return f"vkv panel GEMM ({str(dtype).removeprefix('torch.')} weights, float32 arithmetic)"
 
     def pack_pick(self) -> None:
-        """Beside fp32 panels (an LM head's), their bf16 copy and each row's bound (`pick_bounds`)."""
-        assert self.panels is not None and self.panels.dtype == torch.float32, "fp32 panels first"
-        self.pick = self.panels.to(torch.bfloat16)
-        self.pick_bounds = pick_bounds(self._panel_rows(0, self.panels_n))
+        """Beside an LM head's panels, a copy of half their bytes and each row's bound (`pick_bounds`):
+        fp32 panels get a bf16 copy; bf16 panels an int8 one, a row's scale its largest |weight| / 127."""
+        assert self.panels is not None and self.panels.dtype in (torch.float32, torch.bfloat16), "panels first"
+        int8 = self.panels.dtype == torch.bfloat16
+        self.pick = torch.zeros_like(self.panels, dtype=torch.int8 if int8 else torch.bfloat16)
+        self.pick_bounds = torch.empty(self.panels_n, dtype=torch.float64)
+        self.pick_scales = torch.empty(self.panels_n) if int8 else None
+        self._repick(0, self.panels.shape[0])
 
-    def _panel_rows(self, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) of the weight as the panels hold them ([end - start, k], a copy)."""
-        return self.panels.transpose(1, 2).reshape(-1, self.panels.shape[1])[start:end]
-
+    def _repick(self, first: int, last: int) -> None:
+        """The pick's panels [first, last), and their rows' scales and bounds, from the panels."""
+        width, k = self.panels.shape[2], self.panels.shape[1]
+        start, end = first * width, min(last * width, self.panels_n)
+        w = self.panels[first:last].transpose(1, 2).reshape(-1, k)[:end - start].float()
+        if self.pick_scales is None:
+            self.pick[first:last].copy_(self.panels[first:last])  # (rounded to nearest even)
+            near = w.bfloat16()
+        else:
+            scale = w.abs().amax(1) / 127
+            q = torch.where(scale[:, None] > 0, w / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None], 0)
+            q = q.round().clamp(-127, 127).to(torch.int8)
+            padded = torch.zeros((last - first) * width, w.shape[1], dtype=torch.int8)
+            padded[:end - start] = q
+            self.pick[first:last].copy_(padded.view(last - first, width, -1).transpose(1, 2))
+            self.pick_scales[start:end] = scale
+            near = scale.double()[:, None] * q.double()
+        self.pick_bounds[start:end] = pick_bounds(w, near)
     def _drop_plain(self) -> None:
         """Once packed, only the packed copy stays (a tied embedding's weight is not ours to drop)."""
         if not self.tied:
@@ -132,11 +151,9 @@ class Linear(nn.Module):
                 n = min(width - at, end - r)
                 rows[panel, at:at + n].copy_(w[r - start:r - start + n])
                 r += n
-        if self.pick is not None:  # the panels the rows touch, and the rows' bounds
+        if self.pick is not None:  # the panels the rows touch, and their rows' scales and bounds
             width = self.panels.shape[2]
-            first, last = start // width, -(-end // width)
-            self.pick[first:last].copy_(self.panels[first:last])
-            self.pick_bounds[start:end] = pick_bounds(self._panel_rows(start, end))
+            self._repick(start // width, -(-end // width))
         if self.packed is not None:
             if (start, end) != (0, self.out_features):
                 raise ValueError("oneDNN's packed weight is written whole")

@@ -211,8 +211,9 @@ class LlamaForCausalLM(nn.Module):
         compute_dtype (bf16 weights on a CPU that computes bf16 in fp32), the weights are
         rounded to dtype and then widened, so the model computes with dtype's values. With
         sleep_mode, the weights then move into pages that sleep (engine/models/weight_pages.py). With
-        greedy_pick (multi-step decode on), an fp32 LM head keeps a bf16 copy of its panels, from which
-        the one-call path's greedy steps pick each token exactly (ext/cpu/kernels.cpp `greedy_pick`)."""
+        greedy_pick (multi-step decode on), the LM head keeps a copy of its panels in half the bytes (bf16
+        beside fp32, int8 beside bf16), from which the one-call path's greedy steps pick each token
+        exactly (ext/cpu/kernels.cpp `greedy_pick`)."""
         compute_dtype = compute_dtype or dtype
         self.weights_dtype, self.compute_dtype = dtype, compute_dtype
         self.to(device=device, dtype=dtype)
@@ -232,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         for module in linears if beside else ():
             module.pack_panels(dtype, drop=False)
         paths = sorted({module.pack_panels(dtype) if panels else module.pack() for module in linears})
-        if greedy_pick and one_call and panels and dtype == torch.float32:  # picks from half the LM head's bytes
+        if greedy_pick and one_call:  # multi-step decode picks from half the LM head's bytes
             self.lm_head.pack_pick()
         if (panels or beside) and device.type == "cpu":  # before sleep mode's move
             paths.append(onto_huge_pages([t for m in linears for t in (m.panels, m.pick) if t is not None]))
@@ -290,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
         tokens = torch.empty(steps, rows, dtype=torch.long)
         self._decode_layers(self.model.embed_tokens.forward(input_ids), args, torch.arange(rows),
                             torch.empty(rows, head.panels_n), self.model.embed_tokens.weight, tokens,
-                            torch.tensor(stop_ids, dtype=torch.long), head.pick, head.pick_bounds)
+                            torch.tensor(stop_ids, dtype=torch.long), head.pick, head.pick_bounds, head.pick_scales)
         return tokens
 
     def _one_call(self, input_ids: torch.Tensor, attn) -> tuple | None:

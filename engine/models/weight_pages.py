@@ -131,7 +131,7 @@ def _storages(model: torch.nn.Module) -> list[tuple[torch.UntypedStorage, list[t
     for module in model.modules():
         tensors = list(module._parameters.values())
         if isinstance(module, Linear):
-            tensors += [module.panels, module.pick, module.pick_bounds]
+            tensors += [module.panels, module.pick, module.pick_bounds, module.pick_scales]
         for t in tensors:
             if t is None or id(t) in seen or t.is_mkldnn or t.untyped_storage().nbytes() == 0:
                 continue

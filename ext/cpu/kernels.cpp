@@ -79,6 +79,7 @@ namespace {
 #define VKV_INLINE inline __attribute__((always_inline))  // the vectorized loops need these inlined
 
 VKV_INLINE float load(float x) { return x; }
+VKV_INLINE float load(int8_t x) { return x; }  // (the greedy pick's int8 copy of a bf16 LM head)
 VKV_INLINE float load(c10::BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float f;
@@ -855,7 +856,8 @@ constexpr int64_t kPanelChunk = 16 * kPanelRows;
 // AVX-512 kernels and +13.5% with the AVX2 ones, against one stream that prefetches the next panel
 // non-temporally. fp32 panels with AVX-512 measured even (0.998x) and keep the one stream.
 template <typename TW>
-constexpr bool kTwoStreams = std::is_same_v<TW, c10::BFloat16> || (Vec::W == 8 && std::is_same_v<TW, float>);
+constexpr bool kTwoStreams = std::is_same_v<TW, c10::BFloat16> || std::is_same_v<TW, int8_t> ||
+                              (Vec::W == 8 && std::is_same_v<TW, float>);
 
 // Row k of a panel, its kPanel weights, as the two vectors a tile multiplies. fp32: columns
 // [0, W) and [W, 2W). bf16: one load of all 2W weights (exactly a register), widened with no
@@ -874,6 +876,16 @@ VKV_INLINE void panel_load(const TW* p, typename Vec::R& w0, typename Vec::R& w1
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
     w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+#endif
+  } else if constexpr (std::is_same_v<TW, int8_t>) {  // int8: widened in column order
+#if defined(VKV_AVX512)
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+#else
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
 #endif
   } else {
     w0 = Vec::load(p);
@@ -1048,6 +1060,8 @@ void linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::opt
   else if (panels.scalar_type() == at::kBFloat16)
     linear_panels_impl<c10::BFloat16>(x.data_ptr<float>(), M, K, panels.data_ptr<c10::BFloat16>(), N, b,
                                       out.data_ptr<float>());
+  else if (panels.scalar_type() == at::kChar)
+    linear_panels_impl<int8_t>(x.data_ptr<float>(), M, K, panels.data_ptr<int8_t>(), N, b, out.data_ptr<float>());
   else
     TORCH_CHECK(false, "linear_panels reads fp32 or bf16 panels");
 }
@@ -1225,13 +1239,34 @@ void row_max(const at::Tensor& x, at::Tensor values, at::Tensor indices) {
 // bundled model 1-3 tokens (median 1) qualify a step, so the step reads 57 MB less (fp32).
 // Limitations: fp32 arithmetic only (bf16 logits are rounded to bf16, where ties need another
 // rule); a row whose approximate logits or norm are not finite is computed whole.
+// One panel's exact logits (the full pass's function, so the same bits), bf16-rounded with `bf16`.
+void exact_panel(const float* x, int64_t K, const at::Tensor& panels, int64_t p, int64_t cols, bool bf16, float* out) {
+  if (panels.scalar_type() == at::kFloat)
+    linear_panels_impl<float>(x, 1, K, panels.data_ptr<float>() + p * K * kPanel, cols, nullptr, out);
+  else
+    linear_panels_impl<c10::BFloat16>(x, 1, K, panels.data_ptr<c10::BFloat16>() + p * K * kPanel, cols, nullptr, out);
+  if (bf16)
+    for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<float>(c10::BFloat16(out[c]));
+}
+
+VKV_INLINE float rounded(double v, bool bf16) {  // monotone: a bound on v stays a bound on its rounding
+  const float f = static_cast<float>(v);
+  return bf16 ? static_cast<float>(c10::BFloat16(f)) : f;
+}
+
 void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor& pick, const at::Tensor& bounds,
-                 at::Tensor logits, at::Tensor best, at::Tensor picked) {
+                 const std::optional<at::Tensor>& scales, bool bf16, at::Tensor logits, at::Tensor best,
+                 at::Tensor picked) {
   const int64_t M = h.size(0), K = h.size(1), N = logits.size(1);
-  TORCH_CHECK(panels.scalar_type() == at::kFloat && pick.scalar_type() == at::kBFloat16 && pick.sizes() == panels.sizes() &&
-              bounds.scalar_type() == at::kDouble && bounds.numel() == N, "pick: bf16 panels beside fp32 ones; bounds: [N] fp64");
+  const bool int8 = pick.scalar_type() == at::kChar;
+  TORCH_CHECK(pick.sizes() == panels.sizes() && bounds.scalar_type() == at::kDouble && bounds.numel() == N &&
+              ((panels.scalar_type() == at::kFloat && pick.scalar_type() == at::kBFloat16 && !scales) ||
+               (panels.scalar_type() == at::kBFloat16 && int8 && scales && scales->scalar_type() == at::kFloat &&
+                scales->numel() == N)),
+              "pick: bf16 panels beside fp32 ones, or int8 ones and their [N] fp32 scales beside bf16 ones; "
+              "bounds: [N] fp64");
   linear_panels(h, pick, std::nullopt, logits);  // the approximate logits
-  const float* w = panels.data_ptr<float>();
+  if (int8) logits.mul_(*scales);
   const double* bound = bounds.data_ptr<double>();
   float* v = best.data_ptr<float>();
   int64_t* ix = picked.data_ptr<int64_t>();
@@ -1242,23 +1277,24 @@ void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor
     double norm = 0;
     for (int64_t k = 0; k < K; ++k) norm += static_cast<double>(x[k]) * x[k];
     norm = std::sqrt(norm) * (1 + 1e-12);  // (and the bound's own fp64 rounding)
-    double floor = -std::numeric_limits<double>::infinity();
+    float floor = -std::numeric_limits<float>::infinity();  // the largest lower bound of a (rounded) logit
     bool finite = std::isfinite(norm);
     for (int64_t j = 0; j < N && finite; ++j) {
       finite = std::isfinite(a[j]);
-      floor = std::max(floor, a[j] - norm * bound[j]);
+      floor = std::max(floor, rounded(a[j] - norm * bound[j], bf16));
     }
     bool whole = !finite;
     float top = -std::numeric_limits<float>::infinity();
     int64_t at = -1;
+    const auto may_win = [&](int64_t j) { return rounded(a[j] + norm * bound[j], bf16) >= floor; };
     for (int64_t p = 0; p * kPanel < N && !whole; ++p) {
       const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
       bool any = false;
-      for (int64_t c = 0; c < cols && !any; ++c) any = a[n0 + c] + norm * bound[n0 + c] >= floor;
+      for (int64_t c = 0; c < cols && !any; ++c) any = may_win(n0 + c);
       if (!any) continue;
-      linear_panels_impl<float>(x, 1, K, w + p * K * kPanel, cols, nullptr, exact);
+      exact_panel(x, K, panels, p, cols, bf16, exact);
       for (int64_t c = 0; c < cols; ++c) {
-        if (!(a[n0 + c] + norm * bound[n0 + c] >= floor)) continue;
+        if (!may_win(n0 + c)) continue;
         if (exact[c] != exact[c]) whole = true;  // NaN: row_max's rule, from the whole row
         if (exact[c] > top || at < 0) top = exact[c], at = n0 + c;
       }
@@ -1266,6 +1302,7 @@ void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor
     if (whole) {  // every logit, as last_logits computes them, and row_max's pick
       at::Tensor row = logits.select(0, r).unsqueeze(0);
       linear_panels(h.select(0, r).unsqueeze(0), panels, std::nullopt, row);
+      if (bf16) row.copy_(row.to(at::kBFloat16));
       row_max(row, best.narrow(0, r, 1), picked.narrow(0, r, 1));
       continue;
     }
@@ -1293,7 +1330,8 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
                    const std::optional<at::Tensor>& final_norm, const std::optional<at::Tensor>& lm_head, bool bf16,
                    std::optional<at::Tensor> logits, const std::optional<at::Tensor>& embed,
                    std::optional<at::Tensor> tokens, const std::optional<at::Tensor>& stop_ids,
-                   const std::optional<at::Tensor>& pick, const std::optional<at::Tensor>& pick_bounds) {
+                   const std::optional<at::Tensor>& pick, const std::optional<at::Tensor>& pick_bounds,
+                   const std::optional<at::Tensor>& pick_scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && residual.sizes() == x.sizes(),
               "x and residual: [rows, hidden] fp32");
   const size_t L = input_norms.size();
@@ -1333,9 +1371,9 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
     }
     if (!logits) return;
     TORCH_CHECK(rows && final_norm && lm_head, "logits need rows, the final norm and the LM head");
-    if (tokens && pick && !bf16) {  // only the pick is wanted: from half the LM head's bytes, exactly
-      greedy_pick(final_hidden(x, residual, *rows, *final_norm, eps, false), *lm_head, *pick, *pick_bounds, *logits,
-                  best, picked);
+    if (tokens && pick) {  // only the pick is wanted: from half the LM head's bytes, exactly
+      greedy_pick(final_hidden(x, residual, *rows, *final_norm, eps, bf16), *lm_head, *pick, *pick_bounds, pick_scales,
+                  bf16, *logits, best, picked);
     } else {
       last_logits(x, residual, *rows, *final_norm, eps, *lm_head, bf16, *logits);
       if (!tokens) return;
@@ -1441,12 +1479,12 @@ TORCH_LIBRARY(vkv, m) {
         "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor block_table, int block_size, Tensor token_seq, "
         "Tensor q_start, Tensor q_len, Tensor ctx_len, float scale, Tensor? rows=None, Tensor? final_norm=None, "
         "Tensor? lm_head=None, bool bf16=False, Tensor(e!)? logits=None, Tensor? embed=None, Tensor(f!)? tokens=None, "
-        "Tensor? stop_ids=None, Tensor? pick=None, Tensor? pick_bounds=None) -> ()");
+        "Tensor? stop_ids=None, Tensor? pick=None, Tensor? pick_bounds=None, Tensor? pick_scales=None) -> ()");
   m.def("last_logits(Tensor x, Tensor residual, Tensor rows, Tensor norm, float eps, Tensor panels, bool bf16, "
         "Tensor(a!) out) -> ()");
   m.def("row_max(Tensor x, Tensor(a!) values, Tensor(b!) indices) -> ()");
-  m.def("greedy_pick(Tensor h, Tensor panels, Tensor pick, Tensor pick_bounds, Tensor(a!) logits, Tensor(b!) best, "
-        "Tensor(c!) picked) -> ()");
+  m.def("greedy_pick(Tensor h, Tensor panels, Tensor pick, Tensor pick_bounds, Tensor? pick_scales, bool bf16, "
+        "Tensor(a!) logits, Tensor(b!) best, Tensor(c!) picked) -> ()");
   m.def("lora_segments(Tensor x, Tensor(a!) out, Tensor[] a, Tensor[] b, int[] bounds) -> ()");
   m.def("panel_width() -> int", &panel_width);  // output columns per panel of linear_panels' weights
   m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()");
