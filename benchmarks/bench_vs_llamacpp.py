@@ -30,10 +30,11 @@ Run it alone: two engines of 2 threads each on 2 cores slow each other 3-10x.
 
 `--num-scheduler-steps 8` runs vkv's decodes of up to four sequences 8 greedy steps to a native
 call (engine/core/multi_step.py; tokens then come in bursts of 8, which a throughput run does not
-see); llama-batched-bench decodes one token a call. The default, 1, is vkv's default. In fp32 those
-steps pick each token from a bf16 copy of the LM head (the same tokens: ext/cpu/kernels.cpp's Note
-[An exact greedy pick from half the LM head's bytes]), so vkv streams fewer bytes a token than the
-model's file: its share of the bandwidth bound is taken over what it streams (`vkv_bytes_per_token`).
+see); llama-batched-bench decodes one token a call. The default, 1, is vkv's default. Those steps
+pick each token from a copy of the LM head in half its bytes (bf16 in fp32, int8 in bf16; the same
+tokens: ext/cpu/kernels.cpp's Note [An exact greedy pick from half the LM head's bytes]), so vkv
+streams fewer bytes a token than the model's file: its share of the bandwidth bound is taken over
+what it streams (`vkv_bytes_per_token`).
 
 `--isa avx2` measures both engines as an AVX2 CPU would run them, on a wider one: llama.cpp
 built again without its native flags (AVX2, FMA, F16C; no AVX-512) into its own cache folder,
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
                  enable_prefix_caching=False, num_scheduler_steps=args.num_scheduler_steps) as llm:
             vkv_run(llm, 16, 8, 2)  # first-call costs, untimed
             path = llm.engine.model.gemm_path
-            pick = llm.engine.model.lm_head.pick  # multi-step fp32 decode reads the LM head's bf16 copy instead
+            pick = llm.engine.model.lm_head.pick  # multi-step decode reads the LM head's half-size copy instead
             streamed = {"vkv": per_token - (pick.nbytes if pick is not None else 0), "llamacpp": per_token}
             runs = [one_repeat(llm, bin_dir, model, shapes, args.generated, threads, vkv_first=i % 2 == 1)
                     for i in range(args.repeats)]

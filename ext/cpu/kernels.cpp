@@ -1225,20 +1225,24 @@ void row_max(const at::Tensor& x, at::Tensor values, at::Tensor indices) {
 }
 
 // Note [An exact greedy pick from half the LM head's bytes]
-// Rationale: in fp32 the LM head (49,152 x 576 for the bundled model, 113 MB) is a fifth of what a
-// decode step streams, and a greedy step needs only its argmax. Approach: the logits are first
-// computed from a bf16 copy of the panels (`pick`, half the bytes), and each token's distance to
-// its fp32 logit is bounded: |approx_j - exact_j| <= |h| * bound_j, where bound_j = |w_j - bf16(w_j)|
-// + gamma * (|w_j| + |bf16(w_j)|) (Euclidean norms of the LM head's row j and its rounding; gamma =
-// 2K u / (1 - 2K u), u = 2^-24, covers both dot products' fp32 rounding, an FMA or a multiply and
-// an add per term; engine/models/linear.py `pick_bounds` computes it in fp64). Every token whose
-// approx_j + |h| bound_j reaches max_i (approx_i - |h| bound_i) may be the argmax: only their panels
-// are computed again from the fp32 panels, by the same function, in the same order, so their
-// logits are the full pass's to the bit, and the pick among them (the largest, the first on a tie)
-// is row_max's over the full logits. Any other token's exact logit is below that maximum. On the
-// bundled model 1-3 tokens (median 1) qualify a step, so the step reads 57 MB less (fp32).
-// Limitations: fp32 arithmetic only (bf16 logits are rounded to bf16, where ties need another
-// rule); a row whose approximate logits or norm are not finite is computed whole.
+// Rationale: the LM head (49,152 x 576 for the bundled model: 113 MB in fp32, 57 MB in bf16) is a
+// fifth of what a decode step streams, and a greedy step needs only its argmax. Approach: the logits
+// are first computed from a copy of the panels in half the bytes (`pick`: bf16 beside fp32 panels;
+// int8 beside bf16 ones, with a scale a row, its largest |weight| / 127), and each token's distance
+// to its full-pass logit is bounded: |approx_j - exact_j| <= |h| * bound_j, where bound_j =
+// |w_j - near_j| + gamma * (|w_j| + |near_j|) (Euclidean norms of the LM head's row j and of what the
+// copy holds for it, bf16(w_j) or scale_j * q_j; gamma = (2K + 2) u / (1 - (2K + 2) u), u = 2^-24,
+// covers both dot products' fp32 rounding, an FMA or a multiply and an add per term, and the
+// scale's product; engine/models/linear.py `pick_bounds` computes it in fp64). With `bf16` the
+// model's logits are rounded to bf16 (ties are common there), so the rule is taken over rounded
+// values, R being that rounding, monotone: every token with R(approx_j + |h| bound_j) reaching
+// max_i R(approx_i - |h| bound_i) may be the (first) argmax. Only their panels are computed again
+// from the full panels, by the same function, in the same order, so their logits are the full
+// pass's to the bit, and the pick among them (the largest, the first on a tie) is row_max's over
+// the full logits. Any other token's logit is below that maximum. On the bundled model in fp32,
+// 1-3 tokens (median 1) qualify a step, and the step reads 57 MB less (28 MB less in bf16).
+// Limitations: a row whose approximate logits or norm are not finite is computed whole; the copy
+// costs half the LM head's memory again.
 // One panel's exact logits (the full pass's function, so the same bits), bf16-rounded with `bf16`.
 void exact_panel(const float* x, int64_t K, const at::Tensor& panels, int64_t p, int64_t cols, bool bf16, float* out) {
   if (panels.scalar_type() == at::kFloat)
