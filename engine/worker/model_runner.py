@@ -43,7 +43,7 @@ class ModelRunner:
         """Whether several greedy decode steps of `rows` sequences can run in one native call
         (`run_steps`): the model's one-call decode path and its row limit, the native attention
         kernel, no sliding window, one rank."""
-        return (bool(getattr(self.model, "decode", None)) and rows <= FEW_ROWS and self.attention.name == "native"
+        return (bool(self.model.decode) and rows <= FEW_ROWS and self.attention.name == "native"
                 and not self.kv.window and not self.workers)
 
     def prepare(self, scheduled: Scheduled, ahead: int = 0) -> tuple[torch.Tensor, StepBatch, torch.Tensor, list,

@@ -1367,9 +1367,12 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
   s.act = x.new_empty({M, inter});
   at::Tensor best = x.new_empty({M}), picked = x.new_empty({M}, x.options().dtype(at::kLong));
   std::vector<char> stopped(M, 0);
+  for (size_t i = 0; i < L; ++i)
+    TORCH_CHECK(down_weights[i].size(1) == inter && k_caches[i].size(3) == D, "every layer has the same shapes");
+  const int64_t* stop = stop_ids ? stop_ids->data_ptr<int64_t>() : nullptr;
+  const int64_t num_stops = stop_ids ? stop_ids->numel() : 0;
   for (int64_t step = 0; step < steps; ++step) {
     for (size_t i = 0; i < L; ++i) {
-      TORCH_CHECK(down_weights[i].size(1) == inter && k_caches[i].size(3) == D, "every layer has the same shapes");
       decode_layer(s, x, residual, i == 0, input_norms[i], post_norms[i], qkv_weights[i], qkv_biases.get(i),
                    o_weights[i], gate_up_weights[i], down_weights[i], k_caches[i], v_caches[i]);
     }
@@ -1391,9 +1394,7 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
         token[r] = -2;
         finite = false;
       }
-      if (stop_ids)
-        for (int64_t j = 0; j < stop_ids->numel() && !stopped[r]; ++j)
-          stopped[r] = token[r] == stop_ids->data_ptr<int64_t>()[j];
+      for (int64_t j = 0; j < num_stops && !stopped[r]; ++j) stopped[r] = token[r] == stop[j];
       all_stopped &= stopped[r] != 0;
     }
     tokens->select(0, step).copy_(picked);
