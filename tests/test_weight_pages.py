@@ -81,8 +81,9 @@ def test_sleep_level_2_and_wake_tags_are_refused_by_name():
 
 
 def test_weight_pages_over_each_backend_keep_addresses_and_take_new_values(backend):
-    """Over the host's memfd pages and CUDA's (cuMemCreate/cuMemMap; the emulator here)."""
-    model = load_model("random:tiny", load_config("random:tiny"), torch.device("cpu"), torch.float32)
+    """Over the host's memfd pages and CUDA's (cuMemCreate/cuMemMap; the emulator here, whose
+    device is the host's; a real GPU's pages take a model loaded on the GPU)."""
+    model = load_model("random:tiny", load_config("random:tiny"), backend.device, torch.float32)
     tensors = weight_tensors(model)
     values = [t.clone() for t in tensors]
     pages = WeightPages(model, backend)
@@ -99,6 +100,10 @@ def test_weight_pages_over_each_backend_keep_addresses_and_take_new_values(backe
     assert all(torch.equal(t, v) for t, v in zip(tensors, values))
     pages.pool.audit([pages.range])
     pages.close()
+    if backend.device.type != "cpu":  # weights elsewhere cannot move into the pages in place: refused by name
+        on_host = load_model("random:tiny", load_config("random:tiny"), torch.device("cpu"), torch.float32)
+        with pytest.raises(ValueError, match="load the model on the pages' device"):
+            WeightPages(on_host, backend)
 
 
 def test_over_http_level_2_is_behind_the_flag_and_the_weights_come_back_through_an_update(tmp_path):

@@ -55,6 +55,10 @@ class WeightPages:
         """backend: the weights' own (vmm.make_backend: 2 MiB memfd pages on the host, the
         driver's granularity on a GPU)."""
         groups = _storages(model)
+        elsewhere = {str(storage.device) for storage, _ in groups} - {str(backend.device)}
+        if elsewhere:  # a tensor's storage cannot move to another device in place
+            raise ValueError(f"the weights are on {sorted(elsewhere)} and the weight pages on {backend.device}: "
+                             "load the model on the pages' device")
         offsets, end = [], 0
         for storage, _ in groups:
             offsets.append(end)
@@ -66,7 +70,7 @@ class WeightPages:
             self._map()
             whole = self.range.view(torch.uint8, (self.range.nbytes,))
             for (storage, tensors), offset in zip(groups, offsets):
-                whole[offset:offset + storage.nbytes()].copy_(_bytes(storage, whole.device))
+                whole[offset:offset + storage.nbytes()].copy_(_bytes(storage))
                 for t in tensors:
                     _point(t, whole.untyped_storage(), offset)
         except BaseException:
@@ -141,8 +145,8 @@ def _storages(model: torch.nn.Module) -> list[tuple[torch.UntypedStorage, list[t
     return list(groups.values())
 
 
-def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 @torch.no_grad()

@@ -278,8 +278,8 @@ def serve_replicas(args, options: ServerOptions) -> None:
         raise SystemExit("vkv serve: --data-parallel-size runs replicas over one pool of virtual KV pages: give "
                          "--kv-layout per_layer or interleaved")
     if config.device.type == "cuda":  # one device: the owner's pages, exported to every replica
-        print("vkv: replicas on one GPU share its pages by cuMemExportToShareableHandle (not yet run on a GPU "
-              "by this project: benchmarks/gpu_suite.py checks it the day one is there)", flush=True)
+        print("vkv: replicas on one GPU share its pages by cuMemExportToShareableHandle (run on an H100 by "
+              "benchmarks/gpu_suite.py: two replicas, no tiers or tensor parallelism beside them)", flush=True)
     replicas = ReplicaSet(options, config, list(getattr(args, "argv", None) or sys.argv[2:]))
     try:
         print(f"vkv: starting {options.data_parallel_size} replicas over one pool of {replicas.owner.pool.num_pages} "

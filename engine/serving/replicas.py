@@ -34,9 +34,9 @@ checks the client's key and the body's size, then proxies the OpenAI routes:
     replicas announce nothing of their own.
 
 Limitations. On a GPU every replica runs on the pool's one device (the owner creates the pages
-shareable and exports them; each replica imports them): not yet run on a GPU by this project
-(tests/test_replicas.py's GPU test and benchmarks/gpu_suite.py check it there), and no replica
-on another device. One model per replica set (several models: `--model NAME=SOURCE`
+shareable and exports them; each replica imports them): run on an H100 only as
+tests/test_replicas.py's GPU test (two replicas, 2026-11-26, through benchmarks/gpu_suite.py),
+and no replica on another device. One model per replica set (several models: `--model NAME=SOURCE`
 without -dp). The proxy adds a loopback hop (well under a millisecond against steps of tens).
 The front door reads each body to route it (bounded by --max-body-bytes); adapters loaded at run
 time go to one replica only, so they are refused here.
