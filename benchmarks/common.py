@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from engine.machine import machine_info  # noqa: F401  (re-exported for the benchmarks)
 
@@ -16,3 +17,22 @@ def save(result: dict, json_path: str | None, plot_path: str | None, plot) -> No
     if plot_path:
         os.makedirs(os.path.dirname(plot_path) or ".", exist_ok=True)
         plot(result, plot_path)
+
+
+# An AVX2 CPU's code paths on a wider one: vkv's AVX2 kernels (and the bf16 path of a CPU without
+# native bf16), with ATen, oneDNN and MKL held to AVX2. The memory system stays this machine's.
+AVX2_ENV = {"VKV_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def run_as(isa: str, script: str, argv: list[str] | None) -> None:
+    """Under isa "avx2", start `script` again with AVX2_ENV set (the libraries read it as they
+    load); returns at once where it is set already, or for "native"."""
+    if isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        again = [sys.executable, os.path.abspath(script), *(sys.argv[1:] if argv is None else argv)]
+        os.execve(sys.executable, again, {**os.environ, **AVX2_ENV})
+
+
+def isa_label(isa: str) -> str:
+    """What a result records of --isa: "native", or "avx2" with the settings it ran under."""
+    return isa if isa == "native" else f"avx2 ({' '.join(f'{k}={v}' for k, v in AVX2_ENV.items())})"

@@ -1,0 +1,153 @@
+"""Single-stream decode's share of the read bound, at each of the machine's bandwidth levels.
+
+    python benchmarks/bench_decode_share.py --dtypes float32,bfloat16 --samples 40 \
+        --json benchmarks/results/cpu/decode_share.json --plot benchmarks/results/cpu/decode_share.png
+
+bench_vs_llamacpp.py takes decode's share over the mean of the probes around a 256-token run.
+On this project's 2-core EPYC the read bandwidth sits at one of two levels, about 30-36 GB/s or
+55-62, and switches within seconds, so one run's share mixes them. Here each sample is short:
+a probe (roofline.read_gbps: a dot product of two arrays on 2 MiB pages, all threads), --tokens
+greedy tokens decoded after a 4-token prompt (less a one-token request's time: the prompt's
+prefill and the request's own costs), a probe. A sample counts when its two probes agree
+within --steady, and falls in the level of their mean (split at --split GB/s). Its share: the
+bytes a step streams over the step's time, over that mean. A step streams every projection's
+panels and the LM head's, or with multi-step decode its half-size copy (the exact pick). The
+engine is vkv's single-stream setup of bench_vs_llamacpp.py: --num-scheduler-steps 8, prefix
+caching off, all threads. `--isa avx2` measures the AVX2 code paths (common.AVX2_ENV) on this
+machine's memory. Run it alone.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import isa_label, machine_info, run_as, save  # noqa: E402
+from roofline import read_gbps  # noqa: E402
+
+import ext  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+PROMPT = [1, 504, 3458, 282]
+PROBE_MIB = 128  # 2 x 64 MiB, 4x this machine's L3
+
+
+def streamed_bytes(model) -> int:
+    """What one decode step reads from memory: every projection's panels and the LM head's (its
+    half-size copy where multi-step decode picks from it)."""
+    head = model.lm_head
+    layers = sum(t.nbytes for layer in model.decode for t in (layer[3], layer[5], layer[6], layer[7]))
+    return layers + (head.pick if head.pick is not None else head.panels).nbytes
+
+
+def timed(llm: LLM, params: SamplingParams) -> float:
+    start = time.perf_counter()
+    llm.generate([PROMPT], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def sample(llm: LLM, params: SamplingParams, tokens: int, nbytes: int) -> dict:
+    """A sample: the decode steps' time, less the request's own costs (a one-token request, the
+    prompt's prefill and its first token, timed right after)."""
+    before = read_gbps(PROBE_MIB, repeats=3)
+    step = (timed(llm, params) - timed(llm, SamplingParams(temperature=0, max_tokens=1))) / tokens
+    after = read_gbps(PROBE_MIB, repeats=3)
+    return {"probe_before_gbps": before, "probe_after_gbps": after, "tok_s": 1 / step,
+            "streamed_gbps": nbytes / step / 1e9, "share": nbytes / step / 1e9 / ((before + after) / 2)}
+
+
+def levels(samples: list[dict], split: float, steady: float) -> dict:
+    kept = [s for s in samples if max(s["probe_before_gbps"], s["probe_after_gbps"])
+            <= steady * min(s["probe_before_gbps"], s["probe_after_gbps"])]
+    out = {}
+    for name, inside in (("slow", lambda g: g < split), ("fast", lambda g: g >= split)):
+        level = [s for s in kept if inside((s["probe_before_gbps"] + s["probe_after_gbps"]) / 2)]
+        out[name] = {"steady_samples": len(level)} | ({
+            "probe_gbps": statistics.median((s["probe_before_gbps"] + s["probe_after_gbps"]) / 2 for s in level),
+            "streamed_gbps": statistics.median(s["streamed_gbps"] for s in level),
+            "tok_s": statistics.median(s["tok_s"] for s in level),
+            "share": statistics.median(s["share"] for s in level),
+            "share_min": min(s["share"] for s in level), "share_max": max(s["share"] for s in level)} if level else {})
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--samples", type=int, default=40, help="samples per dtype")
+    p.add_argument("--tokens", type=int, default=64, help="tokens decoded per sample")
+    p.add_argument("--num-scheduler-steps", type=int, default=8)
+    p.add_argument("--split", type=float, default=45.0, help="GB/s between the slow and the fast level")
+    p.add_argument("--steady", type=float, default=1.1, help="a sample's larger probe over its smaller, at most")
+    p.add_argument("--isa", choices=("native", "avx2"), default="native",
+                   help="avx2: vkv's AVX2 kernels, ATen, oneDNN and MKL held to AVX2 (on this machine's memory)")
+    p.add_argument("--json")
+    p.add_argument("--plot")
+    args = p.parse_args(argv)
+    run_as(args.isa, __file__, argv)
+    if ext.cpu_kernels() is None:
+        sys.exit(f"the native CPU kernels are unavailable: {ext.cpu_kernels_error()}")
+    rows = []
+    for dtype in args.dtypes.split(","):
+        llm = LLM(dtype=dtype, num_scheduler_steps=args.num_scheduler_steps, enable_prefix_caching=False)
+        model = llm.engine.model
+        if not model.decode:
+            sys.exit(f"{dtype}: the one-call decode path does not run here ({model.gemm_path})")
+        nbytes = streamed_bytes(model)
+        params = SamplingParams(temperature=0, max_tokens=args.tokens + 1, ignore_eos=True)
+        sample(llm, params, args.tokens, nbytes)  # first-call costs, not kept
+        samples = []
+        for i in range(args.samples):
+            samples.append(sample(llm, params, args.tokens, nbytes))
+            print(f"[bench] {dtype} {i + 1}/{args.samples}: probes {samples[-1]['probe_before_gbps']:.1f} / "
+                  f"{samples[-1]['probe_after_gbps']:.1f} GB/s, decode {samples[-1]['streamed_gbps']:.1f} GB/s "
+                  f"({samples[-1]['share'] * 100:.1f}%)", flush=True)
+        row = {"dtype": dtype, "bytes_per_token": nbytes, "gemm_path": model.gemm_path,
+               "levels": levels(samples, args.split, args.steady), "samples": samples}
+        rows.append(row)
+        for name, level in row["levels"].items():
+            if level["steady_samples"]:
+                print(f"{dtype}, {name} level ({level['steady_samples']} steady samples, probe {level['probe_gbps']:.1f} GB/s): "
+                      f"decode streams {level['streamed_gbps']:.1f} GB/s, {level['share'] * 100:.1f}% of the bound "
+                      f"({level['share_min'] * 100:.1f}-{level['share_max'] * 100:.1f})", flush=True)
+        llm.engine.close()
+    result = {"benchmark": "decode_share", "command": "python " + " ".join(sys.argv), "machine": machine_info(),
+              "kernel_isa": ext.kernel_isa()[0], "threads": torch.get_num_threads(),
+              "isa": isa_label(args.isa),
+              "num_scheduler_steps": args.num_scheduler_steps, "tokens": args.tokens, "split_gbps": args.split,
+              "steady": args.steady, "rows": rows}
+    save(result, args.json, args.plot, plot)
+    return result
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, row in enumerate(result["rows"]):
+        probes = [(s["probe_before_gbps"] + s["probe_after_gbps"]) / 2 for s in row["samples"]]
+        ax.scatter(probes, [s["streamed_gbps"] for s in row["samples"]], color=f"C{i}", s=14,
+                   label=f"{row['dtype']} ({row['bytes_per_token'] / 1e6:.0f} MB a token)")
+    top = max(max(s["probe_before_gbps"], s["probe_after_gbps"]) for row in result["rows"] for s in row["samples"])
+    ax.plot([0, top], [0, top], "k-", lw=0.8, label="the bound")
+    ax.plot([0, top], [0, 0.85 * top], "k--", lw=0.8, label="85% of it")
+    ax.axvline(result["split_gbps"], color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("read bandwidth probed around the sample (GB/s)")
+    ax.set_ylabel("decode's weight streaming (GB/s)")
+    ax.legend(fontsize=8)
+    m = result["machine"]
+    ax.set_title(f"vkv single-stream decode against the read bound, {result['tokens']} tokens a sample, "
+                 f"{result['threads']} threads\n{m.get('cpu_model', '')}, kernels {result['kernel_isa']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
