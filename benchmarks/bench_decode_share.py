@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
                       f"decode streams {level['streamed_gbps']:.1f} GB/s, {level['share'] * 100:.1f}% of the bound "
                       f"({level['share_min'] * 100:.1f}-{level['share_max'] * 100:.1f})", flush=True)
         llm.engine.close()
-    result = {"benchmark": "decode_share", "command": "python " + " ".join(sys.argv), "machine": machine_info(),
+    result = {"benchmark": "decode_share", "machine": machine_info(),
+              "command": "python benchmarks/bench_decode_share.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "kernel_isa": ext.kernel_isa()[0], "threads": torch.get_num_threads(),
               "isa": isa_label(args.isa),
               "num_scheduler_steps": args.num_scheduler_steps, "tokens": args.tokens, "split_gbps": args.split,
