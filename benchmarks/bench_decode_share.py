@@ -45,6 +45,13 @@ def streamed_bytes(model) -> int:
     return layers + (head.pick if head.pick is not None else head.panels).nbytes
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def timed(llm: LLM, params: SamplingParams) -> float:
     start = time.perf_counter()
     llm.generate([PROMPT], params, use_tqdm=False)
@@ -57,8 +64,14 @@ def sample(llm: LLM, params: SamplingParams, tokens: int, nbytes: int) -> dict:
     before = read_gbps(PROBE_MIB, repeats=3)
     step = (timed(llm, params) - timed(llm, SamplingParams(temperature=0, max_tokens=1))) / tokens
     after = read_gbps(PROBE_MIB, repeats=3)
-    return {"probe_before_gbps": before, "probe_after_gbps": after, "tok_s": 1 / step,
-            "streamed_gbps": nbytes / step / 1e9, "share": nbytes / step / 1e9 / ((before + after) / 2)}
+    streamed = nbytes / step / 1e9
+    return {"probe_before_gbps": before, "probe_after_gbps": after, "tok_s": 1 / step, "streamed_gbps": streamed,
+            "share": streamed / ((before + after) / 2)}
+
+
+def probe(s: dict) -> float:
+    """A sample's bandwidth: the mean of its two probes."""
+    return (s["probe_before_gbps"] + s["probe_after_gbps"]) / 2
 
 
 def levels(samples: list[dict], split: float, steady: float) -> dict:
@@ -66,9 +79,9 @@ def levels(samples: list[dict], split: float, steady: float) -> dict:
             <= steady * min(s["probe_before_gbps"], s["probe_after_gbps"])]
     out = {}
     for name, inside in (("slow", lambda g: g < split), ("fast", lambda g: g >= split)):
-        level = [s for s in kept if inside((s["probe_before_gbps"] + s["probe_after_gbps"]) / 2)]
+        level = [s for s in kept if inside(probe(s))]
         out[name] = {"steady_samples": len(level)} | ({
-            "probe_gbps": statistics.median((s["probe_before_gbps"] + s["probe_after_gbps"]) / 2 for s in level),
+            "probe_gbps": statistics.median(map(probe, level)),
             "streamed_gbps": statistics.median(s["streamed_gbps"] for s in level),
             "tok_s": statistics.median(s["tok_s"] for s in level),
             "share": statistics.median(s["share"] for s in level),
@@ -79,10 +92,10 @@ def levels(samples: list[dict], split: float, steady: float) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--samples", type=int, default=40, help="samples per dtype")
-    p.add_argument("--tokens", type=int, default=64, help="tokens decoded per sample")
-    p.add_argument("--num-scheduler-steps", type=int, default=8)
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    p.add_argument("--samples", type=positive, default=40, help="samples per dtype")
+    p.add_argument("--tokens", type=positive, default=64, help="tokens decoded per sample")
+    p.add_argument("--num-scheduler-steps", type=positive, default=8)
     p.add_argument("--split", type=float, default=45.0, help="GB/s between the slow and the fast level")
     p.add_argument("--steady", type=float, default=1.1, help="a sample's larger probe over its smaller, at most")
     p.add_argument("--isa", choices=("native", "avx2"), default="native",
@@ -90,33 +103,37 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args(argv)
+    dtypes = args.dtypes.split(",")
+    if not set(dtypes) <= {"float32", "bfloat16"}:
+        p.error(f"--dtypes takes float32 and bfloat16, got {args.dtypes!r}")
+    if args.steady < 1:
+        p.error(f"--steady is a ratio of two probes, at least 1, got {args.steady}")
     run_as(args.isa, __file__, argv)
     if ext.cpu_kernels() is None:
         sys.exit(f"the native CPU kernels are unavailable: {ext.cpu_kernels_error()}")
     rows = []
-    for dtype in args.dtypes.split(","):
-        llm = LLM(dtype=dtype, num_scheduler_steps=args.num_scheduler_steps, enable_prefix_caching=False)
-        model = llm.engine.model
-        if not model.decode:
-            sys.exit(f"{dtype}: the one-call decode path does not run here ({model.gemm_path})")
-        nbytes = streamed_bytes(model)
-        params = SamplingParams(temperature=0, max_tokens=args.tokens + 1, ignore_eos=True)
-        sample(llm, params, args.tokens, nbytes)  # first-call costs, not kept
-        samples = []
-        for i in range(args.samples):
-            samples.append(sample(llm, params, args.tokens, nbytes))
-            print(f"[bench] {dtype} {i + 1}/{args.samples}: probes {samples[-1]['probe_before_gbps']:.1f} / "
-                  f"{samples[-1]['probe_after_gbps']:.1f} GB/s, decode {samples[-1]['streamed_gbps']:.1f} GB/s "
-                  f"({samples[-1]['share'] * 100:.1f}%)", flush=True)
-        row = {"dtype": dtype, "bytes_per_token": nbytes, "gemm_path": model.gemm_path,
-               "levels": levels(samples, args.split, args.steady), "samples": samples}
+    for dtype in dtypes:
+        with LLM(dtype=dtype, num_scheduler_steps=args.num_scheduler_steps, enable_prefix_caching=False) as llm:
+            model = llm.engine.model
+            if not model.decode:
+                sys.exit(f"{dtype}: the one-call decode path does not run here ({model.gemm_path})")
+            nbytes = streamed_bytes(model)
+            params = SamplingParams(temperature=0, max_tokens=args.tokens + 1, ignore_eos=True)
+            sample(llm, params, args.tokens, nbytes)  # first-call costs, not kept
+            samples = []
+            for i in range(args.samples):
+                samples.append(sample(llm, params, args.tokens, nbytes))
+                print(f"[bench] {dtype} {i + 1}/{args.samples}: probes {samples[-1]['probe_before_gbps']:.1f} / "
+                      f"{samples[-1]['probe_after_gbps']:.1f} GB/s, decode {samples[-1]['streamed_gbps']:.1f} GB/s "
+                      f"({samples[-1]['share'] * 100:.1f}%)", flush=True)
+            row = {"dtype": dtype, "bytes_per_token": nbytes, "gemm_path": model.gemm_path,
+                   "levels": levels(samples, args.split, args.steady), "samples": samples}
         rows.append(row)
         for name, level in row["levels"].items():
             if level["steady_samples"]:
                 print(f"{dtype}, {name} level ({level['steady_samples']} steady samples, probe {level['probe_gbps']:.1f} GB/s): "
                       f"decode streams {level['streamed_gbps']:.1f} GB/s, {level['share'] * 100:.1f}% of the bound "
                       f"({level['share_min'] * 100:.1f}-{level['share_max'] * 100:.1f})", flush=True)
-        llm.engine.close()
     result = {"benchmark": "decode_share", "machine": machine_info(),
               "command": "python benchmarks/bench_decode_share.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "kernel_isa": ext.kernel_isa()[0], "threads": torch.get_num_threads(),
@@ -133,8 +150,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for i, row in enumerate(result["rows"]):
-        probes = [(s["probe_before_gbps"] + s["probe_after_gbps"]) / 2 for s in row["samples"]]
-        ax.scatter(probes, [s["streamed_gbps"] for s in row["samples"]], color=f"C{i}", s=14,
+        ax.scatter([probe(s) for s in row["samples"]], [s["streamed_gbps"] for s in row["samples"]], color=f"C{i}", s=14,
                    label=f"{row['dtype']} ({row['bytes_per_token'] / 1e6:.0f} MB a token)")
     top = max(max(s["probe_before_gbps"], s["probe_after_gbps"]) for row in result["rows"] for s in row["samples"])
     ax.plot([0, top], [0, top], "k-", lw=0.8, label="the bound")
