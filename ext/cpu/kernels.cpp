@@ -1255,13 +1255,37 @@ void exact_panel(const float* x, int64_t K, const at::Tensor& panels, int64_t p,
 
 VKV_INLINE float rounded(double v, bool bf16) {  // monotone: a bound on v stays a bound on its rounding
   const float f = static_cast<float>(v);
-  return bf16 ? static_cast<float>(c10::BFloat16(f)) : f;
+  if (!bf16 || f != f) return f;
+  // c10::BFloat16's rounding (nearest even; NaN stays NaN), written out so the
+  // loops over the vocabulary vectorize
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  float r;
+  std::memcpy(&r, &bits, sizeof r);
+  return r;
 }
 
+// One row's pick over panels [lo, hi): the largest exact logit among the tokens that may win
+// (the first on a tie), or nan set where one of them is NaN.
+struct Pick {
+  float top = -std::numeric_limits<float>::infinity();
+  int64_t at = -1;
+  bool nan = false;
+};
+
+// The passes over the vocabulary (the scales, the floor, the candidates' panels) run on every
+// thread, each over its own run of panels, and vectorize (bf16's rounding written out above). In
+// one thread, scalar, they cost the pick about 0.2 ms a step in bf16 and 0.1 ms in fp32: the
+// bundled model's multi-step decode, 128 tokens a generation, the old and new picks alternated in
+// one process on the 2-core EPYC (AVX-512), the pick 1021 -> 819 us a token in bf16 (30 pairs;
+// decode_layers 1.017x, 18 of 30 faster) and 1774 -> 1673 us in fp32 (20 pairs; 1.023x, 15 of 20).
+// A run's floor is a maximum and its pick the first maximum of its run, so the runs combine to
+// the whole row's in any split.
 void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor& pick, const at::Tensor& bounds,
                  const std::optional<at::Tensor>& scales, bool bf16, at::Tensor logits, at::Tensor best,
                  at::Tensor picked) {
-  const int64_t M = h.size(0), K = h.size(1), N = logits.size(1);
+  const int64_t M = h.size(0), K = h.size(1), N = logits.size(1), P = (N + kPanel - 1) / kPanel;
   const bool int8 = pick.scalar_type() == at::kChar;
   TORCH_CHECK(pick.sizes() == panels.sizes() && bounds.scalar_type() == at::kDouble && bounds.numel() == N &&
               ((panels.scalar_type() == at::kFloat && pick.scalar_type() == at::kBFloat16 && !scales) ||
@@ -1270,38 +1294,64 @@ void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor
               "pick: bf16 panels beside fp32 ones, or int8 ones and their [N] fp32 scales beside bf16 ones; "
               "bounds: [N] fp64");
   linear_panels(h, pick, std::nullopt, logits);  // the approximate logits
-  if (int8) logits.mul_(*scales);
   const double* bound = bounds.data_ptr<double>();
+  const float* scale = int8 ? scales->data_ptr<float>() : nullptr;
   float* v = best.data_ptr<float>();
   int64_t* ix = picked.data_ptr<int64_t>();
-  alignas(64) float exact[kPanel];
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), P);
+  std::vector<float> floors(threads);
+  std::vector<char> finites(threads);
+  std::vector<Pick> picks(threads);
   for (int64_t r = 0; r < M; ++r) {
     const float* x = h.data_ptr<float>() + r * K;
-    const float* a = logits.data_ptr<float>() + r * N;
+    float* a = logits.data_ptr<float>() + r * N;
     double norm = 0;
     for (int64_t k = 0; k < K; ++k) norm += static_cast<double>(x[k]) * x[k];
     norm = std::sqrt(norm) * (1 + 1e-12);  // (and the bound's own fp64 rounding)
-    float floor = -std::numeric_limits<float>::infinity();  // the largest lower bound of a (rounded) logit
-    bool finite = std::isfinite(norm);
-    for (int64_t j = 0; j < N && finite; ++j) {
-      finite = std::isfinite(a[j]);
-      floor = std::max(floor, rounded(a[j] - norm * bound[j], bf16));
-    }
-    bool whole = !finite;
-    float top = -std::numeric_limits<float>::infinity();
-    int64_t at = -1;
-    const auto may_win = [&](int64_t j) { return rounded(a[j] + norm * bound[j], bf16) >= floor; };
-    for (int64_t p = 0; p * kPanel < N && !whole; ++p) {
-      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-      bool any = false;
-      for (int64_t c = 0; c < cols && !any; ++c) any = may_win(n0 + c);
-      if (!any) continue;
-      exact_panel(x, K, panels, p, cols, bf16, exact);
-      for (int64_t c = 0; c < cols; ++c) {
-        if (!may_win(n0 + c)) continue;
-        if (exact[c] != exact[c]) whole = true;  // NaN: row_max's rule, from the whole row
-        if (exact[c] > top || at < 0) top = exact[c], at = n0 + c;
+    // pass 1: the scales, and the largest lower bound of a (rounded) logit
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t lo = P * t / threads * kPanel, hi = std::min(N, P * (t + 1) / threads * kPanel);
+        if (scale)
+          for (int64_t j = lo; j < hi; ++j) a[j] *= scale[j];
+        float floor = -std::numeric_limits<float>::infinity();
+        bool finite = std::isfinite(norm);
+#pragma omp simd reduction(max : floor) reduction(&& : finite)
+        for (int64_t j = lo; j < hi; ++j) {
+          finite = finite && std::isfinite(a[j]);
+          floor = std::max(floor, rounded(a[j] - norm * bound[j], bf16));
+        }
+        floors[t] = floor;
+        finites[t] = finite;
       }
+    });
+    const float floor = *std::max_element(floors.begin(), floors.end());
+    bool whole = !std::all_of(finites.begin(), finites.end(), [](char f) { return f; });
+    // pass 2: the panels holding a token that may win, computed again in full
+    if (!whole)
+      at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+        alignas(64) float exact[kPanel];
+        for (int64_t t = t0; t < t1; ++t) {
+          Pick& got = picks[t] = Pick{};
+          for (int64_t p = P * t / threads; p < P * (t + 1) / threads && !got.nan; ++p) {
+            const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+            int hits = 0;
+#pragma omp simd reduction(+ : hits)
+            for (int64_t c = 0; c < cols; ++c) hits += rounded(a[n0 + c] + norm * bound[n0 + c], bf16) >= floor;
+            if (!hits) continue;
+            exact_panel(x, K, panels, p, cols, bf16, exact);
+            for (int64_t c = 0; c < cols; ++c) {
+              if (!(rounded(a[n0 + c] + norm * bound[n0 + c], bf16) >= floor)) continue;
+              if (exact[c] != exact[c]) got.nan = true;  // NaN: row_max's rule, from the whole row
+              if (exact[c] > got.top || got.at < 0) got.top = exact[c], got.at = n0 + c;
+            }
+          }
+        }
+      });
+    Pick won;
+    for (int64_t t = 0; t < threads && !whole; ++t) {
+      whole = picks[t].nan;
+      if (picks[t].at >= 0 && (won.at < 0 || picks[t].top > won.top)) won = picks[t];  // runs in order: the first
     }
     if (whole) {  // every logit, as last_logits computes them, and row_max's pick
       at::Tensor row = logits.select(0, r).unsqueeze(0);
@@ -1310,8 +1360,8 @@ void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor
       row_max(row, best.narrow(0, r, 1), picked.narrow(0, r, 1));
       continue;
     }
-    v[r] = top;
-    ix[r] = at;
+    v[r] = won.top;
+    ix[r] = won.at;
   }
 }
 
