@@ -109,3 +109,21 @@ def test_the_front_page_quotes_only_figures_of_the_results():
     missing = [(cell, n) for cell in figures for n, _ in NUMBER.findall(re.sub(r"`[^`]*`", "", cell))  # `code`: names
                if n not in in_tables]
     assert not missing, missing
+
+
+def github_slug(title: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_into_the_results_lands_on_its_section():
+    """A link `benchmarks/README.md#name` from any page of the repository names a heading of the
+    results or an `<a id="name">` set before the bold paragraph it means (GitHub gives bold
+    paragraphs no anchor, so without one the link opens the page's top)."""
+    text = RESULTS.read_text()
+    targets = {github_slug(m) for m in re.findall(r"^#+\s+(.*)$", text, re.M)} | set(re.findall(r'<a id="([\w-]+)"></a>', text))
+    pages = [p for p in ROOT.rglob("*.md") if not {".venv", ".git", "node_modules"} & set(p.relative_to(ROOT).parts)]
+    links = {(p.relative_to(ROOT).as_posix(), name) for p in pages
+             for name in re.findall(r"benchmarks/README\.md#([\w-]+)", p.read_text())}
+    assert links
+    assert not [(page, name) for page, name in sorted(links) if name not in targets]
