@@ -204,14 +204,15 @@ def test_the_greedy_row_max_equals_torch_max(rows, n, ties, special):
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
-@given(rows=st.integers(1, 4), n=st.integers(1, 300), k=st.sampled_from([1, 8, 64, 200]), seed=st.integers(0, 1 << 30),
+@given(rows=st.integers(1, 4), n=st.integers(1, 2048), k=st.sampled_from([1, 8, 64, 200]), seed=st.integers(0, 1 << 30),
        twins=st.lists(st.tuples(st.integers(0, 299), st.integers(0, 299), st.sampled_from(["same", "ulp", "below bf16"])),
                       max_size=6),
        rivals=st.integers(0, 5), scale=st.sampled_from([1e-3, 1.0, 1e3]),
        special=st.sampled_from([None, "nan h", "inf weight", "nan weight"]),
-       kind=st.sampled_from(["fp32", "bf16 weights", "bf16 logits"]))
+       kind=st.sampled_from(["fp32", "bf16 weights", "bf16 logits"]), far_twin=st.booleans(),
+       threads=st.sampled_from([1, 2, 3]))
 def test_the_greedy_pick_from_half_the_bytes_is_row_max_of_the_logits(rows, n, k, seed, twins, rivals, scale,
-                                                                      special, kind):
+                                                                      special, kind, far_twin, threads):
     """greedy_pick (multi-step decode's token) reads a copy of the LM head in half the bytes (bf16
     beside fp32 panels; int8 and a scale a row beside bf16 ones), bounds each logit's distance to
     the full pass's, and recomputes the tokens that may win: its token is row_max's over the whole
@@ -219,7 +220,9 @@ def test_the_greedy_pick_from_half_the_bytes_is_row_max_of_the_logits(rows, n, k
     the first), with rows that are exact
     twins, one ulp apart, or apart by less than bf16 can see, and with rivals of the winner that bf16
     may rank above it (with the bound taken as 0, such rivals change the token in about half of the
-    cases); and non-finite rows are computed whole."""
+    cases); and non-finite rows are computed whole. The passes over the vocabulary are split over
+    the threads (1, 2 or 3 here), each over its own run of panels: a twin of the winner half the
+    vocabulary away lies in another thread's run, and the first of the two must still win."""
     from engine.models.linear import Linear
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen)
@@ -231,6 +234,8 @@ def test_the_greedy_pick_from_half_the_bytes_is_row_max_of_the_logits(rows, n, k
     top = int((h[0] @ w.T).argmax())
     for j in range(min(rivals, n - 1)):  # the winner's row, each weight moved by about 2^-9 of itself
         w[(top + 1 + j) % n] = w[top] * (1 + 2.0 ** -9 * torch.randn(k, generator=gen))
+    if far_twin and n > 1:
+        w[(top + n // 2) % n] = w[top]
     if special == "nan h":
         h[0, 0] = float("nan")
     elif special == "inf weight":
@@ -248,13 +253,51 @@ def test_the_greedy_pick_from_half_the_bytes_is_row_max_of_the_logits(rows, n, k
         full = full.bfloat16().float()
     want_values, want_indices = full.max(-1)
     values, indices = torch.empty(rows), torch.empty(rows, dtype=torch.long)
-    torch.ops.vkv.greedy_pick(h, head.panels, head.pick, head.pick_bounds, head.pick_scales, rounded,
-                              torch.empty(rows, n), values, indices)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.vkv.greedy_pick(h, head.panels, head.pick, head.pick_bounds, head.pick_scales, rounded,
+                                  torch.empty(rows, n), values, indices)
+    finally:
+        torch.set_num_threads(before)
     assert torch.equal(indices, want_indices)
     assert torch.equal(values.isnan(), want_values.isnan())
     kept = ~want_values.isnan()
     assert torch.equal(values[kept], want_values[kept])
 
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16 weights", "bf16 logits"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_greedy_pick_takes_the_first_of_twins_in_two_threads_runs(kind, threads):
+    """greedy_pick splits the vocabulary into one run of panels a thread and combines the runs'
+    picks: of two equal winners in different runs, the one of lower index is the pick, as in
+    row_max, whichever run holds it, and whatever the number of threads."""
+    from engine.models.linear import Linear
+    n, k = 1000, 64
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        w, h = torch.randn(n, k, generator=gen), torch.randn(2, k, generator=gen)
+        top = int((h[0] @ w.T).argmax())
+        w[(top + n // 2) % n] = w[top]  # after top or before it, by the seed
+        head = Linear(k, n)
+        head.weight.data = w
+        head.pack_panels(torch.float32 if kind == "fp32" else torch.bfloat16)
+        head.pack_pick()
+        full = torch.empty(2, n)
+        torch.ops.vkv.linear_panels(h, head.panels, None, full)
+        if kind == "bf16 logits":
+            full = full.bfloat16().float()
+        want_values, want_indices = full.max(-1)
+        values, indices = torch.empty(2), torch.empty(2, dtype=torch.long)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            torch.ops.vkv.greedy_pick(h, head.panels, head.pick, head.pick_bounds, head.pick_scales,
+                                      kind == "bf16 logits", torch.empty(2, n), values, indices)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(indices, want_indices) and torch.equal(values, want_values), (seed, top)
 
 def test_attention_reads_nothing_past_each_context():
     """A real virtual KV cache on the host backend maps pages only as far as each sequence has

@@ -1298,7 +1298,7 @@ void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor
   const float* scale = int8 ? scales->data_ptr<float>() : nullptr;
   float* v = best.data_ptr<float>();
   int64_t* ix = picked.data_ptr<int64_t>();
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), P);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), P));  // (N = 0: one empty run)
   std::vector<float> floors(threads);
   std::vector<char> finites(threads);
   std::vector<Pick> picks(threads);
