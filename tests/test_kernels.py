@@ -299,6 +299,23 @@ def test_the_greedy_pick_takes_the_first_of_twins_in_two_threads_runs(kind, thre
             torch.set_num_threads(before)
         assert torch.equal(indices, want_indices) and torch.equal(values, want_values), (seed, top)
 
+
+def test_the_greedy_pick_refuses_outputs_of_the_wrong_shape():
+    """The pick writes one value and one index a row: outputs of another size or type are refused
+    before a byte is written (an index tensor one row short was written past its end)."""
+    from engine.models.linear import Linear
+    head = Linear(16, 100)
+    head.weight.data = torch.randn(100, 16)
+    head.pack_panels(torch.float32)
+    head.pack_pick()
+    h = torch.randn(2, 16)
+    for best, picked in ((torch.empty(0), torch.empty(2, dtype=torch.long)),
+                         (torch.empty(2), torch.empty(1, dtype=torch.long)),
+                         (torch.empty(2), torch.empty(2)), (torch.empty(2, dtype=torch.long), torch.empty(2, dtype=torch.long))):
+        with pytest.raises(RuntimeError, match="best: \\[rows\\] fp32, picked: \\[rows\\] int64"):
+            torch.ops.vkv.greedy_pick(h, head.panels, head.pick, head.pick_bounds, head.pick_scales, False,
+                                      torch.empty(2, 100), best, picked)
+
 def test_attention_reads_nothing_past_each_context():
     """A real virtual KV cache on the host backend maps pages only as far as each sequence has
     grown; touching an unmapped byte is a SIGSEGV. The kernel runs in a child process so a stray

@@ -1293,6 +1293,9 @@ void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor
                 scales->numel() == N)),
               "pick: bf16 panels beside fp32 ones, or int8 ones and their [N] fp32 scales beside bf16 ones; "
               "bounds: [N] fp64");
+  TORCH_CHECK(best.scalar_type() == at::kFloat && best.numel() == M && best.is_contiguous() &&
+              picked.scalar_type() == at::kLong && picked.numel() == M && picked.is_contiguous(),
+              "best: [rows] fp32, picked: [rows] int64");
   linear_panels(h, pick, std::nullopt, logits);  // the approximate logits
   const double* bound = bounds.data_ptr<double>();
   const float* scale = int8 ? scales->data_ptr<float>() : nullptr;
