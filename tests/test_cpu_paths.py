@@ -144,12 +144,14 @@ def test_native_bf16_runs_onednn_for_batches_and_bf16_panels_in_fp32_for_decode(
     assert_pool_whole(llm)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_decode_layers_in_one_native_call_equal_the_layer_by_layer_path(dtype, request):
+def test_the_decode_layers_in_one_native_call_equal_the_layer_by_layer_path(dtype, rows, request):
     """Steps of a few rows run every decoder layer in one native call (`decode_layers`): the same
     kernels in the same order as the layer-by-layer path, so the same logprobs to the bit. In
     bf16 that path is the one for bf16 weights under fp32 arithmetic (a CPU without native bf16;
-    forced here, so every CPU checks it)."""
+    forced here, so every CPU checks it). One row (a single stream) takes the gate/up projection
+    with silu folded in (`gate_up_silu`); the layer-by-layer path runs them as two kernels."""
     if ext.cpu_kernels() is None:
         pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
     if dtype == "bfloat16":
@@ -158,7 +160,7 @@ def test_the_decode_layers_in_one_native_call_equal_the_layer_by_layer_path(dtyp
     model = llm.engine.model
     assert model.decode, "the one-call path should be on for the bundled model on the CPU"
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
-    prompts = PROMPTS[:3]  # three at once: steps of 3 rows, then fewer
+    prompts = PROMPTS[:rows]  # at once: steps of that many rows
 
     def run():
         return [[(lp.token_id, lp.logprob, lp.top) for lp in o.outputs[0].logprobs]

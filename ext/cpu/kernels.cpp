@@ -758,6 +758,25 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
 
 // ---------------------------------------------------------------------------------------------
 // Hugging Face's RMSNorm: in fp32, x * rsqrt(mean(x^2) + eps), cast back, times the weight.
+// One row: rr += xr (without rr: xr is the residual), then xr = rmsnorm(rr) * w; row: H floats of
+// scratch. Not inlined: add_rms_norm and final_hidden run this one body, so the sum's order (and
+// every bit of the result) is the same in both.
+template <typename T>
+__attribute__((noinline)) void norm_row(T* xr, T* rr, const T* w, int64_t H, double eps, float* row) {
+  if (rr) {
+    for (int64_t j = 0; j < H; ++j) store(rr + j, load(rr[j]) + load(xr[j]));
+    for (int64_t j = 0; j < H; ++j) row[j] = load(rr[j]);
+  } else {
+    for (int64_t j = 0; j < H; ++j) row[j] = load(xr[j]);
+  }
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < H; ++j) sum += row[j] * row[j];
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
+#pragma omp simd
+  for (int64_t j = 0; j < H; ++j) store(xr + j, load(w[j]) * round_to<T>(row[j] * inv));
+}
+
 template <typename T>
 void add_rms_norm_impl(at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps) {
   const int64_t N = x.size(0), H = x.size(1);
@@ -766,22 +785,7 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor* residual, const at::Tensor& we
   const T* w = weight.data_ptr<T>();
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> row(H);
-    for (int64_t i = begin; i < end; ++i) {
-      T* xr = xp + i * H;
-      if (rp) {
-        T* rr = rp + i * H;
-        for (int64_t j = 0; j < H; ++j) store(rr + j, load(rr[j]) + load(xr[j]));
-        for (int64_t j = 0; j < H; ++j) row[j] = load(rr[j]);
-      } else {
-        for (int64_t j = 0; j < H; ++j) row[j] = load(xr[j]);
-      }
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < H; ++j) sum += row[j] * row[j];
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
-#pragma omp simd
-      for (int64_t j = 0; j < H; ++j) store(xr + j, load(w[j]) * round_to<T>(row[j] * inv));
-    }
+    for (int64_t i = begin; i < end; ++i) norm_row<T>(xp + i * H, rp ? rp + i * H : nullptr, w, H, eps, row.data());
   });
 }
 
@@ -798,6 +802,13 @@ void add_rms_norm(at::Tensor x, std::optional<at::Tensor> residual, const at::Te
     TORCH_CHECK(false, "add_rms_norm runs fp32 and bf16");
 }
 
+// silu(g) * u, silu rounded to T as torch's F.silu(g) * u in dtype T rounds it (the caller stores
+// the product as T): silu_and_mul, and gate_up_silu in decode.
+template <typename T>
+VKV_INLINE float silu_times(float g, float u) {
+  return round_to<T>(g / (1.0f + exp_approx(-g))) * u;
+}
+
 // silu(gate) * up, each step rounded to T as torch's F.silu(g) * u is.
 template <typename T>
 void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
@@ -810,11 +821,7 @@ void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
       const T* __restrict up = gate + I;
       T* __restrict dst = o + i * I;
 #pragma omp simd
-      for (int64_t j = 0; j < I; ++j) {
-        const float x = load(gate[j]);
-        const float act = round_to<T>(x / (1.0f + exp_approx(-x)));
-        store(dst + j, act * load(up[j]));
-      }
+      for (int64_t j = 0; j < I; ++j) store(dst + j, silu_times<T>(load(gate[j]), load(up[j])));
     }
   });
 }
@@ -1068,6 +1075,47 @@ void linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::opt
 
 int64_t panel_width() { return kPanel; }
 
+// The gate/up projection of a one-row step with silu(gate) * up folded in (decode_layer): the fused
+// weight's gate panel p and up panel P + p are read side by side as panel_pair's two streams, and
+// the thread that computed those kPanel columns writes their activations at once. silu_and_mul after
+// the projection read the whole [gate | up] row back on one thread, half of it from the other
+// core's cache, while the other core waited: 3 us a layer at this EPYC's fast bandwidth level. The
+// same products in the same order, and the same silu (silu_times): the same bits. Single-stream
+// decode of the bundled model, switched in one process, `decode_layers` timed (2 threads, the
+// 2-core AVX-512 EPYC): bf16 1.019x and 1.020x at the fast level (12 and 10 alternations, 7 and 8
+// faster), 0.987x and 1.002x at the slow one; fp32 1.023x (16, 10 faster, both levels); bf16 with
+// the AVX2 kernels 1.021x at the slow level (12, 9 faster). False where it does not apply (more
+// rows, an intermediate size off the panel width, the scalar build): the caller runs both steps.
+bool gate_up_silu(const at::Tensor& x, const at::Tensor& panels, at::Tensor& act) {
+#if defined(VKV_VEC)
+  const int64_t K = x.size(1), I = act.size(1), P = I / kPanel;
+  if (x.size(0) != 1 || I % kPanel != 0 || panels.size(0) != 2 * P || panels.size(1) != K ||
+      !(panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16))
+    return false;
+  auto run = [&](auto* w) {
+    using TW = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
+    const float* xp = x.data_ptr<float>();
+    float* out = act.data_ptr<float>();
+    at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
+      alignas(64) float gate[kPanel], up[kPanel];
+      for (int64_t p = lo; p < hi; ++p) {
+        panel_pair<TW>(xp, K, w + p * K * kPanel, w + (P + p) * K * kPanel, nullptr, nullptr, gate, up, kPanel, kPanel);
+        float* dst = out + p * kPanel;
+#pragma omp simd
+        for (int64_t j = 0; j < kPanel; ++j) dst[j] = silu_times<float>(gate[j], up[j]);
+      }
+    });
+  };
+  if (panels.scalar_type() == at::kFloat)
+    run(panels.data_ptr<float>());
+  else
+    run(panels.data_ptr<c10::BFloat16>());
+  return true;
+#else
+  return false;
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Every decoder layer of a decode step of a few rows, in one call: at one row the Python between
 // a layer's nine kernels (and a dispatch for each) cost as much as some of the kernels, and a
@@ -1134,8 +1182,10 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
   attention(s.q, k_cache, v_cache, s.block_table, s.block_size, s.q_start, s.q_len, s.ctx_len, s.scale, s.attended);
   linear_panels(s.attended.view({x.size(0), -1}), o_weight, std::nullopt, s.h);
   add_rms_norm(s.h, residual, post_norm, s.eps);
-  linear_panels(s.h, gate_up_weight, std::nullopt, s.gate_up);
-  silu_and_mul(s.gate_up, s.act);
+  if (!gate_up_silu(s.h, gate_up_weight, s.act)) {
+    linear_panels(s.h, gate_up_weight, std::nullopt, s.gate_up);
+    silu_and_mul(s.gate_up, s.act);
+  }
   linear_panels(s.act, down_weight, std::nullopt, x);
 }
 
@@ -1145,23 +1195,54 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
 // [rows, vocab] fp32. With bf16 (the model computes in bf16) every value is rounded where the
 // layer-by-layer path's bf16 tensors round it: x and residual, the norm's output, the logits.
 // So both paths give the same logits, to the bit.
-// The last norm's output over the rows that sample, fp32 (what the LM head multiplies).
-at::Tensor final_hidden(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& rows,
-                        const at::Tensor& norm, double eps, bool bf16) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && residual.sizes() == x.sizes() && rows.scalar_type() == at::kLong,
-              "x and residual: [rows, hidden] fp32; rows: int64");
-  at::Tensor h = x.index_select(0, rows), r = residual.index_select(0, rows);
-  if (bf16) {
-    h = h.to(at::kBFloat16);
-    r = r.to(at::kBFloat16);
+// The last norm's output over the rows that sample, fp32 (what the LM head multiplies), into out:
+// [rows, hidden]. Row by row with norm_row, add_rms_norm's own body, on copies of the rows (in bf16
+// with `bf16`, rounded as .to(bf16) rounds), into a tensor decode_layers allocates once: the five
+// ATen index_selects and casts this replaces took about 0.06 ms a token of a bf16 multi-step decode
+// (timed inside decode_layers), and the switch measured 1.006x (12 alternations, 8 faster).
+template <typename T>
+void final_hidden_impl(const at::Tensor& x, const at::Tensor& residual, const int64_t* rows, int64_t R,
+                       const at::Tensor& norm, double eps, float* out) {
+  const int64_t H = x.size(1);
+  std::vector<T> h(H), r(H);
+  std::vector<float> row(H);
+  for (int64_t i = 0; i < R; ++i) {
+    const float* xr = x.data_ptr<float>() + rows[i] * H;
+    const float* rr = residual.data_ptr<float>() + rows[i] * H;
+    for (int64_t j = 0; j < H; ++j) {
+      store(h.data() + j, xr[j]);
+      store(r.data() + j, rr[j]);
+    }
+    norm_row<T>(h.data(), r.data(), norm.data_ptr<T>(), H, eps, row.data());
+    for (int64_t j = 0; j < H; ++j) out[i * H + j] = load(h[j]);
   }
-  add_rms_norm(h, r, norm, eps);
-  return bf16 ? h.to(at::kFloat) : h;
+}
+
+void final_hidden(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& rows, const at::Tensor& norm,
+                  double eps, bool bf16, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && residual.sizes() == x.sizes() &&
+              residual.scalar_type() == at::kFloat && residual.is_contiguous(),
+              "x and residual: [rows, hidden] fp32 contiguous");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(), "rows: [n] int64");
+  TORCH_CHECK(norm.dim() == 1 && norm.is_contiguous() && norm.size(0) == x.size(1) &&
+              norm.scalar_type() == (bf16 ? at::kBFloat16 : at::kFloat),
+              "the final norm: [hidden], bf16 under bf16 and fp32 otherwise");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == rows.size(0) &&
+              out.size(1) == x.size(1), "out: [rows, hidden] fp32");
+  const int64_t* idx = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i)
+    TORCH_CHECK(idx[i] >= 0 && idx[i] < x.size(0), "rows: index ", idx[i], " is out of range for ", x.size(0), " rows");
+  if (bf16)
+    final_hidden_impl<c10::BFloat16>(x, residual, idx, rows.size(0), norm, eps, out.data_ptr<float>());
+  else
+    final_hidden_impl<float>(x, residual, idx, rows.size(0), norm, eps, out.data_ptr<float>());
 }
 
 void last_logits(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& rows, const at::Tensor& norm,
                  double eps, const at::Tensor& panels, bool bf16, at::Tensor out) {
-  linear_panels(final_hidden(x, residual, rows, norm, eps, bf16), panels, std::nullopt, out);
+  at::Tensor h = x.new_empty({rows.numel(), x.size(1)});
+  final_hidden(x, residual, rows, norm, eps, bf16, h);
+  linear_panels(h, panels, std::nullopt, out);
   if (bf16) out.copy_(out.to(at::kBFloat16));
 }
 
@@ -1419,6 +1500,7 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
   s.gate_up = x.new_empty({M, 2 * inter});
   s.act = x.new_empty({M, inter});
   at::Tensor best = x.new_empty({M}), picked = x.new_empty({M}, x.options().dtype(at::kLong));
+  at::Tensor hidden = x.new_empty({rows ? rows->numel() : 0, x.size(1)});  // the last norm's rows
   std::vector<char> stopped(M, 0);
   for (size_t i = 0; i < L; ++i)
     TORCH_CHECK(down_weights[i].size(1) == inter && k_caches[i].size(3) == D, "every layer has the same shapes");
@@ -1432,8 +1514,8 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
     if (!logits) return;
     TORCH_CHECK(rows && final_norm && lm_head, "logits need rows, the final norm and the LM head");
     if (tokens && pick) {  // only the pick is wanted: from half the LM head's bytes, exactly
-      greedy_pick(final_hidden(x, residual, *rows, *final_norm, eps, bf16), *lm_head, *pick, *pick_bounds, pick_scales,
-                  bf16, *logits, best, picked);
+      final_hidden(x, residual, *rows, *final_norm, eps, bf16, hidden);
+      greedy_pick(hidden, *lm_head, *pick, *pick_bounds, pick_scales, bf16, *logits, best, picked);
     } else {
       last_logits(x, residual, *rows, *final_norm, eps, *lm_head, bf16, *logits);
       if (!tokens) return;
