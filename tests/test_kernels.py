@@ -176,6 +176,15 @@ def test_the_last_logits_in_one_call_equal_the_steps_they_replace(dtype):
         got = torch.empty(len(picked), vocab)
         torch.ops.vkv.last_logits(x, residual, index, norm, 1e-5, head.panels, dtype == BF16, got)
         assert torch.equal(got, want)
+    # rows out of range, or a norm of the other dtype, are refused by name (the rows are read natively)
+    x, residual = torch.randn(3, hidden), torch.randn(3, hidden)
+    for index in (torch.tensor([3]), torch.tensor([-1]), torch.tensor([0, 1 << 40])):
+        with pytest.raises(RuntimeError, match="out of range"):
+            torch.ops.vkv.last_logits(x, residual, index, norm, 1e-5, head.panels, dtype == BF16,
+                                      torch.empty(len(index), vocab))
+    with pytest.raises(RuntimeError, match="final norm"):
+        torch.ops.vkv.last_logits(x, residual, torch.tensor([0]), norm.to(F32 if dtype == BF16 else BF16), 1e-5,
+                                  head.panels, dtype == BF16, torch.empty(1, vocab))
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
