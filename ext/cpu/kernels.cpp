@@ -1083,9 +1083,10 @@ int64_t panel_width() { return kPanel; }
 // same products in the same order, and the same silu (silu_times): the same bits. Single-stream
 // decode of the bundled model, switched in one process, `decode_layers` timed (2 threads, the
 // 2-core AVX-512 EPYC): bf16 1.019x and 1.020x at the fast level (12 and 10 alternations, 7 and 8
-// faster), 0.987x and 1.002x at the slow one; fp32 1.023x (16, 10 faster, both levels); bf16 with
-// the AVX2 kernels 1.021x at the slow level (12, 9 faster). False where it does not apply (more
-// rows, an intermediate size off the panel width, the scalar build): the caller runs both steps.
+// faster), 0.987x and 1.002x at the slow one; fp32 1.023x (16, 10 faster, both levels); with the
+// AVX2 kernels, bf16 1.021x at the slow level (12, 9 faster) and fp32 1.039x (12, 10 faster).
+// False where it does not apply (more rows, an intermediate size off the panel width, the scalar
+// build): the caller runs both steps.
 bool gate_up_silu(const at::Tensor& x, const at::Tensor& panels, at::Tensor& act) {
 #if defined(VKV_VEC)
   const int64_t K = x.size(1), I = act.size(1), P = I / kPanel;
