@@ -4,11 +4,14 @@ lands on each): a prompt's repeats land on the replica that computed its prefix 
 that replica's cached tokens), greedy outputs equal one engine's, errors are the server's own,
 and a replica killed is replaced while the application keeps answering
 (engine/serving/ray_serve.py)."""
+import collections
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -46,6 +49,7 @@ def complete(port: int, prompt: str, max_tokens: int = 6) -> httpx.Response:
 @pytest.fixture(scope="module")
 def app():
     cluster, server, port = LocalRayCluster(nodes=2, cpus_per_node=1), None, free_port()
+    log = collections.deque(maxlen=200)  # the server's last lines, kept after it serves
     try:
         server = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", *MODEL, "--port", str(port),
                                    "--api-key", KEY, "-dp", "2", "--data-parallel-backend", "ray",
@@ -56,6 +60,9 @@ def app():
                 break
         else:
             raise AssertionError(f"vkv serve on Ray exited with {server.wait()}")
+        # then read on, or a full pipe (the replicas' logs, a killed one's traceback) blocks the
+        # server's next print and with it its stop at SIGINT (a 70 s teardown, seen once)
+        threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
         yield port
     finally:
         if server is not None:
@@ -64,7 +71,11 @@ def app():
                 server.wait(60)
             except subprocess.TimeoutExpired:
                 server.kill()
-        cluster.stop()
+                warnings.warn("vkv serve on Ray did not stop within 60 s of SIGINT; its last lines:\n" + "".join(log))
+            finally:
+                cluster.stop()
+        else:
+            cluster.stop()
 
 
 def test_prefixes_land_where_they_were_computed_and_outputs_equal_one_engines(app):
