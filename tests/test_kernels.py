@@ -212,6 +212,19 @@ def test_the_greedy_row_max_equals_torch_max(rows, n, ties, special):
     assert torch.equal(row_max(nothing)[1], torch.zeros(rows, dtype=torch.long))
 
 
+def greedy_pick_on(threads: int, h: torch.Tensor, head, rounded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_pick's (values, indices) for h over a packed LM head, run on `threads` threads."""
+    values, indices = torch.empty(h.shape[0]), torch.empty(h.shape[0], dtype=torch.long)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.vkv.greedy_pick(h, head.panels, head.pick, head.pick_bounds, head.pick_scales, rounded,
+                                  torch.empty(h.shape[0], head.panels_n), values, indices)
+    finally:
+        torch.set_num_threads(before)
+    return values, indices
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(rows=st.integers(1, 4), n=st.integers(1, 2048), k=st.sampled_from([1, 8, 64, 200]), seed=st.integers(0, 1 << 30),
        twins=st.lists(st.tuples(st.integers(0, 299), st.integers(0, 299), st.sampled_from(["same", "ulp", "below bf16"])),
@@ -261,14 +274,7 @@ def test_the_greedy_pick_from_half_the_bytes_is_row_max_of_the_logits(rows, n, k
     if rounded:
         full = full.bfloat16().float()
     want_values, want_indices = full.max(-1)
-    values, indices = torch.empty(rows), torch.empty(rows, dtype=torch.long)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        torch.ops.vkv.greedy_pick(h, head.panels, head.pick, head.pick_bounds, head.pick_scales, rounded,
-                                  torch.empty(rows, n), values, indices)
-    finally:
-        torch.set_num_threads(before)
+    values, indices = greedy_pick_on(threads, h, head, rounded)
     assert torch.equal(indices, want_indices)
     assert torch.equal(values.isnan(), want_values.isnan())
     kept = ~want_values.isnan()
@@ -298,14 +304,7 @@ def test_the_greedy_pick_takes_the_first_of_twins_in_two_threads_runs(kind, thre
         if kind == "bf16 logits":
             full = full.bfloat16().float()
         want_values, want_indices = full.max(-1)
-        values, indices = torch.empty(2), torch.empty(2, dtype=torch.long)
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            torch.ops.vkv.greedy_pick(h, head.panels, head.pick, head.pick_bounds, head.pick_scales,
-                                      kind == "bf16 logits", torch.empty(2, n), values, indices)
-        finally:
-            torch.set_num_threads(before)
+        values, indices = greedy_pick_on(threads, h, head, kind == "bf16 logits")
         assert torch.equal(indices, want_indices) and torch.equal(values, want_values), (seed, top)
 
 

@@ -65,16 +65,16 @@ def app():
         threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
         yield port
     finally:
-        if server is not None:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                warnings.warn("vkv serve on Ray did not stop within 60 s of SIGINT; its last lines:\n" + "".join(log))
-            finally:
-                cluster.stop()
-        else:
+        try:
+            if server is not None:
+                server.send_signal(signal.SIGINT)
+                try:
+                    server.wait(60)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+                    warnings.warn("vkv serve on Ray did not stop within 60 s of SIGINT; its last lines:\n"
+                                  + "".join(log))
+        finally:
             cluster.stop()
 
 

@@ -1210,16 +1210,17 @@ template <typename T>
 void final_hidden_impl(const at::Tensor& x, const at::Tensor& residual, const int64_t* rows, int64_t R,
                        const at::Tensor& norm, double eps, float* out) {
   const int64_t H = x.size(1);
+  const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
+  const T* w = norm.data_ptr<T>();
   std::vector<T> h(H), r(H);
   std::vector<float> row(H);
   for (int64_t i = 0; i < R; ++i) {
-    const float* xr = x.data_ptr<float>() + rows[i] * H;
-    const float* rr = residual.data_ptr<float>() + rows[i] * H;
+    const float *xr = xp + rows[i] * H, *rr = rp + rows[i] * H;
     for (int64_t j = 0; j < H; ++j) {
       store(h.data() + j, xr[j]);
       store(r.data() + j, rr[j]);
     }
-    norm_row<T>(h.data(), r.data(), norm.data_ptr<T>(), H, eps, row.data());
+    norm_row<T>(h.data(), r.data(), w, H, eps, row.data());
     for (int64_t j = 0; j < H; ++j) out[i * H + j] = load(h[j]);
   }
 }
