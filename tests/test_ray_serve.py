@@ -78,7 +78,15 @@ def app():
             cluster.stop()
 
 
-def test_prefixes_land_where_they_were_computed_and_outputs_equal_one_engines(app):
+def test_prefixes_land_where_computed_outputs_equal_one_engines_and_a_killed_replica_is_replaced(app):
+    """One test over one cluster: two tests could run on two pytest workers, each starting a
+    cluster of its own (about 50 s of a 2-core machine for the second), and the replica count
+    below would then see the other cluster's replicas too."""
+    prefixes_land_where_they_were_computed_and_outputs_equal_one_engines(app)
+    a_killed_replica_is_replaced_and_the_application_keeps_answering(app)
+
+
+def prefixes_land_where_they_were_computed_and_outputs_equal_one_engines(app):
     where, answers = {}, {}
     for round_ in range(3):
         for i, prompt in enumerate(PROMPTS):
@@ -107,7 +115,7 @@ def test_prefixes_land_where_they_were_computed_and_outputs_equal_one_engines(ap
     assert stream.text.rstrip().endswith("data: [DONE]") and stream.text.count("data: ") == 7
 
 
-def test_a_killed_replica_is_replaced_and_the_application_keeps_answering(app):
+def a_killed_replica_is_replaced_and_the_application_keeps_answering(app):
     victim = replica_pids()[0]
     os.kill(victim, signal.SIGKILL)
     answered, seen, deadline = [], set(), time.monotonic() + 120
