@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import isa_label, machine_info, run_as, save  # noqa: E402
+from common import add_level_arguments, isa_label, machine_info, positive, run_as, save  # noqa: E402
 from roofline import read_gbps  # noqa: E402
 
 import ext  # noqa: E402
@@ -43,13 +43,6 @@ def streamed_bytes(model) -> int:
     head = model.lm_head
     layers = sum(t.nbytes for layer in model.decode for t in (layer[3], layer[5], layer[6], layer[7]))
     return layers + (head.pick if head.pick is not None else head.panels).nbytes
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def timed(llm: LLM, params: SamplingParams) -> float:
@@ -96,12 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--samples", type=positive, default=40, help="samples per dtype")
     p.add_argument("--tokens", type=positive, default=64, help="tokens decoded per sample")
     p.add_argument("--num-scheduler-steps", type=positive, default=8)
-    p.add_argument("--split", type=float, default=45.0, help="GB/s between the slow and the fast level")
     p.add_argument("--steady", type=float, default=1.1, help="a sample's larger probe over its smaller, at most")
-    p.add_argument("--isa", choices=("native", "avx2"), default="native",
-                   help="avx2: vkv's AVX2 kernels, ATen, oneDNN and MKL held to AVX2 (on this machine's memory)")
-    p.add_argument("--json")
-    p.add_argument("--plot")
+    add_level_arguments(p)
     args = p.parse_args(argv)
     dtypes = args.dtypes.split(",")
     if not set(dtypes) <= {"float32", "bfloat16"}:

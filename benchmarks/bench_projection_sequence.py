@@ -34,7 +34,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import isa_label, machine_info, run_as, save  # noqa: E402
+from common import add_level_arguments, isa_label, machine_info, positive, run_as, save  # noqa: E402
 from roofline import read_gbps  # noqa: E402
 
 import ext  # noqa: E402
@@ -43,13 +43,6 @@ from engine.models.huge_pages import onto_huge_pages  # noqa: E402
 
 PROBE_MIB = 128
 KINDS = ("one", "sequence", "sequence - calls")
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -67,11 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     p.add_argument("--samples", type=positive, default=30)
     p.add_argument("--repeats", type=positive, default=3, help="timings per kind a sample, the best kept")
-    p.add_argument("--split", type=float, default=45.0, help="GB/s between the slow and the fast level")
-    p.add_argument("--isa", choices=("native", "avx2"), default="native",
-                   help="avx2: vkv's AVX2 kernels, ATen, oneDNN and MKL held to AVX2 (on this machine's memory)")
-    p.add_argument("--json")
-    p.add_argument("--plot")
+    add_level_arguments(p)
     args = p.parse_args(argv)
     run_as(args.isa, __file__, argv)
     if ext.cpu_kernels() is None:

@@ -1,6 +1,7 @@
 """What every benchmark shares: where it was measured, and how its results are written."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -23,6 +24,29 @@ def save(result: dict, json_path: str | None, plot_path: str | None, plot) -> No
 # native bf16), with ATen, oneDNN and MKL held to AVX2. The memory system stays this machine's.
 AVX2_ENV = {"VKV_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
             "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def add_isa_argument(parser: argparse.ArgumentParser) -> None:
+    """--isa: native, or avx2 (run_as starts the script again under AVX2_ENV)."""
+    parser.add_argument("--isa", choices=("native", "avx2"), default="native",
+                        help="avx2: vkv's AVX2 kernels, ATen, oneDNN and MKL held to AVX2 (on this machine's memory)")
+
+
+def add_level_arguments(parser: argparse.ArgumentParser) -> None:
+    """--split: where this machine's two read-bandwidth levels part (roofline.read_gbps); --isa;
+    --json and --plot, where the result goes."""
+    parser.add_argument("--split", type=float, default=45.0, help="GB/s between the slow and the fast level")
+    add_isa_argument(parser)
+    parser.add_argument("--json", help="where the result's JSON goes")
+    parser.add_argument("--plot", help="where its PNG goes")
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def run_as(isa: str, script: str, argv: list[str] | None) -> None:
