@@ -308,6 +308,21 @@ def test_the_greedy_pick_takes_the_first_of_twins_in_two_threads_runs(kind, thre
         assert torch.equal(indices, want_indices) and torch.equal(values, want_values), (seed, top)
 
 
+@pytest.mark.parametrize("kind", ["fp32", "bf16 weights", "bf16 logits"])
+def test_the_greedy_pick_of_a_zero_hidden_state_is_the_first_token(kind):
+    """A zero hidden state makes every logit 0 and every bound 0: each token's lower bound is its
+    upper bound is the floor, and the pick must still be row_max's, the first token, on any
+    number of threads (a candidate test of `>` instead of `>=` would find none)."""
+    from engine.models.linear import Linear
+    head = Linear(64, 300)
+    head.weight.data = torch.randn(300, 64, generator=torch.Generator().manual_seed(0))
+    head.pack_panels(torch.float32 if kind == "fp32" else torch.bfloat16)
+    head.pack_pick()
+    for threads in (1, 2, 3):
+        values, indices = greedy_pick_on(threads, torch.zeros(2, 64), head, kind == "bf16 logits")
+        assert indices.tolist() == [0, 0] and values.tolist() == [0.0, 0.0], (threads, indices, values)
+
+
 def test_the_greedy_pick_refuses_outputs_of_the_wrong_shape():
     """The pick writes one value and one index a row: outputs of another size or type are refused
     before a byte is written (an index tensor one row short was written past its end)."""
