@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
         total = sum(t.nbytes for t in panels)
         hidden = panels[0].size(1)
         xs = {t.size(1): torch.randn(1, t.size(1)) for t in panels}
-        outs = [torch.empty(1, t.size(0) * width) for t in panels]
+        steps = [(xs[t.size(1)], t, torch.empty(1, t.size(0) * width)) for t in panels]  # (x, panels, out)
         one = torch.empty(total // (hidden * width * panels[0].element_size()), hidden, width, dtype=panels[0].dtype)
         one.normal_()
         pages = onto_huge_pages([one])
@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
         tiny, tiny_x, tiny_out = one[:1], torch.randn(1, hidden), torch.empty(1, width)
 
         def sequence():
-            for w, o in zip(panels, outs):
-                lp(xs[w.size(1)], w, None, o)
+            for x, w, o in steps:
+                lp(x, w, None, o)
 
         def calls():
             for _ in panels:

@@ -26,17 +26,12 @@ AVX2_ENV = {"VKV_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CP
             "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
-def add_isa_argument(parser: argparse.ArgumentParser) -> None:
-    """--isa: native, or avx2 (run_as starts the script again under AVX2_ENV)."""
+def add_level_arguments(parser: argparse.ArgumentParser) -> None:
+    """--split: where this machine's two read-bandwidth levels part (roofline.read_gbps); --isa
+    (avx2: run_as starts the script again under AVX2_ENV); --json and --plot, where the result goes."""
+    parser.add_argument("--split", type=float, default=45.0, help="GB/s between the slow and the fast level")
     parser.add_argument("--isa", choices=("native", "avx2"), default="native",
                         help="avx2: vkv's AVX2 kernels, ATen, oneDNN and MKL held to AVX2 (on this machine's memory)")
-
-
-def add_level_arguments(parser: argparse.ArgumentParser) -> None:
-    """--split: where this machine's two read-bandwidth levels part (roofline.read_gbps); --isa;
-    --json and --plot, where the result goes."""
-    parser.add_argument("--split", type=float, default=45.0, help="GB/s between the slow and the fast level")
-    add_isa_argument(parser)
     parser.add_argument("--json", help="where the result's JSON goes")
     parser.add_argument("--plot", help="where its PNG goes")
 

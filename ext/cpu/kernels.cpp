@@ -1405,6 +1405,9 @@ void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor
     double norm = 0;
     for (int64_t k = 0; k < K; ++k) norm += static_cast<double>(x[k]) * x[k];
     norm = std::sqrt(norm) * (1 + 1e-12);  // (and the bound's own fp64 rounding)
+    // token j's (rounded) logit lies between these
+    auto lower = [&](int64_t j) { return rounded(a[j] - norm * bound[j], bf16); };
+    auto upper = [&](int64_t j) { return rounded(a[j] + norm * bound[j], bf16); };
     // pass 1: the scales, the largest lower bound of a (rounded) logit, and each panel's largest upper bound
     at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
@@ -1418,8 +1421,8 @@ void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor
 #pragma omp simd reduction(max : low, top) reduction(&& : finite)
           for (int64_t j = p * kPanel; j < std::min(hi, (p + 1) * kPanel); ++j) {
             finite = finite && std::isfinite(a[j]);
-            low = std::max(low, rounded(a[j] - norm * bound[j], bf16));
-            top = std::max(top, rounded(a[j] + norm * bound[j], bf16));
+            low = std::max(low, lower(j));
+            top = std::max(top, upper(j));
           }
           floor = std::max(floor, low);
           tops[p] = top;
@@ -1441,7 +1444,7 @@ void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor
             const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
             exact_panel(x, K, panels, p, cols, bf16, exact);
             for (int64_t c = 0; c < cols; ++c) {
-              if (!(rounded(a[n0 + c] + norm * bound[n0 + c], bf16) >= floor)) continue;
+              if (!(upper(n0 + c) >= floor)) continue;
               if (exact[c] != exact[c]) got.nan = true;  // NaN: row_max's rule, from the whole row
               if (exact[c] > got.top || got.at < 0) got.top = exact[c], got.at = n0 + c;
             }
