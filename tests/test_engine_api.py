@@ -115,6 +115,28 @@ def test_random_preset_runs():
     assert_pool_whole(llm)
 
 
+@pytest.mark.parametrize("options", [dict(kv_layout="per_layer", num_scheduler_steps=4),
+                                     dict(kv_layout="interleaved", kv_offloading_size=0.01, map_ahead_tokens=16),
+                                     dict(kv_layout="paged", enable_prefix_caching=False)],
+                         ids=["multi-step", "host-tier-map-ahead", "paged"])
+def test_a_dropped_engine_and_its_kv_memory_are_freed_by_reference_count_alone(options):
+    """No cycle holds an engine or its KV manager (engine/kv/lookup.py make_room, manager.Offload):
+    its pages go back when the last reference goes, not at the cyclic collector's next full
+    pass, which a steady workload may not see for minutes."""
+    import gc
+    import weakref
+    llm = LLM(model="random:tiny", **options)
+    llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=9, ignore_eos=True), use_tqdm=False)
+    engine, kv = weakref.ref(llm.engine), weakref.ref(llm.engine.kv)
+    gc.collect()
+    gc.disable()
+    try:
+        del llm
+        assert engine() is None and kv() is None
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("kv_layout", ["interleaved", "per_layer", "paged"])
 def test_sleep_releases_the_kv_memory_and_wake_up_changes_nothing(kv_layout):
     import os

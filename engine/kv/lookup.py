@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
 
 from engine.kv.layout import KVLayout
 from engine.kv.prefix_cache import PrefixCache, chain_hash, root_name
@@ -31,13 +30,34 @@ from engine.request.sequence import Sequence
 from vmm import PoolExhausted
 
 
+def reclaim(layout: KVLayout, prefix_cache: PrefixCache | None, want_free: int) -> None:
+    """Free pages that no running sequence needs until want_free are free: what finished
+    sequences' places keep mapped, then cached entries nobody maps."""
+    layout.reclaim_idle(want_free)
+    if prefix_cache and layout.pool.num_free < want_free:
+        prefix_cache.evict(want_free)
+
+
+def make_room(layout: KVLayout, prefix_cache: PrefixCache | None, need: int) -> bool:
+    """Are `need` pool pages free, after reclaiming what nobody running needs, here and then (a
+    shared pool) in the other tenants? The manager's and the lookup's: a function of the layout
+    and the cache, so that neither object holds the other. No cycle may hold the KV memory: a
+    dropped engine's pages go back by reference count, at once, not at the cyclic collector's
+    next full pass, which a steady workload may not see for minutes."""
+    pool = layout.pool
+    if pool.num_free < need:
+        reclaim(layout, prefix_cache, need)
+    if pool.num_free < need:
+        pool.borrow(need)
+    return pool.num_free >= need
+
+
 class Lookup:
     def __init__(self, layout: KVLayout, prefix_cache: PrefixCache | None, tiers: KVTiers | None,
-                 make_room: Callable[[int], bool], namespace: bytes, window: int | None):
-        """make_room(pages): are that many pages free, after reclaiming (the manager's); window:
-        a sliding window's (no hit to the token: a page's rows may be gone)."""
+                 namespace: bytes, window: int | None):
+        """window: a sliding window's (no hit to the token: a page's rows may be gone)."""
         self.layout, self.pool, self.prefix_cache, self.tiers = layout, layout.pool, prefix_cache, tiers
-        self.make_room, self.window = make_room, window
+        self.window = window
         self.namespace = namespace  # page names chain from it
         self.partial_tokens = 0  # prompt tokens found inside a cached page's first rows
         self.partial_bytes = 0  # the bytes those copies moved (a page taken whole: none)
@@ -88,7 +108,7 @@ class Lookup:
             if self.tiers.where(names[k]) is None:
                 break
             if layout.pages_at(seq, k) is None:  # a reused slot may have a private page here
-                if not self.make_room(layout.num_regions):
+                if not make_room(layout, self.prefix_cache, layout.num_regions):
                     break
                 layout.map_fresh(seq, [k])
             tier = self.tiers.restore(names[k], layout.page_views(seq, k))
@@ -121,7 +141,7 @@ class Lookup:
                 layout.install(seq, full, pages)
             else:
                 if layout.pages_at(seq, full) is None:
-                    if not self.make_room(layout.num_regions):
+                    if not make_room(layout, self.prefix_cache, layout.num_regions):
                         return held
                     layout.map_fresh(seq, [full])
                 self.partial_bytes += layout.copy_partial(seq, full, pages, end)
@@ -171,7 +191,7 @@ class Lookup:
         began = time.perf_counter()
         try:
             if layout.pages_at(seq, full) is None:
-                if not self.make_room(layout.num_regions):
+                if not make_room(layout, self.prefix_cache, layout.num_regions):
                     return held
                 layout.map_fresh(seq, [full])
         except PoolExhausted:  # another process took the room first

@@ -48,13 +48,30 @@ import time
 
 from engine.kv.events import KVEventLog
 from engine.kv.layout import KVHandle, KVLayout
-from engine.kv.lookup import Lookup
+from engine.kv.lookup import Lookup, make_room, reclaim
 from engine.kv.prefix_cache import PrefixCache
 from engine.kv.tiers import KVTiers
 from engine.request.sequence import Sequence
 from engine.stats import KVStats
 from vmm import PoolExhausted
 from vmm.share import PoolShare, Tenant
+
+
+class Offload:
+    """(the prefix cache, evicting) An entry's bytes to the tiers. Its own object, not a method
+    of the manager's, so that the cache does not hold the manager. Who writes what: the manager
+    sets `flushing` at close (disk writes then wait instead of being dropped); this object
+    alone adds to `seconds`."""
+
+    def __init__(self, layout: KVLayout, tiers: KVTiers):
+        self.layout, self.tiers = layout, tiers
+        self.flushing, self.seconds = False, 0.0
+
+    def __call__(self, name: bytes, pages: tuple[int, ...]) -> None:
+        start = time.perf_counter()
+        with self.layout.entry_views(pages) as parts:
+            self.tiers.offload(name, parts, wait=self.flushing)
+        self.seconds += time.perf_counter() - start
 
 
 class KVManager:
@@ -67,15 +84,13 @@ class KVManager:
             raise ValueError("KV offloading keeps prefix-cache entries: it needs prefix caching on")
         self.layout, self.pool, self.window, self.tiers = layout, layout.pool, window, tiers
         self.events = events or KVEventLog()  # what the cache and the tiers hold, as it changes (Note [KV events])
-        self.prefix_cache = PrefixCache(self.pool, self.events, self._offload if tiers else None) \
-            if prefix_caching else None
-        self.lookup = Lookup(layout, self.prefix_cache, tiers, self.make_room, namespace, window)
+        self.offload = Offload(layout, tiers) if tiers else None
+        self.prefix_cache = PrefixCache(self.pool, self.events, self.offload) if prefix_caching else None
+        self.lookup = Lookup(layout, self.prefix_cache, tiers, namespace, window)
         self.handles: set[KVHandle] = set()  # every seq.kv given out and not yet released
         self.map_seconds = 0.0
         self.cow_copies = 0
         self.swap_outs = self.swap_ins = 0  # sequences swapped out and back in
-        self.offload_seconds = 0.0
-        self._flushing = False  # closing: disk writes wait instead of being dropped
 
     @property
     def namespace(self) -> bytes:
@@ -111,20 +126,12 @@ class KVManager:
         return self.pool.num_free + self.spare_pages() + self.pool.borrowable()
 
     def reclaim(self, want_free: int) -> None:
-        """Free pages that no running sequence needs until want_free are free: what finished
-        sequences' places keep mapped, then cached entries nobody maps."""
-        self.layout.reclaim_idle(want_free)
-        if self.prefix_cache and self.pool.num_free < want_free:
-            self.prefix_cache.evict(want_free)
+        """Free pages that no running sequence needs until want_free are free (lookup.reclaim)."""
+        reclaim(self.layout, self.prefix_cache, want_free)
 
     def make_room(self, need: int) -> bool:
-        """Are `need` pool pages free, after reclaiming what nobody running needs, here and
-        then (a shared pool) in the other tenants?"""
-        if self.pool.num_free < need:
-            self.reclaim(need)
-        if self.pool.num_free < need:
-            self.pool.borrow(need)
-        return self.pool.num_free >= need
+        """Are `need` pool pages free, after reclaiming (lookup.make_room)?"""
+        return make_room(self.layout, self.prefix_cache, need)
 
     def spare_pages(self) -> int:
         """Pages held that no running sequence needs: idle, then cached alone (what give_back frees)."""
@@ -284,14 +291,6 @@ class KVManager:
             raise AssertionError("swap_in made room, yet ensure_mapped found none")
         return True
 
-    # -- the tiers (engine/kv/tiers.py) ------------------------------------------------------
-    def _offload(self, name: bytes, pages: tuple[int, ...]) -> None:
-        """(the prefix cache, evicting) The entry's bytes go to the tiers."""
-        start = time.perf_counter()
-        with self.layout.entry_views(pages) as parts:
-            self.tiers.offload(name, parts, wait=self._flushing)
-        self.offload_seconds += time.perf_counter() - start
-
     # -- the engine's: memory away and back, new weights, the end ----------------------------
     def forget_prefixes(self, namespace: bytes) -> None:
         """New weights: every cached entry goes (not to the tiers: its KV is the old weights')
@@ -327,7 +326,8 @@ class KVManager:
     def close(self) -> None:
         """The cached entries go to the tiers, which finish their writes (so a restarted engine
         finds them on disk); then every page and range goes back."""
-        self._flushing = True
+        if self.offload:
+            self.offload.flushing = True
         if self.prefix_cache:
             self.prefix_cache.clear()
         if self.tiers:
@@ -357,7 +357,7 @@ class KVManager:
             prefix_cache_hits=c.hits if c else 0, evictions=c.evictions if c else 0, asleep=pool.asleep,
             tiers=tuple(dataclasses.replace(t, tokens_restored=lookup.restored_tokens[t.tier])
                         for t in (self.tiers.stats() if self.tiers else ())),
-            tier_restore_seconds=lookup.restore_seconds, tier_offload_seconds=self.offload_seconds,
+            tier_restore_seconds=lookup.restore_seconds, tier_offload_seconds=self.offload.seconds if self.offload else 0.0,
             prefix_cache_imported=c.imported if c else 0, prefix_cache_partial_hits=lookup.partial_tokens,
             prefix_cache_partial_bytes=lookup.partial_bytes)
 
