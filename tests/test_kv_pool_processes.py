@@ -103,6 +103,64 @@ def test_pages_taken_by_another_process_between_check_and_alloc_leave_the_step_u
         owner.stop()
 
 
+def test_a_swap_in_whose_room_another_process_took_part_way_goes_on_later_with_its_bytes(tmp_path):
+    """The same race in the middle of a swap-in: the pages that came back stay mapped, the rest
+    stay swapped (no swap slot freed twice), the step gets False, and a later try brings the
+    rest back with the bytes they had."""
+    import torch
+
+    from engine.kv.manager import KVManager
+    from engine.kv.virtual import VirtualLayout
+    from engine.models.config import ModelConfig
+    from engine.request.sampling_params import SamplingParams
+    from engine.request.sequence import Sequence
+    from vmm import AttachedPool, SwapSpace
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=3, num_kv_heads=3,
+                      head_dim=40)  # 34 tokens a 64 KiB page of both layers' K and V
+    owner = PoolOwner(HostBackend(64 << 10), 64, str(tmp_path / "pool.sock")).start()
+    mine, other = AttachedPool(owner.path), AttachedPool(owner.path)
+    swap = SwapSpace(mine.backend, 32 * (64 << 10))
+    layout = VirtualLayout(cfg, "interleaved", 4, 256, torch.float32, mine.backend, mine.num_pages, 1, swap, mine)
+    kv = KVManager(layout, True)
+    try:
+        seq = Sequence("s", 0, list(range(1, 121)), SamplingParams(max_tokens=1), 0.0)
+        kv.admit(seq)
+        assert kv.ensure_mapped(seq, 110)
+        seq.num_computed_tokens = 110
+        rows = layout.k_caches[1][seq.kv.slot, :110]
+        rows.copy_(torch.randn(rows.shape, generator=torch.Generator().manual_seed(0)))
+        expected = rows.clone()
+        assert kv.swap_out(seq)
+        pages = len(layout.swapped_pages(seq))
+        assert pages >= 2
+        room = kv.make_room
+        taken = []
+
+        def racing(need):  # room seen, then all but one page's worth taken by the other process
+            ok = room(need)
+            taken.extend(other.alloc_many(mine.num_free - layout.num_regions))
+            return ok
+
+        kv.make_room = racing
+        assert kv.swap_in(seq, 111) is False
+        assert 0 < len(layout.swapped_pages(seq)) < pages
+        kv.audit()
+        del kv.make_room
+        other.drop_many(taken)
+        assert kv.swap_in(seq, 111) is True
+        assert seq.kv.swapped is None
+        assert torch.equal(layout.k_caches[1][seq.kv.slot, :110], expected)
+        kv.release(seq)
+        kv.audit()
+        assert swap.num_free == swap.num_slots
+        owner.audit()
+    finally:
+        kv.close()
+        other.close()
+        owner.stop()
+
+
 @pytest.mark.parametrize("kind, layout, length, reader", [
     ("host", "per_layer", 200, False), ("host", "interleaved", 200, False), (CUDA_KIND, "per_layer", 200, False),
     (CUDA_KIND, "interleaved", 200, False),

@@ -1,6 +1,8 @@
 """KV tiers (engine/kv/tiers.py): evicted prefix-cache entries go to host memory and disk and
 come back into the sequence's own pages; a restarted engine finds the disk's; damaged files
 are recomputed, never used; another model or dtype never restores a page."""
+import time
+
 import pytest
 import torch
 from helpers import NARROW, assert_pool_whole
@@ -144,6 +146,36 @@ def test_disk_tier_persists_checks_and_bounds_its_files(tmp_path):
     assert read(disk, names[4]) is None and not path.exists() and disk.stats().errors == 1
     assert DiskTier(tmp_path, b"m" * 32, 4096, 1 << 20).dir != disk.dir  # another namespace, another place
     disk.close()
+
+
+def test_disk_tier_files_are_its_owners_alone_and_a_dropped_tiers_writer_ends(tmp_path):
+    """Salted tenants' KV on disk is no more readable to other local users than the pool's
+    socket; an engine dropped without close() takes its tier and writer thread with it."""
+    import gc
+    import stat
+    import threading
+    import weakref
+
+    def writers() -> int:
+        return sum(t.name == "vkv-kv-disk-writer" for t in threading.enumerate())
+
+    before = writers()
+    with LLM(model="random:tiny", kv_offloading_path=str(tmp_path / "kv"), page_size=4096,
+             kv_cache_memory=16 << 20) as llm:  # closing writes the cache
+        llm.generate([[1, 2, 3] * 40, [4, 5, 6] * 40], SamplingParams(max_tokens=2), use_tqdm=False)
+    modes = {str(p): (p.is_dir(), stat.S_IMODE(p.stat().st_mode)) for p in (tmp_path / "kv").rglob("*")}
+    assert any(name.endswith(".kv") for name in modes), modes
+    assert all(mode == (0o700 if is_dir else 0o600) for is_dir, mode in modes.values()), modes
+    dropped = LLM(model="random:tiny", kv_offloading_path=str(tmp_path / "kv"))
+    dropped.generate([[7, 8, 9] * 40], SamplingParams(max_tokens=2), use_tqdm=False)
+    tier = weakref.ref(dropped.engine.kv.tiers.disk)
+    assert writers() == before + 1
+    del dropped, llm
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while writers() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tier() is None and writers() == before
 
 
 def test_tiers_restore_from_the_fastest_that_has_the_entry(tmp_path):

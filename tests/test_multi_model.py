@@ -53,6 +53,25 @@ def test_each_model_served_together_computes_what_it_computes_alone(layout, alon
         llms.audit()
 
 
+def test_a_dropped_multillm_lets_its_kv_memory_go():
+    """A share holds its scheduler weakly: each reservation's finalizer holds the share, so a
+    strong reference kept every KV manager (and the pool) of a dropped MultiLLM alive for good."""
+    import gc
+    import weakref
+    multi = MultiLLM({"a": "random:tiny", "b": "random:tiny"}, kv_cache_memory=8 << 20)
+    multi.generate([[1, 2, 3] * 5], SamplingParams(max_tokens=4, ignore_eos=True), model="a")
+    kvs, pool = [weakref.ref(e.kv) for e in multi.engines.values()], weakref.ref(multi.shared.pool)
+    gc.collect()
+    gc.disable()
+    try:
+        del multi
+        assert all(kv() is None for kv in kvs)  # at once, by reference count
+    finally:
+        gc.enable()
+    gc.collect()  # the group and its shares hold each other: the pool goes with the collector
+    assert pool() is None
+
+
 def test_models_of_other_dtypes_and_layouts_share_the_pool():
     prompts = [[5 + i] * 40 for i in range(3)]
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

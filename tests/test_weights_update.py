@@ -64,6 +64,26 @@ def test_updated_weights_give_a_fresh_engines_outputs_and_no_stale_prefix(tmp_pa
         assert_pool_whole(llm)
 
 
+def test_two_runs_updating_one_start_to_different_weights_never_read_each_others_kv(tmp_path):
+    """Each update names its pages afresh: the second run, sharing the first's disk tier, restores
+    nothing the first computed under its other weights."""
+    checkpoint(tmp_path / "base", 0)
+    first, second = checkpoint(tmp_path / "w1", 1), checkpoint(tmp_path / "w2", 2)
+    opts = dict(kv_layout="per_layer", kv_cache_memory=16 << 20, page_size=4096,
+                kv_offloading_path=str(tmp_path / "disk"))
+    with LLM(model=str(tmp_path / "w2"), **opts) as fresh:
+        expected = fresh.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(model=str(tmp_path / "base"), **opts) as llm:  # closing writes its cache to the disk tier
+        llm.update_weights_from_tensor(list(first.items()))
+        llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    with LLM(model=str(tmp_path / "base"), **opts) as llm:
+        llm.update_weights_from_tensor(list(second.items()))
+        out = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
+        assert out.num_cached_tokens == 0
+        assert next(t for t in llm.stats().kv.tiers if t.tier == "disk").tokens_restored == 0
+        assert out.outputs[0].token_ids == expected
+
+
 def test_a_mismatched_update_is_refused_by_name_and_changes_nothing(tmp_path):
     old, new = checkpoint(tmp_path / "old", 0), checkpoint(tmp_path / "new", 1)
     with LLM(model=str(tmp_path / "old"), kv_cache_memory=16 << 20) as llm:

@@ -34,6 +34,7 @@ physical memory stays.
 """
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Protocol
@@ -76,11 +77,18 @@ class PoolShare:
         self.owned: set[int] = set()
         self.asleep = False
         self.peak_in_use = 0
-        self.tenant: Tenant = _NoTenant()  # who uses the share (its scheduler registers itself)
+        self._tenant = None  # who uses the share (its scheduler registers itself), held weakly
 
     def register(self, tenant: Tenant) -> None:
-        """The share's user, asked for pages when another tenant is short (once, at its start)."""
-        self.tenant = tenant
+        """The share's user, asked for pages when another tenant is short (once, at its start).
+        Held weakly: each reservation's finalizer holds its share, so a strong reference here
+        would keep a dropped engine's scheduler, KV manager and reservations alive for good."""
+        self._tenant = weakref.ref(tenant)
+
+    @property
+    def tenant(self) -> Tenant:
+        tenant = self._tenant() if self._tenant else None
+        return tenant if tenant is not None else _NoTenant()
 
     # -- the pool's pages, seen through the share ---------------------------------------
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 import time
 
 import vmm
@@ -224,7 +225,9 @@ class LLMEngine:
         weights.apply(self.model, update)
         if empty:
             self.model.pages.filled()
-        self.kv.forget_prefixes(hashlib.sha256(self.kv.namespace + b"vkv/weights-update").digest())
+        # a fresh name, not one derived from the old alone: two runs (or two processes over one
+        # pool) updating the same start to different weights must not find each other's KV
+        self.kv.forget_prefixes(hashlib.sha256(self.kv.namespace + b"vkv/weights-update" + secrets.token_bytes(32)).digest())
         self.publish_kv_events()
         log.info("vkv: weights updated in place (%d tensors, version %d)", len(update), self.weights_version)
 

@@ -13,6 +13,7 @@ import os
 import queue
 import struct
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,7 +38,7 @@ class FileSystem:
     OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
     def mkdir(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def scandir(self, path: Path) -> list[os.DirEntry]:
         with os.scandir(path) as entries:
@@ -47,7 +48,7 @@ class FileSystem:
         return os.lstat(path)
 
     def open(self, path: Path, flags: int) -> int:
-        return os.open(path, flags, 0o644)
+        return os.open(path, flags, 0o600)  # a tenant's KV: its owner's alone, as the pool's socket
 
     def fstat(self, fd: int) -> os.stat_result:
         return os.fstat(fd)
@@ -101,8 +102,10 @@ class DiskTier:
                 self._describe(describe)
             self._scan()
         self.queue: queue.Queue = queue.Queue(max(1, MAX_PENDING_BYTES // entry_bytes))
-        self.writer = threading.Thread(target=self._write_loop, name="vkv-kv-disk-writer", daemon=True)
+        self.writer = threading.Thread(target=_write_loop, args=(weakref.ref(self), self.queue),
+                                       name="vkv-kv-disk-writer", daemon=True)
         self.writer.start()
+        self._stop_writer = weakref.finalize(self, _stop, self.queue)  # a tier dropped unclosed
 
     # -- OS calls ----------------------------------------------------------------------------
     def _call(self, op: str, fn, *args, default=None):
@@ -246,17 +249,16 @@ class DiskTier:
                 self.index.pop(name, None)
                 self.dropped += 1
 
-    def _write_loop(self) -> None:
-        while (item := self.queue.get()) is not None:
-            name, buf = item
-            try:
-                if not self._write(name, buf):
-                    with self.lock:
-                        self.index.pop(name, None)
-            finally:
+    def _write_item(self, name: bytes, buf: torch.Tensor) -> None:
+        """(the writer thread) One queued entry to its file."""
+        try:
+            if not self._write(name, buf):
                 with self.lock:
-                    if self.pending.get(name) is buf:  # (not a later put of the same name)
-                        del self.pending[name]
+                    self.index.pop(name, None)
+        finally:
+            with self.lock:
+                if self.pending.get(name) is buf:  # (not a later put of the same name)
+                    del self.pending[name]
 
     def _write(self, name: bytes, buf: torch.Tensor) -> bool:
         payload = memoryview(buf.numpy())
@@ -368,6 +370,27 @@ class DiskTier:
 
     def close(self) -> None:
         """Finish the queued writes, then stop the writer."""
+        self._stop_writer.detach()
         if self.writer.is_alive():
             self.queue.put(None)
             self.writer.join()
+
+
+def _write_loop(tier: weakref.ref, pending: queue.Queue) -> None:
+    """The writer thread: it holds its tier only while writing an entry, so a tier dropped
+    without close() is freed, and its writer ends (at the None that close() or the tier's
+    finalizer puts, or at the next entry, its tier gone)."""
+    while (item := pending.get()) is not None:
+        owner = tier()
+        if owner is None:
+            return
+        owner._write_item(*item)
+        del owner
+
+
+def _stop(pending: queue.Queue) -> None:
+    """(a dropped tier's finalizer) The writer's last item; a full queue: it finds its tier gone."""
+    try:
+        pending.put_nowait(None)
+    except queue.Full:
+        pass

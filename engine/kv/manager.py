@@ -276,20 +276,23 @@ class KVManager:
 
     def swap_in(self, seq: Sequence, num_tokens: int, keep_free: int = 0) -> bool:
         """Bring seq's pages back and map what rows [computed, num_tokens) need, leaving
-        keep_free pages free; False, nothing done, when memory is short."""
+        keep_free pages free; False when memory is short: nothing done, or, where another
+        process took the room first, part done (the next call goes on from there)."""
         saved = self.layout.swapped_pages(seq)
         missing, shared = self._plan_mapping(seq, num_tokens)
         if not self.make_room((len(saved.keys() | missing) + len(shared)) * self.layout.num_regions + keep_free):
             return False
         start, handle = time.perf_counter(), seq.kv
         cache = self.prefix_cache.entries if self.prefix_cache else {}
-        self.layout.swap_in(seq, {k for k, pages in saved.items()
-                                  if k < handle.committed and cache.get(handle.names[k]) == pages})
+        try:
+            self.layout.swap_in(seq, {k for k, pages in saved.items()
+                                      if k < handle.committed and cache.get(handle.names[k]) == pages})
+        except PoolExhausted:  # another process over a shared pool took the room first: what came
+            return False       # back stays mapped, the rest swapped, for the next try
+        finally:
+            self.map_seconds += time.perf_counter() - start
         self.swap_ins += 1
-        self.map_seconds += time.perf_counter() - start
-        if not self.ensure_mapped(seq, num_tokens):
-            raise AssertionError("swap_in made room, yet ensure_mapped found none")
-        return True
+        return self.ensure_mapped(seq, num_tokens)  # False on the same race: swapped in, the rest next try
 
     # -- the engine's: memory away and back, new weights, the end ----------------------------
     def forget_prefixes(self, namespace: bytes) -> None:

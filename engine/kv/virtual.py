@@ -257,15 +257,21 @@ class VirtualLayout(KVLayout):
         return {k: pages for k, (pages, _) in (seq.kv.swapped or {}).items()}
 
     def swap_in(self, seq: Sequence, still_cached: set[int]) -> None:
-        for k, (pages, swap_slots) in sorted(seq.kv.swapped.items()):
+        """Each page leaves seq.kv.swapped as it comes back, so a failure part way (over a pool
+        other processes share, PoolExhausted) leaves what came back mapped and the rest swapped,
+        no swap slot freed twice."""
+        swapped = seq.kv.swapped or {}
+        for k in sorted(swapped):
+            pages, swap_slots = swapped[k]
             if k in still_cached:  # the prefix cache's very pages: no copy
                 self.install(seq, k, pages)
                 for swap_slot in swap_slots:
                     self.swap.discard(swap_slot)
-                continue
-            self.map_fresh(seq, [k])
-            for r, swap_slot in zip(self.regions, swap_slots):
-                self.swap.restore(swap_slot, r.addr + r.offset_of(self._index(seq, k)))
+            else:
+                self.map_fresh(seq, [k])
+                for r, swap_slot in zip(self.regions, swap_slots):
+                    self.swap.restore(swap_slot, r.addr + r.offset_of(self._index(seq, k)))
+            del swapped[k]
         seq.kv.swapped = None
 
     @property
