@@ -44,6 +44,10 @@ def test_max_tokens_min_tokens_and_stop_strings(llm):
                        use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and stop not in cut.text
     assert full.text.startswith(cut.text)
+    # as vLLM: no stop string ends a completion before min_tokens (nor eos, below)
+    late = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12, min_tokens=12,
+                                                                   stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert late.token_ids == full.token_ids and late.finish_reason == "length"
     say = [{"role": "user", "content": "Say OK."}]
     baseline = llm.chat(say, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
     assert baseline.finish_reason == "stop" and baseline.token_ids[-1] == llm.tokenizer.eos_token_id

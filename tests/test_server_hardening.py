@@ -128,11 +128,11 @@ CASES = {  # name: (path, body, status, words the error must contain)
     "seed under beam search": (CHAT, {"messages": HI, "n": 2, "use_beam_search": True, "seed": 1}, 400, ("seed", "beam")),
     "length_penalty without beams": ("/v1/completions", {"prompt": "Hi", "length_penalty": 2.0}, 400,
                                      ("length_penalty", "beam")),
-    "min_tokens with every token a stop token": ("/v1/completions", {"prompt": "Hi", "min_tokens": 2,
-                                                                     "stop_token_ids": list(range(49152))},
-                                                 400, ("min_tokens",)),
-    "min_tokens under an unsatisfiable grammar": (CHAT, {"messages": HI, "min_tokens": 3, "max_tokens": 8,
-                                                         "guided_json": {"$ref": "#"}}, 400, ("cannot be satisfied",)),
+    "every token a stop token": ("/v1/completions", {"prompt": "Hi", "min_tokens": 2,
+                                                     "stop_token_ids": list(range(49152))},
+                                 400, ("stop_token_ids", "1024")),
+    "min_tokens under a grammar": (CHAT, {"messages": HI, "min_tokens": 3, "max_tokens": 8,
+                                          "guided_json": {"$ref": "#"}}, 400, ("min_tokens",)),
     # grammars no text satisfies, and grammars past the grammar engine's limits: refused at submission
     "json schema that refers to itself": (CHAT, {"messages": HI, "guided_json": {"$ref": "#"}}, 400,
                                           ("cannot be satisfied",)),
@@ -170,6 +170,41 @@ CASES = {  # name: (path, body, status, words the error must contain)
     "chat too long to tokenize": (CHAT, {"messages": [{"role": "user", "content": "a" * 100_000}]}, 400,
                                   ("cannot fit",)),
     "lone surrogate stop": ("/v1/completions", '{"prompt": "Hi", "stop": ["\\ud800"]}', 400, ("stop",)),
+    # a review's reproducers (each a 500, a slowed engine or a field dropped without a word)
+    "length_penalty -Infinity": ("/v1/completions", '{"prompt": "Hi", "max_tokens": 3, "use_beam_search": true, "n": 2, '
+                                 '"length_penalty": -Infinity}', 400, ("length_penalty",)),
+    "length_penalty 700": ("/v1/completions", {"prompt": "Hi", "max_tokens": 5, "use_beam_search": True, "n": 2,
+                                               "length_penalty": 700}, 400, ("length_penalty",)),
+    "length_penalty NaN": ("/v1/completions", '{"prompt": "Hi", "max_tokens": 3, "use_beam_search": true, "n": 2, '
+                           '"length_penalty": NaN}', 400, ("length_penalty",)),
+    "a schema string nested 3,000 deep": ("/v1/completions", {"prompt": "Hi", "max_tokens": 2,
+                                                              "guided_json": "[" * 3000 + "]" * 3000}, 400, ("nests",)),
+    "a schema nested 300 deep": (CHAT, {"messages": HI, "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(
+            '{"type": "object", "properties": {"a": ' * 300 + "{}" + "}}" * 300)}}}, 400, ("nests",)),
+    "lone surrogate user": ("/v1/completions", '{"prompt": "Hi", "max_tokens": 2, "user": "\\udc00"}', 400, ("user",)),
+    "lone surrogate user on chat": (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "user": "\\udc00"}', 400,
+                                    ("user",)),
+    "65 stop strings": ("/v1/completions", {"prompt": "Hi", "stop": [f"s{i}" for i in range(65)]}, 400, ("stop",)),
+    "a stop string of 1,025 characters": ("/v1/completions", {"prompt": "Hi", "stop": ["a" * 1025]}, 400, ("stop",)),
+    "min_tokens with a structured output": ("/v1/completions", {"prompt": "Hi", "max_tokens": 10, "min_tokens": 5,
+                                                                "guided_choice": ["yes", "no"]}, 400, ("min_tokens",)),
+    "ignore_eos with a structured output": ("/v1/completions", {"prompt": "Hi", "ignore_eos": True,
+                                                                "guided_choice": ["yes", "no"]}, 400, ("ignore_eos",)),
+    "json_object with a json_schema": (CHAT, {"messages": HI, "response_format": {
+        "type": "json_object", "json_schema": {"name": "x", "schema": {"type": "integer"}}}}, 400, ("json_schema",)),
+    "text with a json_schema": (CHAT, {"messages": HI, "response_format": {
+        "type": "text", "json_schema": {"name": "x", "schema": {"type": "integer"}}}}, 400, ("json_schema",)),
+    "an empty schema is a schema": (CHAT, {"messages": HI, "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 200, ()),
+    "an unknown field beside a tool's function": (CHAT, {"messages": HI, "tools": [
+        {"type": "function", "function": {"name": "f"}, "extra": 1}]}, 400, ("extra",)),
+    "max_completion_tokens and another max_tokens": (CHAT, {"messages": HI, "max_completion_tokens": 3,
+                                                           "max_tokens": 100}, 400, ("max_tokens",)),
+    "max_completion_tokens and the same max_tokens": (CHAT, {"messages": HI, "max_completion_tokens": 3,
+                                                            "max_tokens": 3}, 200, ()),
+    "logit_bias key of 5,000 digits": ("/v1/completions", {"prompt": "Hi", "logit_bias": {"7" * 5000: 1}}, 400,
+                                       ("logit_bias",)),
 }
 
 

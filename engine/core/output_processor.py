@@ -125,7 +125,8 @@ class OutputProcessor:
             before = len(c.detokenizer.text)
             self._add_token(c, s)
             text = c.detokenizer.text  # a stop string ending before `before` would have stopped it already
-            stops = [at for at in (text.find(stop, max(0, before - len(stop) + 1)) for stop in p.stop) if at >= 0]
+            stops = [at for at in (text.find(stop, max(0, before - len(stop) + 1)) for stop in p.stop) if at >= 0] \
+                if len(c.token_ids) >= p.min_tokens else []  # as vLLM: no stop string before min_tokens
             if stops:
                 c.shown, c.finish_reason = min(stops), "stop"
                 return o.finish_reason is None

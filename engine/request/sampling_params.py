@@ -16,13 +16,15 @@ GREEDY_BELOW = 1e-5
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 MAX_TEMPERATURE = 1e4  # logits / temperature in fp32: far beyond this every token is equally likely anyway
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS, MAX_STOP_LENGTH, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
 # Each bounded number's range, (low, high, low excluded): checked here, and written from this one
 # table into the server's OpenAPI schema (engine/serving/protocol.py), so a client sees the bounds.
 RANGES: dict[str, tuple[float, float | None, bool]] = {
     "n": (1, None, False), "temperature": (0, MAX_TEMPERATURE, False), "top_p": (0, 1, True),
     "top_k": (-1, None, False), "min_p": (0, 1, False), "seed": (*SEED_RANGE, False), "min_tokens": (0, None, False),
     "repetition_penalty": (0.01, 100, False), "presence_penalty": (-2, 2, False), "frequency_penalty": (-2, 2, False),
-    "logprobs": (0, MAX_LOGPROBS, False), "prompt_logprobs": (0, MAX_LOGPROBS, False)}
+    "logprobs": (0, MAX_LOGPROBS, False), "prompt_logprobs": (0, MAX_LOGPROBS, False),
+    "length_penalty": (-10, 10, False)}  # beam search's: a beam's score divides by its length to this power
 
 
 def in_range(name: str, value) -> bool:
@@ -101,12 +103,24 @@ class SamplingParams:
             ranged("logprobs", integral=True, optional=True), ranged("prompt_logprobs", integral=True, optional=True),
             ranged("repetition_penalty"), ranged("presence_penalty"), ranged("frequency_penalty"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            # each is searched for in the new text of every token: bounded, so one request's list
+            # cannot slow the engine's thread for everybody
+            (len(self.stop) <= MAX_STOP_STRINGS, f"stop holds at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"),
+            (all(len(s) <= MAX_STOP_LENGTH for s in self.stop if isinstance(s, str)),
+             f"a stop string holds at most {MAX_STOP_LENGTH:,} characters"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+             f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"),
             (all(integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids >= 0"),
             (all(integer(t) and t >= 0 for t in self.logit_bias), "logit_bias keys must be token ids >= 0"),
             (all(real(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
              "logit_bias values must be in [-100, 100]"),
             (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs must be StructuredOutputsParams or a dict of its fields"),
+            # a structured output ends where its grammar does: neither can be honoured past that
+            (self.structured_outputs is None or not self.min_tokens,
+             "min_tokens cannot be honoured with a structured output: it ends where its grammar ends"),
+            (self.structured_outputs is None or not self.ignore_eos,
+             "ignore_eos cannot be honoured with a structured output: it ends where its grammar ends"),
             (isinstance(self.output_kind, RequestOutputKind), "output_kind must be a RequestOutputKind"),
             (not (self.output_kind is RequestOutputKind.DELTA and self.best_of and self.best_of > self.n),
              "best_of > n cannot be streamed as deltas: the best are known only at the end"),

@@ -47,6 +47,22 @@ def _limits():
     return LLParserLimits(**BUDGET)
 
 
+MAX_SCHEMA_DEPTH = 64  # objects and arrays inside each other: far past any real schema, far below Python's stack
+
+
+def nesting(value) -> int:
+    """How deep objects and arrays sit inside each other in a JSON value (iterative: no stack
+    for a hostile one to overflow)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_SCHEMA_DEPTH:  # past it the answer is known
+                todo.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 @dataclass
 class StructuredOutputsParams:
     """vLLM's names. Exactly one of the fields is set."""
@@ -66,6 +82,10 @@ class StructuredOutputsParams:
                 self.json = json.loads(self.json)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from exc
+            except RecursionError:
+                raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
+        if self.json is not None and nesting(self.json) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
         checks = [(self.json is None or isinstance(self.json, dict), "json must be a JSON schema object"),
                   (self.json_object in (None, True, False), "json_object must be a boolean"),
                   (self.regex is None or isinstance(self.regex, str), "regex must be a string"),

@@ -20,11 +20,13 @@ chosen is dropped and its references go. The group alone writes its live beams (
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.request.outputs import CompletionOutput, RequestOutput
+from engine.request.sampling_params import in_range, range_text
 from engine.request.sequence import Sequence
 
 
@@ -40,6 +42,10 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty)
+                and in_range("length_penalty", self.length_penalty)):
+            raise ValueError(f"length_penalty must be a number in {range_text('length_penalty')}, "
+                             f"got {self.length_penalty!r}")
 
 
 @dataclass

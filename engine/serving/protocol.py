@@ -15,7 +15,7 @@ import typing
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from engine.sched.beam_search import BeamSearchParams
 from engine.request.outputs import RequestOutput
@@ -142,7 +142,7 @@ class _Request(_SamplingFields):
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: cached KV is shared only with requests of the same salt
     use_beam_search: bool = False  # vLLM's: n is the beam width
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, **_bounds("length_penalty"))
     response_format: ResponseFormat | None = None
     structured_outputs: dict | None = None  # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     guided_json: dict | str | None = None  # vLLM's older names for the same
@@ -150,13 +150,23 @@ class _Request(_SamplingFields):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @field_validator("user", "cache_salt")
+    @classmethod
+    def _unicode(cls, value: str | None, info) -> str | None:
+        if value is not None and not _is_unicode(value):  # both are hashed into a page's name
+            raise ValueError(f"{info.field_name} must be valid Unicode (no lone surrogates)")
+        return value
+
     def structured(self) -> StructuredOutputsParams | None:
         """The one structured-output request among its spellings; ValueError if several."""
         given = {}
+        if self.response_format and self.response_format.type != "json_schema" and self.response_format.json_schema:
+            raise ValueError(f"response_format of type {self.response_format.type} takes no json_schema: "
+                             f"type json_schema follows one")
         if self.response_format and self.response_format.type != "text":
             if self.response_format.type == "json_object":
                 given["response_format"] = {"json_object": True}
-            elif not (self.response_format.json_schema and self.response_format.json_schema.json_schema):
+            elif not (self.response_format.json_schema and self.response_format.json_schema.json_schema is not None):
                 raise ValueError("response_format json_schema needs json_schema.schema")
             else:
                 given["response_format"] = {"json": self.response_format.json_schema.json_schema}
@@ -190,7 +200,7 @@ class _Request(_SamplingFields):
             return BeamSearchParams(self.n, max_tokens, self.ignore_eos, self.length_penalty)
         if self.length_penalty != 1.0:
             raise ValueError("length_penalty applies to beam search only: set use_beam_search")
-        bad = [token for token in self.logit_bias or {} if not (token.isascii() and token.isdigit())]
+        bad = [token for token in self.logit_bias or {} if not (token.isascii() and token.isdigit() and len(token) <= 9)]
         if bad:  # int() would also read " 5", "+5" and "٥" as 5
             raise ValueError(f"logit_bias keys must be token ids written as plain digits, got {bad[0]!r}")
         bias = {int(token): value for token, value in (self.logit_bias or {}).items()}

@@ -59,6 +59,8 @@ def tool_use(tools: list | None, tool_choice, parallel: bool | None) -> ToolUse:
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
             raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        if set(tool) - {"type", "function"}:
+            raise ValueError(f"tools[{i}]: unknown field {sorted(set(tool) - {'type', 'function'})[0]!r}")
         unknown = set(fn) - {"name", "description", "parameters", "strict"}
         if unknown:
             raise ValueError(f"tools[{i}].function: unknown field {sorted(unknown)[0]!r}")

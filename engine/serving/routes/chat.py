@@ -39,6 +39,8 @@ async def chat(body: ChatCompletionRequest, request: Request, state: ServerState
     for name in ("max_completion_tokens", "max_tokens"):
         if getattr(body, name) is not None and getattr(body, name) < 1:
             raise HTTPError(400, f"{name} must be >= 1, got {getattr(body, name)}")
+    if None not in (body.max_completion_tokens, body.max_tokens) and body.max_completion_tokens != body.max_tokens:
+        raise HTTPError(400, "give max_completion_tokens or max_tokens (its older name), not both with other values")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     rid = new_id("chatcmpl")
