@@ -169,6 +169,47 @@ def test_the_owner_refuses_what_a_process_does_not_hold(owner):
         pool.close()
 
 
+def test_no_process_can_wedge_break_or_flush_the_owner_for_the_others(owner, monkeypatch):
+    """A review's reproducers: a process that never reads its answers is let go instead of
+    stalling the owner's one thread; an entry listing a page twice, or with a malformed meta, is
+    refused; an alloc that eviction could not satisfy evicts nothing; more processes than the
+    owner takes are closed, and the owner goes on."""
+    import socket
+
+    from vmm import owner as owner_module
+
+    pool, other = attach(owner), attach(owner)
+    try:
+        evil = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        evil.connect(owner.path)
+        evil.settimeout(0.2)
+        with pytest.raises(OSError):  # reset once the owner gave up on it, or its own buffer full
+            for _ in range(100_000):
+                evil.send(b'{"op":"stats"}')
+        start = time.monotonic()
+        assert pool.alloc_many(1) and time.monotonic() - start < 5  # the owner answers the others
+        page = pool.alloc_many(1)[0]
+        with pytest.raises(OwnerError, match="twice"):
+            pool._ask({"op": "publish", "entries": [["aa", [page, page]]]})
+        with pytest.raises(OwnerError, match="meta"):
+            pool._ask({"op": "publish", "entries": [["ab", [page], "not a dict"]]})
+        owner.audit()
+        assert pool._ask({"op": "publish", "entries": [["ac", [page]]]})[0]["published"] == [True]
+        pool.drop_many([page])  # cached now, held by nobody: evictable
+        before = owner.stats()
+        with pytest.raises(PoolExhausted):
+            other.alloc_many(owner.pool.num_pages)  # more than free + evictable (one page is held)
+        assert owner.stats()["cached"] == before["cached"]  # and nothing was evicted for it
+        monkeypatch.setattr(owner_module, "MAX_PROCESSES", 2)  # pool and other: a third is closed
+        with pytest.raises(OwnerError):
+            attach(owner)
+        assert pool.alloc_many(1)
+        owner.audit()
+    finally:
+        pool.close()
+        other.close()
+
+
 class CrossProcessTraffic(RuleBasedStateMachine):
     """Processes (each its own connection, as separate processes are) allocate, publish, look
     up, copy on write, release, and die without a word; after every step each page is free,

@@ -61,6 +61,7 @@ import os
 import selectors
 import socket
 import threading
+import time
 from collections import OrderedDict, deque
 
 from vmm import wire
@@ -73,6 +74,26 @@ log = logging.getLogger("vkv.pool")
 DIRECTORY = 0  # the holder id of the name directory; processes are 1, 2, ...
 LOOKUP_ANSWER_PAGES = 8192  # page ids in one lookup answer (well inside a datagram); the caller asks again
 MAX_CHANGES = 1 << 20  # directory changes kept for `take_changes`; past this the oldest go (counted)
+MAX_PROCESSES = 256  # connected at once; more are closed at once (each costs the owner a descriptor)
+SEND_TIMEOUT = 1.0  # seconds an answer may wait for room in a process's socket: one that does not
+# read its answers is let go (its references released), so it cannot stall the owner for the others
+
+
+def check_meta(meta) -> None:
+    """What a published entry says of itself, for the owner's announcements (engine/kv/pool_events.py
+    reads it): None, or {"parent": hex name or None, "tokens": ids, "size": n, "lora": name or None}."""
+    if meta is None:
+        return
+    ok = (isinstance(meta, dict) and set(meta) <= {"parent", "tokens", "size", "lora"}
+          and (meta.get("parent") is None or (isinstance(meta["parent"], str) and len(meta["parent"]) <= 128
+                                              and all(c in "0123456789abcdef" for c in meta["parent"])
+                                              and len(meta["parent"]) % 2 == 0))
+          and isinstance(meta.get("tokens", []), list)
+          and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in meta.get("tokens", []))
+          and isinstance(meta.get("size", 0), int) and not isinstance(meta.get("size", 0), bool) and meta.get("size", 0) >= 0
+          and (meta.get("lora") is None or isinstance(meta["lora"], str)))
+    if not ok:
+        raise ValueError("an entry's meta must be {parent: hex or null, tokens: [ids], size: n, lora: name or null}")
 
 
 class PoolOwner:
@@ -116,11 +137,24 @@ class PoolOwner:
         selector = selectors.DefaultSelector()
         selector.register(self._listener, selectors.EVENT_READ, None)
         conns: dict[socket.socket, int] = {}
+        refusing = False  # accept failing (said once until it works again)
         try:
             while not self._stopping.is_set():
                 for key, _ in selector.select(timeout=0.1):
                     if key.data is None:
-                        conn, _ = self._listener.accept()
+                        try:
+                            conn, _ = self._listener.accept()
+                        except OSError as exc:  # out of descriptors (EMFILE): the owner goes on
+                            if not refusing:
+                                log.warning("vkv: the pool's owner cannot accept a process now: %s", exc)
+                            refusing = True
+                            time.sleep(0.05)
+                            continue
+                        refusing = False
+                        if len(conns) >= MAX_PROCESSES:
+                            conn.close()  # it reads the end at once and says the owner refused it
+                            continue
+                        conn.settimeout(SEND_TIMEOUT)  # one that stops reading its answers is let go
                         with self.lock:
                             conns[conn] = self._join(conn)
                         selector.register(conn, selectors.EVENT_READ, conns[conn])
@@ -244,8 +278,10 @@ class PoolOwner:
         return fds
 
     def _alloc(self, client: int, n: int) -> list[int]:
-        if n < 1:
-            raise ValueError(f"alloc n must be >= 1, got {n}")
+        if not 1 <= n <= self.pool.num_pages:
+            raise ValueError(f"alloc n must be in [1, {self.pool.num_pages}], got {n}")
+        if self.pool.num_free + self.idle < n:  # eviction could not make the room: none of it
+            return []
         if self.pool.num_free < n:
             self._evict(n)
         pages = self.pool.alloc_many(n) if self.pool.num_free >= n else []
@@ -278,6 +314,9 @@ class PoolOwner:
         meta: what to announce of it (see the note), or None."""
         if not pages or any(page not in self.held[client] for page in pages):
             raise ValueError(f"pages {list(pages)[:8]} are not all held by this process")
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"an entry lists a page twice: {list(pages)[:8]}")
+        check_meta(meta)
         if name in self.directory or any(page in self.name_of for page in pages):
             return False
         self.directory[name] = pages

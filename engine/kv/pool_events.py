@@ -43,7 +43,10 @@ class PoolEvents:
 
     def _run(self) -> None:
         while not self.stopping.wait(self.interval):
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # a bug here must not end every later announcement
+                log.exception("vkv: announcing the pool's changes failed; going on with the next")
 
     def flush(self) -> None:
         """The owner's changes since the last flush, published as one batch (none: nothing sent)."""
