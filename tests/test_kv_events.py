@@ -154,6 +154,7 @@ def test_every_page_stored_evicted_tiered_and_let_go_is_announced_once_in_order(
     for _, batch in live:
         after.apply(batch)
     assert not after.media[GPU], "the pool's pages were let go at close without being announced"
+    assert not after.media[CPU] and not after.media[STORAGE], "the tiers went with the engine unannounced"
 
     # a restarted engine announces the disk tier's files before any request
     files = {block_hash(bytes.fromhex(f.stem)) for f in (tmp_path / "disk").glob("*/*.kv")}
@@ -177,6 +178,31 @@ def test_without_tiers_sleep_clears_all_and_ranks_offset_ports(tmp_path):
     kinds = [type(e).__name__ for b in batches for e in b.events]
     assert kinds[0] == "BlockStored" and kinds[-1] == "AllBlocksCleared" and "BlockRemoved" not in kinds
     assert rank_endpoint("tcp://*:5557", 2) == "tcp://*:5559" and rank_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
+
+
+def test_a_batch_dropped_for_a_full_queue_leaves_a_gap_subscribers_see(tmp_path):
+    """Its sequence number is taken when it is published: a subscriber (and replay) sees the
+    gap, as vLLM's do, instead of a stream that looks whole."""
+    import queue
+
+    from engine.kv.events import Removed
+    from engine.kv.publisher import ZmqEventPublisher
+    rep = f"ipc://{tmp_path}/r"
+    pub = ZmqEventPublisher(KVEventsConfig.of({"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/p",
+                                               "replay_endpoint": rep}), 0)
+    try:
+        pub.publish([Removed([b"a" * 32], GPU)])
+        def full(item):  # the sending thread behind: the queue full
+            raise queue.Full
+
+        pub.queue.put_nowait = full
+        pub.publish([Removed([b"b" * 32], GPU)])  # dropped
+        del pub.queue.put_nowait
+        pub.publish([Removed([b"c" * 32], GPU)])
+        time.sleep(0.3)
+        assert pub.dropped == 1 and [seq for seq, _ in replay(rep)] == [0, 2]
+    finally:
+        pub.close()
 
 
 def test_the_config_is_vllms_and_refuses_what_it_does_not_know():

@@ -78,6 +78,33 @@ def app():
             cluster.stop()
 
 
+def test_under_isolate_clients_the_router_names_a_clients_pages_as_its_replica_does():
+    """(no cluster) With --isolate-clients, the ingress names a request's pages with its client's
+    salt, as the replica's ServerState salts its prompt: the names the router computes are those
+    the replica's cache holds for that client, and none of another client's."""
+    import json
+
+    from engine.kv.publisher import block_hash
+    from engine.serving.ray_serve import page_names, route_key
+    from engine.serving.state import client_salt
+
+    llm = LLM(model="random:smollm2-kv", kv_cache_memory=64 << 20, max_model_len=512)
+    kv = llm.engine.kv
+    ends = [kv.layout.page_end(k) for k in range(8)]
+    prompt = llm.tokenizer(PROMPTS[0])["input_ids"]
+    llm.generate([{"prompt_token_ids": prompt, "cache_salt": client_salt("10.0.0.7/alice")}],
+                 SamplingParams(max_tokens=1), use_tqdm=False)
+    held = {block_hash(n) for n in kv.prefix_cache.entries}
+    body = json.dumps({"prompt": prompt, "user": "alice"}).encode()
+    mine = page_names(route_key(llm.tokenizer, len(llm.tokenizer), "/v1/completions", body, "10.0.0.7"),
+                      kv.namespace, ends)
+    assert mine and set(mine) <= held
+    for who, user in (("10.0.0.8", "alice"), ("10.0.0.7", None)):  # another address; the same without user
+        other = json.dumps({"prompt": prompt, **({"user": user} if user else {})}).encode()
+        assert not set(page_names(route_key(llm.tokenizer, len(llm.tokenizer), "/v1/completions", other, who),
+                                  kv.namespace, ends)) & held
+
+
 def test_prefixes_land_where_computed_outputs_equal_one_engines_and_a_killed_replica_is_replaced(app):
     """One test over one cluster: two tests could run on two pytest workers, each starting a
     cluster of its own (about 50 s of a 2-core machine for the second), and the replica count
@@ -113,6 +140,8 @@ def prefixes_land_where_they_were_computed_and_outputs_equal_one_engines(app):
     stream = httpx.post(f"http://127.0.0.1:{app}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                         json={"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "stream": True}, timeout=60)
     assert stream.text.rstrip().endswith("data: [DONE]") and stream.text.count("data: ") == 7
+    one = httpx.post(f"http://127.0.0.1:{app}/sleep", headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert one.status_code == 400 and "one replica" in one.json()["error"]["message"]  # not one engine of two
 
 
 def a_killed_replica_is_replaced_and_the_application_keeps_answering(app):

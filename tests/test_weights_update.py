@@ -229,4 +229,7 @@ def test_assign_writes_parts_into_the_panels_as_packing_them_whole_would(cuts):
     for a, b in zip(cuts, cuts[1:]):
         updated.assign(new[a:b], a)
     assert torch.equal(updated.panels, packed.panels)
-    assert torch.equal(updated.pick, packed.pick) and torch.equal(updated.pick_bounds, packed.pick_bounds)
+    assert torch.equal(updated.pick, packed.pick)
+    # a row's fp64 norms may differ in the last bits with how many rows are reduced at once (ATen
+    # vectorizes across them), far inside the slack the bound's gamma term gives it
+    torch.testing.assert_close(updated.pick_bounds, packed.pick_bounds, rtol=1e-12, atol=0)

@@ -374,6 +374,8 @@ class DiskTier:
         if self.writer.is_alive():
             self.queue.put(None)
             self.writer.join()
+        with self.lock:  # the files stay, for the next engine to announce again
+            self.index.announce_gone()
 
 
 def _write_loop(tier: weakref.ref, pending: queue.Queue) -> None:

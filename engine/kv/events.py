@@ -61,7 +61,8 @@ class Removed:
 
 @dataclass
 class Cleared:
-    """Everything the pool's prefix cache held is gone (no tier holds any of it)."""
+    """Forget everything this engine was announced holding, in every medium (vLLM's
+    AllBlocksCleared): new weights made it all stale, or the engine closed and its memory went."""
 
 
 @dataclass
@@ -144,6 +145,11 @@ class AnnouncedEntries(OrderedDict):
         names = list(self)
         super().clear()
         self.log.removed(names, self.medium)
+
+    def announce_gone(self) -> None:
+        """(a tier closing) Every entry announced removed, the index kept for its numbers: the
+        engine no longer serves them, though a disk tier's files stay for the next one."""
+        self.log.removed(list(self), self.medium)
 
     def __delitem__(self, name: bytes) -> None:
         super().__delitem__(name)

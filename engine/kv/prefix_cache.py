@@ -246,7 +246,7 @@ class PrefixCache:
         """Let every entry go (sleep, close): each goes to the tiers first, as an eviction would
         (offload=False: not, new weights made them stale)."""
         if self.on_evict is None or not offload:  # nowhere for them to go: all gone at once
-            if self.entries:
+            if self.entries or not offload:  # (new weights: what the tiers were announced holding is stale too)
                 self.events.cleared()
             self.pool.drop_many([p for pages in self.entries.values() for p in pages])
             self.children.clear()

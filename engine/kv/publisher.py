@@ -118,7 +118,7 @@ class ZmqEventPublisher:
         self.topic = config.topic.encode()
         self.queue: queue.Queue = queue.Queue(config.max_queue_size)
         self.kept: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
-        self.sent = self.dropped = 0
+        self.sent = self.dropped = self.next_seq = 0
         ctx = zmq.Context.instance()
         self.pub = ctx.socket(zmq.PUB)
         self.pub.set_hwm(config.hwm)
@@ -138,30 +138,41 @@ class ZmqEventPublisher:
                  f", replay on {self.replay_endpoint}" if self.replay_endpoint else "", config.topic)
 
     def publish(self, events: list) -> None:
-        """Queue one batch (the engine's events since the last); never blocks."""
+        """Queue one batch (the engine's events since the last); never blocks. Its sequence number
+        is taken here, so a batch dropped for a full queue (the sending thread stalled) leaves a
+        gap that subscribers see, as vLLM's do, instead of a silent hole."""
         if not events:
             return
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
         try:
-            self.queue.put_nowait(KVEventBatch(time.time(), [to_wire(e) for e in events], self.rank))
+            self.queue.put_nowait((seq, KVEventBatch(time.time(), [to_wire(e) for e in events], self.rank)))
         except queue.Full:
             self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning("vkv: KV event batches dropped, the sending thread behind: %d so far (sequence gaps)",
+                            self.dropped)
 
     def _run(self) -> None:
-        encoder, seq = msgspec.msgpack.Encoder(), 0
+        encoder = msgspec.msgpack.Encoder()
         while True:
-            if self.replay is not None and self.replay.poll(0):
-                self._answer_replay()
             try:
-                batch = self.queue.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if batch is None:
-                return
-            payload = encoder.encode(batch)
-            self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
-            self.kept.append((seq, payload))
-            seq += 1
-            self.sent += 1
+                if self.replay is not None and self.replay.poll(0):
+                    self._answer_replay()
+                try:
+                    item = self.queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if item is None:
+                    return
+                seq, batch = item
+                payload = encoder.encode(batch)
+                self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+                self.kept.append((seq, payload))
+                self.sent += 1
+            except Exception:  # (a closed context at exit, a bug): said, and the thread goes on
+                if self.pub.closed:
+                    return
+                log.exception("vkv: sending a KV event batch failed")
 
     def _answer_replay(self) -> None:
         frames = self.replay.recv_multipart()

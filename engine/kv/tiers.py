@@ -97,6 +97,7 @@ class HostTier:
                          s.bytes_out, s.bytes_in, self.restored, dropped=self.dropped)
 
     def close(self) -> None:
+        self.entries.clear()  # announced removed: its memory goes with the engine
         self.store.close()
 
 

@@ -70,7 +70,10 @@ class PrefixRouter(FIFOMixin, RequestRouter):
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         now = time.monotonic()
         for name in getattr(pending_request.routing_context, "vkv_names", ()):
+            self.sent.pop(name, None)  # to the end: the map stays oldest first
             self.sent[name] = (replica_id, now)
-        if len(self.sent) > 4 * MAX_REPORTED:  # forget the oldest
-            for name in [n for n, (_, t) in self.sent.items() if now - t >= self.expect_seconds]:
-                del self.sent[name]
+        while self.sent:  # forget from the oldest: what expired, and past the bound what is left
+            name, (_, when) = next(iter(self.sent.items()))
+            if now - when < self.expect_seconds and len(self.sent) <= 4 * MAX_REPORTED:
+                break
+            del self.sent[name]

@@ -34,9 +34,13 @@ imports), to compare.
 
 Limitations. The ingress is one replica (Ray's proxy runs on the head node): a request's bytes
 pass through it. /metrics answers for the replica it reaches; Ray's dashboard and Prometheus
-endpoint see them all. A request for a LoRA adapter, or with --isolate-clients, has names the
-router cannot compute (an adapter's digest, a client's salt): it goes where its prefix went
-before, else by load. The replicas do not share a KV pool: pages cross no machine.
+endpoint see them all. A request for a LoRA adapter has names the router cannot compute (the
+adapter's digest): it goes where its prefix went before, else by load. With --isolate-clients
+the router names a request's pages with its client's salt, as the replica does, and answers
+carry no X-VKV-Replica (which replica answered would tell of other clients' prompts). The
+routes that change one engine (ONE_ENGINE_ROUTES: sleep, new weights, adapters, KV limits) are
+refused: forwarded, each would reach one replica. The replicas do not share a KV pool: pages
+cross no machine.
 """
 # (no `from __future__ import annotations`: Ray Serve's ingress hands the handlers' annotations
 # to FastAPI as they are, and FastAPI cannot resolve strings from Ray's module)
@@ -63,6 +67,11 @@ BUSIER = 2  # requests in flight past the least busy replica's before the prefix
 EXPECT_SECONDS = 30.0  # a prefix just routed counts as held where it went for this long
 MAX_REPORTED = 200_000  # page names a replica reports at most (the most recently used)
 RETRIES = 1  # a request whose replica died before answering goes to another this many times
+# Routes that change one engine's state: forwarded, each would reach one replica of N (new weights
+# on one, an adapter on one, one asleep while its health check passes), so the ingress refuses them
+ONE_ENGINE_ROUTES = frozenset({"/sleep", "/wake_up", "/pause_generation", "/continue_generation",
+                               "/update_weights_from_disk", "/kv_limits", "/v1/load_lora_adapter",
+                               "/v1/unload_lora_adapter"})
 HOP_BY_HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
 
 
@@ -74,14 +83,22 @@ class RouteKey:
     cache_salt: str | None = None
 
 
-def route_key(tokenizer, vocab_size: int, path: str, body: bytes) -> RouteKey:
-    """The prompt's tokens as the replica will make them (engine/request/inputs.py), or an empty key."""
+def route_key(tokenizer, vocab_size: int, path: str, body: bytes, who: str | None = None) -> RouteKey:
+    """The prompt's tokens as the replica will make them (engine/request/inputs.py), or an empty
+    key. who: with --isolate-clients, the client as the replica's ServerState.client_of says it
+    without the user field ("key", or the peer's address): a request without a cache_salt is
+    named with its client's salt, as the replica names it, so no client's routing depends on
+    another's prompts."""
     from engine.request.inputs import chat_prompt, tokenize
+    from engine.serving.state import client_salt
     try:
         request = json.loads(body) if body else None
         if not isinstance(request, dict):
             return RouteKey()
         salt = request.get("cache_salt") if isinstance(request.get("cache_salt"), str) else None
+        if salt is None and who is not None:
+            user = request.get("user")
+            salt = client_salt(f"{who}/{user}" if isinstance(user, str) and user else who)
         if path.endswith("/chat/completions"):
             prompt = chat_prompt(tokenizer, request["messages"], request.get("tools"))
         elif path.endswith("/completions"):
@@ -131,7 +148,8 @@ class VKVReplica:
         while kv.layout.page_end(k) <= self.engine.max_model_len:
             ends.append(kv.layout.page_end(k))
             k += 1
-        self.naming = {"namespace": kv.namespace.hex(), "page_ends": ends}
+        self.page_ends = ends
+        self.shows_rank = not options.isolate_clients  # which replica answered tells of other clients' prompts
         log.info("vkv: Ray replica serving %s", what)
 
     async def handle(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
@@ -161,7 +179,7 @@ class VKVReplica:
                 if message["type"] == "http.response.start":
                     yield {"status": message["status"], "headers": [(k.decode("latin-1"), v.decode("latin-1"))
                                                                    for k, v in message.get("headers", [])]
-                           + [("x-vkv-replica", str(self.rank))]}
+                           + ([("x-vkv-replica", str(self.rank))] if self.shows_rank else [])}
                 elif message["type"] == "http.response.body":
                     if message.get("body"):
                         yield message["body"]
@@ -185,7 +203,8 @@ class VKVReplica:
         except RuntimeError:
             pass
         stats = self.engine.stats
-        return {**self.naming, "held": [block_hash(n) for n in held], "running": stats.num_running,
+        return {"namespace": kv.namespace.hex(), "page_ends": self.page_ends,  # (as of now: weights may change it)
+                "held": [block_hash(n) for n in held], "running": stats.num_running,
                 "waiting": stats.num_waiting, "hits": stats.kv.prefix_cache_hits}
 
     def check_health(self) -> None:
@@ -241,10 +260,15 @@ def ingress_class(options: ServerOptions, model: str | None):
                     return JSONResponse(error_body(f"the request body is over {options.max_body_bytes} bytes",
                                                    code=413), status_code=413)
             path = "/" + path
-            key = await asyncio.to_thread(route_key, self.tokenizer, self.vocab_size, path, body) \
+            if path in ONE_ENGINE_ROUTES:
+                return JSONResponse(error_body(f"{path} changes one engine, and behind Ray Serve it would reach one "
+                                               f"replica of {options.data_parallel_size}: not served here", code=400),
+                                    status_code=400)
+            client = request.client.host if request.client else ""
+            who = ("key" if options.api_key is not None else client) if options.isolate_clients else None
+            key = await asyncio.to_thread(route_key, self.tokenizer, self.vocab_size, path, body, who) \
                 if request.method == "POST" else RouteKey()
             headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host",)]
-            client = request.client.host if request.client else ""
             for attempt in range(RETRIES + 1):
                 answer = self.replicas.handle.remote(request.method, path, request.url.query, headers, body, client, key)
                 try:

@@ -34,6 +34,12 @@ from engine.serving.token_text import TokenText
 from engine.request.structured import StructuredOutputsParams
 
 
+def client_salt(client: str) -> str:
+    """--isolate-clients: the cache_salt of a client's requests that give none (ServerState.client_of
+    says who the client is; the Ray router names pages with it too)."""
+    return "client:" + hashlib.sha256(client.encode()).hexdigest()
+
+
 class HTTPError(Exception):
     """A refusal: its status, OpenAI's error type and the message the client reads."""
 
@@ -156,7 +162,7 @@ class ServerState:
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from exc
         if salt is None and self.options.isolate_clients:
-            salt = "client:" + hashlib.sha256(client.encode()).hexdigest()
+            salt = client_salt(client)
         return [dataclasses.replace(p, cache_salt=salt) for p in prompts] if salt is not None else prompts
 
     @staticmethod
