@@ -58,6 +58,23 @@ def test_max_tokens_min_tokens_and_stop_strings(llm):
     assert llm.tokenizer.eos_token_id not in held.token_ids[:least - 1]
 
 
+def test_streamed_completions_keep_their_index_when_best_of_is_n():
+    """best_of == n chooses nothing: each completion keeps its index from the first delta to the
+    final output (ranking them by cum_logprob at the end swapped their last tokens)."""
+    from engine.request.outputs import RequestOutputKind
+    tiny = LLM(model="random:tiny", kv_cache_memory=8 << 20)
+    for seed in range(4):
+        params = dict(temperature=1.0, seed=seed, n=2, best_of=2, max_tokens=6, ignore_eos=True)
+        final = tiny.generate([[5, 6, 7, 8]], SamplingParams(**params), use_tqdm=False)[0]
+        tiny.engine.add_request(f"d{seed}", [5, 6, 7, 8], SamplingParams(**params, output_kind=RequestOutputKind.DELTA))
+        streamed = {}
+        while tiny.engine.has_unfinished():
+            for out in tiny.engine.step():
+                for c in out.outputs:
+                    streamed.setdefault(c.index, []).extend(c.token_ids)
+        assert streamed == {c.index: c.token_ids for c in final.outputs}
+
+
 def test_chat_answers_sensibly(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
@@ -201,6 +218,27 @@ def test_a_client_with_nothing_running_gets_a_seat_from_the_one_holding_them_all
         assert first is not None and first <= 2, first
         assert engine.scheduler.num_preemptions >= 1
         assert [done[f"a{i}"].outputs[0].token_ids for i in range(12)] == want
+        assert_pool_whole(llm)
+
+
+def test_a_clients_past_requests_do_not_put_it_behind_a_newcomers_burst():
+    """Fairness counts what a client had while it competes, not its whole history: A, back after
+    40 requests with nothing left, is not queued behind B's burst of 30 (before: 17th of 31, after
+    24 preemptions)."""
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(model="random:tiny", kv_cache_memory=8 << 20, max_num_seqs=2) as llm:
+        engine = llm.engine
+        for i in range(40):
+            engine.add_request(f"a{i}", [5, 6, 7, i + 8], p, group="A")
+        while engine.has_unfinished():
+            engine.step()
+        engine.add_request("a-next", [5, 6, 7, 8], p, group="A")
+        for i in range(30):
+            engine.add_request(f"b{i}", [9, 10, 11, i + 12], p, group="B")
+        order = []
+        while engine.has_unfinished():
+            order += [o.request_id for o in engine.step() if o.finished]
+        assert order.index("a-next") <= 2 and engine.scheduler.num_preemptions == 0, order
         assert_pool_whole(llm)
 
 

@@ -150,7 +150,8 @@ class OutputProcessor:
     def _output(self, state: RequestState) -> RequestOutput:
         p = state.params
         ranked = list(enumerate(state.completions))
-        if p.best_of and state.finished and not state.error:
+        choosing = bool(p.best_of and p.best_of > p.n)  # (best_of == n: nothing to choose; indices as streamed)
+        if choosing and state.finished and not state.error:
             ranked = sorted(ranked, key=lambda ic: ic[1].cum_logprob, reverse=True)[:p.n]
         logprobs, delta = p.logprobs is not None, p.output_kind is RequestOutputKind.DELTA
         outputs = []
@@ -160,7 +161,7 @@ class OutputProcessor:
                 chars, count, logged = c.sent
                 c.sent = (max(chars, len(text)), len(tokens), len(records))
                 text, tokens, records = text[chars:], tokens[count:], records[logged:]
-            outputs.append(CompletionOutput(rank if p.best_of else index, text, list(tokens), c.finish_reason,
+            outputs.append(CompletionOutput(rank if choosing else index, text, list(tokens), c.finish_reason,
                                             list(records) if logprobs else None,
                                             c.cum_logprob if logprobs or p.best_of else None))
         prompt_logprobs = state.prompt_logprobs

@@ -30,7 +30,7 @@ LPM_MAX_SKIPS = 8  # times a waiting sequence may be passed over by later ones u
 class AdmissionOrder:
     def __init__(self, kv: KVManager, policy: str, max_loras: int | None):
         self.kv, self.policy, self.max_loras = kv, policy, max_loras
-        self.counts: Counter[str] = Counter()  # per group with sequences here: admissions so far
+        self.counts: Counter[str] = Counter()  # per group with sequences here: admissions (see `count`)
         self.skips: Counter[int] = Counter()  # lpm: per waiting seq_id, times later ones went first
         self.names: dict[int, tuple[int, list[bytes]]] = {}  # lpm: seq_id -> (its length, page names)
 
@@ -41,7 +41,7 @@ class AdmissionOrder:
             waiting = [seq for seq in waiting if self.adapter_fits(seq, running)]
         if len(waiting) <= 1:
             return waiting[0] if waiting else None
-        fair = lambda i: (self.urgency(waiting[i]), self.counts[waiting[i].group], i)
+        fair = lambda i: (self.urgency(waiting[i]), self.count(waiting[i].group), i)
         if self.policy != "lpm" or len(waiting) > LPM_MAX_QUEUE:
             return waiting[min(range(len(waiting)), key=fair)]
         starved = [i for i in range(len(waiting)) if self.skips[waiting[i].seq_id] >= LPM_MAX_SKIPS]
@@ -104,7 +104,16 @@ class AdmissionOrder:
             for older in list(waiting)[:list(waiting).index(seq)]:
                 self.skips[older.seq_id] += 1
         self.forget(seq)
-        self.counts[seq.group] += 1
+        self.counts[seq.group] = self.count(seq.group) + 1
+
+    def count(self, group: str) -> int:
+        """A group's admissions, as fairness reads them. A group that comes back after having
+        nothing here starts just below every group here now (start-time fair queueing): its old
+        history counts neither against it nor for it, and the seat a busier group gave up for it
+        is its own, not the preempted sequence's again."""
+        if group in self.counts:
+            return self.counts[group]
+        return min(self.counts.values(), default=1) - 1
 
     def forget(self, seq: Sequence) -> None:
         """seq left the queue (admitted, or finished while waiting)."""
@@ -112,7 +121,7 @@ class AdmissionOrder:
         self.names.pop(seq.seq_id, None)
 
     def prune(self, live: list[Sequence]) -> None:
-        """Forget the groups with no sequence left here, once they are many."""
-        if len(self.counts) > 2 * len(live):
-            groups = {s.group for s in live}
+        """Forget the groups with no sequence left here (see `count`)."""
+        groups = {s.group for s in live}
+        if any(g not in groups for g in self.counts):
             self.counts = Counter({g: n for g, n in self.counts.items() if g in groups})
