@@ -72,6 +72,17 @@ def test_a_dropped_multillm_lets_its_kv_memory_go():
     assert pool() is None
 
 
+def test_a_request_the_other_models_floors_leave_no_room_for_is_refused_not_left_waiting():
+    """A model's most pages are its cap less the others' floors: a request needing more was
+    accepted and then waited forever, the engine spinning."""
+    with MultiLLM({"a": "random:tiny", "b": "random:tiny"}, kv_cache_memory=64 * 4096, page_size=4096,
+                  kv_layout="interleaved", kv_limits={"a": (0.9, 1.0)}) as multi:
+        with pytest.raises(ValueError, match="less the other models' floors"):
+            multi.add_request("b", "b0", [5, 6, 7, 8] * 10, SamplingParams(max_tokens=40, ignore_eos=True))
+        out = multi.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True), model="b")
+        assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_models_of_other_dtypes_and_layouts_share_the_pool():
     prompts = [[5 + i] * 40 for i in range(3)]
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

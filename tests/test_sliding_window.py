@@ -90,3 +90,31 @@ def test_swap_keeps_working_with_the_window(mistral_dir, prompt, reference):
     assert all(c.token_ids == reference for o in outs for c in o.outputs)
     assert llm.stats().kv.swap_ins > 0
     assert_pool_whole(llm)
+
+
+def test_a_sequence_preempted_with_drafts_comes_back_without_them(tmp_path):
+    """Speculative drafts belong to the step a sequence was scheduled in: one preempted while
+    holding them kept them, and the next update counted them off its computed tokens again, so
+    it recomputed rows whose window pages were already unmapped (a segfault in attention)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                                     max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                                     tie_word_embeddings=False)).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bundled_dir() / name, tmp_path / name)
+    prompts = [[21 + i, 7, 8, 9, 10, 11, 12] * 3 for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    with LLM(model=str(tmp_path), kv_layout="interleaved", page_size=4096, kv_cache_memory=64 * 4096) as roomy:
+        want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    with LLM(model=str(tmp_path), kv_layout="interleaved", page_size=4096, kv_cache_memory=13 * 4096,
+             max_num_seqs=6, preemption_mode="swap", swap_space=0.01, enable_prefix_caching=False,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                                 "prompt_lookup_min": 1}) as llm:
+        llm.engine.scheduler.swap_min_tokens = 1
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.stats().preemptions > 0
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert_pool_whole(llm)

@@ -117,6 +117,25 @@ def test_priority_serves_urgent_requests_first_and_changes_no_output():
     assert_pool_whole(tight)
 
 
+def test_an_urgent_request_takes_the_pages_of_a_less_urgent_one_scheduled_before_it():
+    """vLLM's rule: the least urgent running sequence is preempted, even one scheduled earlier in
+    the step (taken back out of it); before, the urgent one was (finishing last). And beams
+    waiting for siblings no longer hold a recomputing beam in a loop of preempting itself."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(model="random:tiny", kv_layout="interleaved", page_size=4096, kv_cache_memory=14 * 4096,
+             scheduling_policy="priority", max_num_batched_tokens=64, enable_prefix_caching=False) as llm:
+        engine, finished = llm.engine, []
+        engine.add_request("low", list(range(10, 37)), params, priority=10)
+        engine.step()
+        engine.add_request("urgent", list(range(40, 60)), params, priority=0)
+        for _ in range(500):
+            finished += [o.request_id for o in engine.step() if o.finished]
+            if not engine.has_unfinished():
+                break
+        assert finished == ["urgent", "low"]
+        assert_pool_whole(llm)
+
+
 def test_n_siblings_fork_from_a_parent_whose_prompt_ends_in_a_small_chunk():
     """n = 2 under speculation, the prompt's last chunk one token long: the parent must not take
     drafts that step, since its siblings fork from its first row (once they forked with the

@@ -124,6 +124,13 @@ class PoolShare:
         return self.cap
 
     @property
+    def most_pages(self) -> int:
+        """The most pages this tenant can ever hold at once: its cap, less what the other
+        tenants' floors keep for them (a request needing more would wait forever)."""
+        others = sum(t.floor for t in self.group.tenants.values() if t is not self)
+        return max(0, min(self.cap, self.pool.num_pages - others))
+
+    @property
     def used(self) -> int:
         return len(self.owned)
 

@@ -243,21 +243,42 @@ class Scheduler:
             seq.draft = seq.draft[:max(0, n - seq.num_pending_tokens)]  # drafts the budget leaves room for
             if n == 0 and seq.beam:  # idle: a beam waiting for its siblings
                 i += 1
-            elif n <= 0 or self._map_or_preempt(seq, seq.num_computed_tokens + n, i):  # (n <= 0: see _checked)
+                continue
+            if n <= 0:  # (see _checked)
                 scheduled.append((seq, n))
-                budget -= max(n, 0)
+                i += 1
+                continue
+            ok, before, refund = self._map_or_preempt(seq, seq.num_computed_tokens + n, i, scheduled)
+            i -= before  # sequences before it that were preempted
+            budget += refund  # their tokens, scheduled earlier in this step
+            if ok:
+                scheduled.append((seq, n))
+                budget -= n
                 i += 1
         return scheduled
 
-    def _map_or_preempt(self, seq: Sequence, num_tokens: int, position: int) -> bool:
-        """Map seq (at `position` in the running list) its pages, preempting the newest (or
-        least urgent) sequences not yet scheduled this step; False if seq itself had to go."""
+    def _map_or_preempt(self, seq: Sequence, num_tokens: int, position: int,
+                        scheduled: Scheduled) -> tuple[bool, int, int]:
+        """Map seq (at `position` in the running list) its pages, preempting the newest sequence
+        not yet scheduled this step, or under the priority policy the least urgent running one
+        (as vLLM: one scheduled earlier in this step is taken back out of it). Returns whether
+        seq stays, how many preempted sequences stood before it, and the tokens taken back."""
+        before = refund = 0
         while not self.kv.ensure_mapped(seq, num_tokens):
-            victim = self.order.victim(self.running[position:])
-            self.preempt(victim)
+            candidates = self.running if self.order.policy == "priority" else self.running[position - before:]
+            victim = self.order.victim(candidates)
             if victim is seq:
-                return False
-        return True
+                self.preempt(victim)
+                return False, before, refund
+            if self.running.index(victim) < position - before:
+                before += 1
+                for k, (done, n) in enumerate(scheduled):
+                    if done is victim:
+                        refund += max(n, 0)
+                        del scheduled[k]
+                        break
+            self.preempt(victim)
+        return True, before, refund
 
     def _resume_swapped(self, budget: int) -> Scheduled:
         """Swapped sequences back in, the most urgent first, while they fit above the headroom."""
@@ -324,6 +345,7 @@ class Scheduler:
         to_front=False: an idle beam stepping aside, recomputed."""
         self.running.remove(seq)
         self.num_preemptions += 1
+        seq.draft = []  # (drafts belong to a step it is no longer in: kept, the next update rewound it)
         if self.preemption_mode == "swap" and self.kv.swaps and to_front \
                 and seq.num_computed_tokens >= self.swap_min_tokens and self.kv.swap_out(seq):
             seq.status = SequenceStatus.SWAPPED
@@ -360,6 +382,7 @@ class Scheduler:
         """seq gives its KV back and waits to compute all its tokens again."""
         self.kv.release(seq, keep_pages=False)
         seq.num_computed_tokens = 0
+        seq.draft = []
         seq.status = SequenceStatus.WAITING
         if to_front:
             self.waiting.appendleft(seq)
