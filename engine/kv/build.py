@@ -2,6 +2,8 @@
 namespace pages are named in, and the KV manager over them, whole."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 import vmm
@@ -13,6 +15,8 @@ from engine.kv.tiers import KVTiers, make_tiers, namespace_of
 from engine.kv.virtual import VirtualLayout
 from engine.models import weights_fingerprint
 from engine.models.config import ModelConfig
+
+log = logging.getLogger("vkv.kv")
 
 
 def backend_for(c: EngineConfig, shareable: bool = False) -> vmm.Backend:
@@ -57,6 +61,10 @@ def make_layout(c: EngineConfig, cfg: ModelConfig, budget: int, max_model_len: i
         return PagedLayout(cfg, c.block_size, num_blocks, c.kv_dtype, c.device)
     if c.kv_pool is not None:  # a pool several engine processes draw from (vmm/owner.py)
         pool = vmm.AttachedPool(c.kv_pool, backend_for(c) if c.device.type == "cuda" else None)
+        ignored = [name for name in ("kv_cache_memory", "page_size") if getattr(c, name) is not None]
+        if ignored:  # said, not silently dropped: the owner's pool decides both
+            log.warning("vkv: %s ignored over kv_pool: the pool's owner has %d pages of %d bytes",
+                        " and ".join(ignored), pool.num_pages, pool.page_size)
     if pool is not None:
         backend, num_pages = pool.backend, pool.num_pages
     else:
