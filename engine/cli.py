@@ -13,13 +13,22 @@ from engine.serving.options import ServerOptions
 def cmd_generate(args: argparse.Namespace) -> None:
     from engine import LLM, SamplingParams
 
+    from engine.worker.lora import LoRARequest
+
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens)
-    llm = LLM.from_config(EngineConfig.from_cli_args(args))
+    config = EngineConfig.from_cli_args(args)
+    if args.lora is not None and not config.enable_lora:
+        raise SystemExit("vkv generate: --lora needs --enable-lora")
+    if config.enable_lora and args.lora is None:
+        raise SystemExit("vkv generate: --enable-lora without --lora PATH would change nothing")
+    llm = LLM.from_config(config)
+    lora = LoRARequest("cli", 1, args.lora) if args.lora else None
     if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=not args.json)
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=not args.json,
+                        lora_request=lora)
     else:
-        outs = llm.generate(args.prompts, params, use_tqdm=not args.json)
+        outs = llm.generate(args.prompts, params, use_tqdm=not args.json, lora_request=lora)
     for prompt, out in zip(args.prompts, outs):
         if args.json:
             print(json.dumps({"prompt": prompt, "outputs": [
@@ -122,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--n", type=int, default=1)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.add_argument("--lora", metavar="PATH", default=None,
+                     help="generate with this LoRA adapter (a PEFT directory; with --enable-lora)")
     EngineConfig.add_cli_args(gen)
     gen.set_defaults(func=cmd_generate)
 

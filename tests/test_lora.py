@@ -247,3 +247,19 @@ def test_the_native_segments_kernel_equals_the_torch_reference():
     assert torch.equal(got[34:], out[34:]) and torch.equal(got[5:7], out[5:7])
     with pytest.raises(RuntimeError, match="B must be"):
         torch.ops.vkv.lora_segments(x, got, a[:1], [b[1]], bounds[:2])
+
+
+def test_vkv_generate_runs_with_an_adapter_and_refuses_lora_flags_that_would_do_nothing(adapters, capsys):
+    """`vkv generate --enable-lora --lora PATH` gives the adapter's tokens; --enable-lora without
+    an adapter (or --lora without --enable-lora) is refused rather than ignored."""
+    from engine.cli import main
+    from engine.models import load_tokenizer
+    ids, _, refs, root = adapters
+    prompt = load_tokenizer(None).decode(ids[0])  # (PROMPTS[0], which encodes back to ids[0])
+    assert load_tokenizer(None).encode(prompt) == ids[0]
+    main(["generate", "--enable-lora", "--lora", str(root / "all"), "--max-tokens", str(N), "--json", prompt])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["outputs"][0]["token_ids"] == refs["all"][0]
+    for argv in (["generate", "--enable-lora", "hi"], ["generate", "--lora", str(root / "all"), "hi"]):
+        with pytest.raises(SystemExit, match="lora"):
+            main(argv)
