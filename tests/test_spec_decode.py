@@ -150,3 +150,19 @@ def test_n_siblings_fork_from_a_parent_whose_prompt_ends_in_a_small_chunk():
         assert out.error is None and [c.token_ids for c in out.outputs] == want
         assert spec.stats().spec_drafts > 0  # (the siblings, once forked, do take drafts)
         assert_pool_whole(spec)
+
+
+def test_a_seeded_sampled_request_gives_its_tokens_whatever_else_runs_beside_it():
+    """Whether a row gets drafts depends on the batch (disable_by_batch_size, the budget), and
+    verifying drafts draws other random numbers than sampling one token: a seeded sampled
+    request decodes one token a step, as it would without speculation."""
+    llm = LLM(model="random:tiny", kv_cache_memory=8 << 20, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    repeating = [5, 6, 7, 8] * 6
+    seeded = SamplingParams(temperature=0.6, seed=42, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([repeating], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [[100 + i, 200 + i, 300 + i] for i in range(9)]  # nine more: past disable_by_batch_size
+    outs = llm.generate([repeating] + others, [seeded] + [SamplingParams(temperature=0, max_tokens=24,
+                                                                         ignore_eos=True)] * 9, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone
+    assert_pool_whole(llm)

@@ -19,7 +19,10 @@ others), and pages mapped for them stay for the next step.
 
 Requests with penalties, logit_bias, min_tokens, structured outputs or logprobs, and beams,
 decode one token a step: their next distribution depends on each previous token in ways a row
-computed before that token was chosen cannot reflect.
+computed before that token was chosen cannot reflect. So do seeded sampled requests: whether a
+row gets drafts depends on the rest of the batch (disable_by_batch_size, the token budget), and
+verifying drafts draws other random numbers than sampling one token, so a seed would give other
+tokens beside other traffic.
 """
 from __future__ import annotations
 
@@ -71,7 +74,7 @@ def speculates(seq: Sequence) -> bool:
     p = seq.params
     return not (p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                 or seq.num_output_tokens < p.min_tokens or p.structured_outputs or p.logprobs is not None
-                or p.best_of)
+                or p.best_of or (p.seed is not None and p.temperature > 0))
 
 
 class NgramProposer:
