@@ -123,7 +123,17 @@ class MultiLLM:
         """A model's floor (pages no other model can take from it) and cap (pages it never
         exceeds), each a share of the pool (float) or bytes (int); checked against the others'."""
         total, page = self.shared.pool.num_pages, self.shared.pool.page_size
+        share = self.shared.tenants.get(model)
+        before = (share.floor, share.cap) if share is not None else None
         self.shared.set_limits(model, pages_of(floor, total, page), pages_of(cap, total, page))
+        for name, engine in self.engines.items():  # no request in flight may be left needing more than it can get
+            most, s = self.shared.tenants[name].most_pages, engine.scheduler
+            for seq in (*s.waiting, *s.running, *s.swapped):
+                need = engine.kv.pages_for(len(seq) - seq.num_output_tokens + (seq.params.max_tokens or 0))
+                if need > most:
+                    self.shared.set_limits(model, *before)
+                    raise ValueError(f"model {model!r}: these limits leave model {name!r} {most} pages, and its "
+                                     f"request {seq.request_id!r} in flight needs {need}")
 
     # -- requests -------------------------------------------------------------------------
     def limits(self) -> dict[str, dict[str, int]]:

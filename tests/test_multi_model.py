@@ -83,6 +83,27 @@ def test_a_request_the_other_models_floors_leave_no_room_for_is_refused_not_left
         assert len(out[0].outputs[0].token_ids) == 4
 
 
+def test_limits_that_would_strand_a_request_in_flight_are_refused_and_change_nothing():
+    """A cap lowered below what a running request needs was accepted, and the request then waited
+    forever (824,878 empty steps in 20 s)."""
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with MultiLLM({"a": "random:tiny", "b": "random:tiny"}, kv_cache_memory=64 * 4096, page_size=4096,
+                  kv_layout="interleaved") as multi:
+        multi.add_request("b", "b0", [5, 6, 7, 8] * 10, greedy)  # 80 tokens: 10 pages of 8
+        for _ in range(3):
+            multi.step()
+        before = multi.limits()
+        with pytest.raises(ValueError, match="'b0' in flight needs 10"):
+            multi.set_limits("b", 0, 4 * 4096)
+        with pytest.raises(ValueError, match="'b0' in flight needs 10"):
+            multi.set_limits("a", 0.95, 1.0)  # a floor that leaves b too little
+        assert multi.limits() == before
+        done = False
+        while multi.has_unfinished():
+            done |= any(o.finished for _, o in multi.step())
+        assert done
+
+
 def test_models_of_other_dtypes_and_layouts_share_the_pool():
     prompts = [[5 + i] * 40 for i in range(3)]
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
