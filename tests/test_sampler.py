@@ -57,6 +57,9 @@ def test_top_k_top_p_min_p_keep_exactly_the_tokens_they_should():
     assert draws(logits, seq(temperature=1.0, min_p=0.25)) == {0, 1, 2}  # >= 0.125
     assert draws(logits, seq(temperature=1.0, top_p=0.8)) == {0, 1, 2}  # 0.75 before token 2
     assert draws(logits, seq(temperature=1.0, top_k=3, top_p=0.8)) == {0, 1}  # renormalized: 0.83 before it
+    # min-p first (vLLM's order), then top-p over what it left: min-p 0.25 keeps {0, 1, 2} (0.9 of
+    # the mass), renormalized 0.83 comes before token 2, past 0.8 (top-p first would keep it: 0.75)
+    assert draws(logits, seq(temperature=1.0, top_p=0.8, min_p=0.25)) == {0, 1}
 
 
 def test_seeded_draws_repeat_and_follow_the_distribution():

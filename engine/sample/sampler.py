@@ -122,12 +122,16 @@ def _draw(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def filter_logits(x: torch.Tensor, params) -> torch.Tensor:
-    """top-k (ties with the k-th kept), then top-p over what is left (the smallest set whose
-    mass reaches p), then min-p relative to the most likely token."""
+    """min-p relative to the most likely token, then top-k (ties with the k-th kept), then top-p
+    over what is left (the smallest set whose mass reaches p): vLLM's order (min-p is one of its
+    logits processors, run before its top-k/top-p sampler)."""
     vocab = x.shape[-1]
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=x.device)
     top_p = torch.tensor([p.top_p for p in params], device=x.device)
     min_p = torch.tensor([p.min_p for p in params], device=x.device)
+    if bool((min_p > 0).any()):
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
     if bool((top_k < vocab).any() or (top_p < 1).any()):
         ordered, order = x.sort(-1, descending=True)
         kth = ordered.gather(-1, (top_k - 1)[:, None])
@@ -135,9 +139,6 @@ def filter_logits(x: torch.Tensor, params) -> torch.Tensor:
         probs = ordered.softmax(-1)
         drop = ((top_p[:, None] < 1) & (probs.cumsum(-1) - probs > top_p[:, None])) | (ordered == float("-inf"))
         x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    if bool((min_p > 0).any()):
-        probs = x.softmax(-1)
-        x = x.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
     return x
 
 
