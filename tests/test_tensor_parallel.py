@@ -207,6 +207,29 @@ def test_a_worker_started_by_the_cli_joins_an_external_rendezvous():
     one.engine.close()
 
 
+def test_a_worker_started_with_other_flags_is_refused_by_name():
+    """A `vkv tp-worker` with another --model-seed (other random weights) computed other tokens without
+    a word; the ranks now compare their settings and weights' fingerprints at the rendezvous."""
+    import subprocess
+    import sys
+
+    from engine.worker.parallel import free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    flags = ["--model", "random:tiny", "--kv-cache-memory", str(1 << 20), "--page-size", "4096",
+             "--tensor-parallel-size", "2", "--distributed-init", init, "--tensor-parallel-workers", "external"]
+    worker = subprocess.Popen([sys.executable, "-c", "from engine.cli import main; main()", "tp-worker", "--rank", "1",
+                               *flags, "--model-seed", "7"], stderr=subprocess.PIPE, text=True)
+    try:
+        with pytest.raises(ValueError, match="disagree on seed, weights"):
+            LLM(model="random:tiny", kv_cache_memory=1 << 20, page_size=4096, tensor_parallel_size=2,
+                distributed_init=init, tensor_parallel_workers="external")
+        assert worker.wait(timeout=60) != 0 and "disagree on seed, weights" in worker.stderr.read()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+
+
 def test_two_ranks_in_two_network_namespaces():
     """Two "hosts": network namespaces joined by a veth pair, rank 0 in one, `vkv tp-worker`
     in the other, meeting over TCP at rank 0's address. Needs root and iproute2, else skips."""

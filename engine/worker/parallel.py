@@ -198,6 +198,9 @@ class Workers:
             for worker in self.procs:
                 worker.wait_ready(deadline)
             dist.init_process_group("gloo", init_method=self.init, rank=0, world_size=world, timeout=TIMEOUT)
+            if differ := agree(config):
+                dist.destroy_process_group()
+                raise disagreement(differ)
         except BaseException:
             self._stop_all()
             raise
@@ -276,10 +279,35 @@ def start_ranks(c: EngineConfig, model=None, pool=None) -> tuple[Rank, Workers |
         raise
 
 
+AGREED = ("model", "dtype", "kv_cache_dtype", "kv_layout", "kv_cache_memory", "page_size", "block_size",
+          "max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed", "tensor_parallel_size",
+          "enable_lora", "max_loras", "max_lora_rank", "preemption_mode", "enable_prefix_caching")
+
+
+def agree(config: EngineConfig) -> list[str]:
+    """Every rank states the settings a step's lockstep depends on, and the weights' fingerprint;
+    the names on which any rank differs from rank 0 (a `vkv tp-worker` started with other flags,
+    or another checkpoint on its host, computed other tokens without a word)."""
+    from engine.models import weights_fingerprint
+    mine = {name: repr(getattr(config, name)) for name in AGREED}
+    mine["weights"] = weights_fingerprint(config.model, config.seed).hex()
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, mine)
+    return sorted({name for view in views[1:] for name in view if view[name] != views[0][name]})
+
+
+def disagreement(names: list[str]) -> ValueError:
+    return ValueError(f"tensor-parallel ranks disagree on {', '.join(names)}: start every `vkv tp-worker` "
+                      f"with rank 0's engine flags and the same checkpoint")
+
+
 def worker_main(config: EngineConfig, rank: int, world: int, init: str) -> None:
     """A worker: the model's share and a KV cache like rank 0's, then steps as told."""
     torch.set_num_threads(_threads(world))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=TIMEOUT)
+    if differ := agree(config):
+        dist.destroy_process_group()
+        raise disagreement(differ)
     parts = build_rank(config, rank)
     runner = ModelRunner(parts.model, parts.kv, parts.attention, parts.max_model_len, config.device,
                          config.compute_dtype)
