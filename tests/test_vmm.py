@@ -172,3 +172,25 @@ def test_host_pool_larger_than_the_kernel_can_map_is_refused_up_front():
     with pytest.raises(ValueError, match="larger pages"):
         vmm.PagePool(backend, backend.max_mapped_pages() + 1)
     backend.close()
+
+
+def test_a_swap_slot_freed_twice_is_refused_and_a_failed_put_keeps_its_slot():
+    """A slot freed twice was handed to two owners (each overwriting the other's KV); a put of too
+    many bytes lost its slot for good."""
+    import torch
+
+    from vmm.errors import DoubleFree
+    from vmm.swap import SlotStore
+
+    store = SlotStore(torch.device("cpu"), 4096, 2 * 4096)
+    with pytest.raises(ValueError, match="do not fit"):
+        store.put([torch.zeros(4097, dtype=torch.uint8)])
+    assert store.num_free == 2
+    slot = store.put([torch.ones(16, dtype=torch.uint8)])
+    store.discard(slot)
+    with pytest.raises(DoubleFree):
+        store.discard(slot)
+    with pytest.raises(DoubleFree):
+        store.get(slot, [torch.empty(16, dtype=torch.uint8)])
+    assert sorted({store.put([torch.ones(1, dtype=torch.uint8)]) for _ in range(2)}) == [0, 1]
+    store.close()

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from vmm.backend import Backend
-from vmm.errors import PoolExhausted
+from vmm.errors import DoubleFree, PoolExhausted
 
 
 class SlotStore:
@@ -39,6 +39,7 @@ class SlotStore:
             self._map = mmap.mmap(self._file.fileno(), size)
             self.store = torch.frombuffer(self._map, dtype=torch.uint8).view(self.num_slots, slot_size)
         self.free_slots: deque[int] = deque(range(self.num_slots))
+        self._free = set(self.free_slots)  # the same slots, to check a free against
         self.bytes_out = self.bytes_in = 0
 
     @property
@@ -49,14 +50,17 @@ class SlotStore:
         """Copy the byte tensors, one after another, into a free slot; returns the slot."""
         if not self.free_slots:
             raise PoolExhausted(f"all {self.num_slots} slots of {self.slot_size} bytes are in use")
+        spans = self._spans(self.free_slots[0], parts)  # (checked before the slot is taken)
         slot = self.free_slots.popleft()
-        for part, dst in zip(parts, self._spans(slot, parts)):
+        self._free.discard(slot)
+        for part, dst in zip(parts, spans):
             dst.copy_(part)
         self.bytes_out += sum(p.numel() for p in parts)
         return slot
 
     def get(self, slot: int, parts: Sequence[torch.Tensor]) -> None:
         """Copy a slot back into the byte tensors (the slot stays taken)."""
+        self._taken(slot)
         for part, src in zip(parts, self._spans(slot, parts)):
             part.copy_(src)
         self.bytes_in += sum(p.numel() for p in parts)
@@ -69,7 +73,14 @@ class SlotStore:
 
     def discard(self, slot: int) -> None:
         """Free a slot without reading it."""
+        self._taken(slot)
         self.free_slots.append(slot)
+        self._free.add(slot)
+
+    def _taken(self, slot: int) -> None:
+        """A slot freed twice would be handed to two owners, each overwriting the other's bytes."""
+        if not (isinstance(slot, int) and 0 <= slot < self.num_slots) or slot in self._free:
+            raise DoubleFree(f"swap slot {slot!r} is not one in use (of {self.num_slots})")
 
     def close(self) -> None:
         """Give the tier back: the file is deleted (a named one truncated and removed)."""
