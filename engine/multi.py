@@ -129,7 +129,7 @@ class MultiLLM:
         for name, engine in self.engines.items():  # no request in flight may be left needing more than it can get
             most, s = self.shared.tenants[name].most_pages, engine.scheduler
             for seq in (*s.waiting, *s.running, *s.swapped):
-                need = engine.kv.pages_for(len(seq) - seq.num_output_tokens + (seq.params.max_tokens or 0))
+                need = engine.processor.pages_needed(len(seq) - seq.num_output_tokens + (seq.params.max_tokens or 0))
                 if need > most:
                     self.shared.set_limits(model, *before)
                     raise ValueError(f"model {model!r}: these limits leave model {name!r} {most} pages, and its "

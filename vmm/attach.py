@@ -101,6 +101,11 @@ class AttachedPool:
     def num_pages(self) -> int:
         return len(self.local)
 
+    @property
+    def most_pages(self) -> int:
+        """The most pages this process can ever hold at once: the whole pool (others permitting)."""
+        return self.num_pages
+
     def _import(self, num_pages: int) -> list:
         """Every page of a CUDA pool, imported as handles of this process's (all or none)."""
         try:

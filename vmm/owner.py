@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import selectors
 import socket
 import threading
@@ -84,15 +85,13 @@ def check_meta(meta) -> None:
     reads it): None, or {"parent": hex name or None, "tokens": ids, "size": n, "lora": name or None}."""
     if meta is None:
         return
-    ok = (isinstance(meta, dict) and set(meta) <= {"parent", "tokens", "size", "lora"}
-          and (meta.get("parent") is None or (isinstance(meta["parent"], str) and len(meta["parent"]) <= 128
-                                              and all(c in "0123456789abcdef" for c in meta["parent"])
-                                              and len(meta["parent"]) % 2 == 0))
-          and isinstance(meta.get("tokens", []), list)
-          and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in meta.get("tokens", []))
-          and isinstance(meta.get("size", 0), int) and not isinstance(meta.get("size", 0), bool) and meta.get("size", 0) >= 0
-          and (meta.get("lora") is None or isinstance(meta["lora"], str)))
-    if not ok:
+    count = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+    parent = meta.get("parent") if isinstance(meta, dict) else None
+    tokens = meta.get("tokens", []) if isinstance(meta, dict) else None
+    if not (isinstance(meta, dict) and set(meta) <= {"parent", "tokens", "size", "lora"}
+            and (parent is None or (isinstance(parent, str) and re.fullmatch(r"(?:[0-9a-f]{2}){0,64}", parent)))
+            and isinstance(tokens, list) and all(map(count, tokens)) and count(meta.get("size", 0))
+            and (meta.get("lora") is None or isinstance(meta["lora"], str))):
         raise ValueError("an entry's meta must be {parent: hex or null, tokens: [ids], size: n, lora: name or null}")
 
 

@@ -48,6 +48,11 @@ class PageAllocator:
         return len(self.ref_counts)
 
     @property
+    def most_pages(self) -> int:
+        """The most pages one user can ever hold at once (a PoolShare: fewer)."""
+        return self.num_pages
+
+    @property
     def num_free(self) -> int:
         return len(self.free_ids)
 

@@ -19,7 +19,6 @@ from engine.request.inputs import Prompt, tokenize
 from engine.worker.lora import Adapter, LoRARegistry, LoRARequest
 from engine.models.config import ModelConfig
 from engine.request.sampling_params import SamplingParams
-from vmm.share import PoolShare
 from engine.request.sequence import Sequence
 from engine.request.structured import Grammars
 
@@ -79,14 +78,19 @@ class InputProcessor:
         width = params.beam_width if isinstance(params, BeamSearchParams) else 1  # beams run in lockstep
         if width > c.max_num_seqs:
             raise ValueError(f"beam_width {width} exceeds max_num_seqs {c.max_num_seqs}")
-        window = self.model_config.sliding_window  # its pages are let go as it grows
-        pages = width * self.pages_for(min(total, window + c.max_num_batched_tokens) if window else total)
-        most = self.pool.most_pages if isinstance(self.pool, PoolShare) else self.pool.num_pages
+        pages = width * self.pages_needed(total)
+        most = self.pool.most_pages
         if pages > most:
             shared = " (this model's cap, less the other models' floors)" if most < self.pool.num_pages else ""
             raise ValueError(f"{total} tokens{f' for {width} beams' if width > 1 else ''} need {pages} KV pages, "
                              f"more than the whole KV budget of {most} pages{shared}")
         return EngineRequest(request_id, prompt, params, group, priority, grammar, self.adapter(lora_request))
+
+    def pages_needed(self, total: int) -> int:
+        """The most pages a sequence of `total` tokens maps at once (a sliding window's pages are
+        let go as it grows)."""
+        window = self.model_config.sliding_window
+        return self.pages_for(min(total, window + self.config.max_num_batched_tokens) if window else total)
 
     def adapter(self, request: LoRARequest | None) -> Adapter | None:
         """The adapter a request names, loaded and checked (engine/worker/lora.py); ValueError by name."""
