@@ -252,3 +252,26 @@ def test_a_pool_owner_needs_shareable_pages_and_an_attached_process_a_cuda_backe
     finally:
         owner.stop()
     assert clean()
+
+
+def test_a_release_that_fails_part_way_can_be_retried_and_loses_no_page():
+    backend = EmulatedCudaBackend()
+    pool = vmm.PagePool(backend, 4)
+    res = vmm.Reservation(pool, 4 * pool.page_size)
+    pages = res.map_new(0, 4)
+    fail("cuMemUnmap", 3)  # the third page of the run
+    with pytest.raises(vmm.PartialUnmap):
+        res.release()
+    assert not res.released and res.mapped_pages() == {2: pages[2], 3: pages[3]}
+    pool.audit([res])  # the first two went back to the pool with their mappings
+    res.release()  # the retry unmaps what is left
+    assert res.released and pool.num_free == 4
+    fail("cuMemRelease", 2)  # sleeping: the second page fails to go back
+    with pytest.raises(vmm.VmmError):
+        pool.release_memory()
+    assert pool.asleep and pool.num_free == 0
+    pool.restore_memory()  # what was left is released, every page made anew
+    assert not pool.asleep and pool.num_free == 4 and len(pool.handles) == 4
+    pool.close()
+    backend.close()
+    assert clean()

@@ -94,6 +94,11 @@ def test_misuse_raises_clear_errors_and_corrupts_nothing(pool):
         pool.drop(page)
     with pytest.raises(vmm.DoubleFree):
         res.map(1, page)  # a free page must be allocated first
+    for bad in (-1, pool.num_pages):  # -1 would index the last page's count
+        with pytest.raises(vmm.OutOfRange):
+            res.map(1, bad)
+        with pytest.raises(vmm.OutOfRange):
+            pool.hold(bad)
     pool.audit([res])
     res.release()
     with pytest.raises(vmm.ReservationReleased):
@@ -194,3 +199,52 @@ def test_a_swap_slot_freed_twice_is_refused_and_a_failed_put_keeps_its_slot():
         store.get(slot, [torch.empty(16, dtype=torch.uint8)])
     assert sorted({store.put([torch.ones(1, dtype=torch.uint8)]) for _ in range(2)}) == [0, 1]
     store.close()
+
+
+def test_a_named_swap_file_is_removed_when_the_store_cannot_be_built(tmp_path, monkeypatch):
+    import mmap
+
+    from vmm.swap import SlotStore
+
+    def no_memory(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", no_memory)
+    with pytest.raises(OSError):
+        SlotStore(torch.device("cpu"), 4096, 2 * 4096, str(tmp_path / "swap"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_swap_out_that_fails_part_way_frees_the_slots_it_took_and_unmaps_nothing():
+    from engine.kv.manager import KVManager
+    from engine.kv.virtual import VirtualLayout
+    from engine.models.config import ModelConfig
+    from engine.request.sampling_params import SamplingParams
+    from engine.request.sequence import Sequence
+
+    class FailingSwap(vmm.SwapSpace):
+        saves = 0
+
+        def save(self, addr):
+            FailingSwap.saves += 1
+            if FailingSwap.saves == 3:
+                raise OSError(28, "No space left on device")
+            return super().save(addr)
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=3, num_kv_heads=3,
+                      head_dim=40)  # 34 tokens a 64 KiB page of both layers' K and V
+    backend = vmm.HostBackend(64 << 10)
+    swap = FailingSwap(backend, 16 * (64 << 10))
+    kv = KVManager(VirtualLayout(cfg, "interleaved", 2, 256, torch.float32, backend, 16, 1, swap), True)
+    seq = Sequence("s", 0, list(range(1, 121)), SamplingParams(max_tokens=1), 0.0)
+    kv.admit(seq)
+    assert kv.ensure_mapped(seq, 110)
+    seq.num_computed_tokens = 110
+    mapped = kv.layout.pool.num_free
+    with pytest.raises(OSError):
+        kv.swap_out(seq)
+    assert swap.num_free == swap.num_slots and not seq.kv.swapped
+    assert kv.layout.pool.num_free == mapped
+    kv.audit()
+    assert kv.swap_out(seq) and len(kv.layout.swapped_pages(seq)) == 4
+    kv.close()

@@ -201,8 +201,10 @@ def test_no_process_can_wedge_break_or_flush_the_owner_for_the_others(owner, mon
             other.alloc_many(owner.pool.num_pages)  # more than free + evictable (one page is held)
         assert owner.stats()["cached"] == before["cached"]  # and nothing was evicted for it
         monkeypatch.setattr(owner_module, "MAX_PROCESSES", 2)  # pool and other: a third is closed
+        backend = None if owner.kind == "host" else make_cuda_backend()
         with pytest.raises(OwnerError):
-            attach(owner)
+            AttachedPool(owner.path, backend)
+        assert backend is None or not backend._scratch  # closed by the refused attach, context and all
         assert pool.alloc_many(1)
         owner.audit()
     finally:

@@ -60,17 +60,18 @@ class AttachedPool:
         with the pool, or here if attaching fails."""
         self.closed = False  # left the pool (or the owner is gone): the owner holds nothing of ours
         self._imported: list = []  # CUDA handles imported here: this process's to release
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock.settimeout(OWNER_TIMEOUT)  # an owner that hangs is an error here, not a hang
-        self._sock.connect(path)
         self.lock = threading.RLock()
         self._sock_lock = threading.Lock()
-        hello, fds = self._ask({"op": "hello"}, max_fds=1)
-        self.page_size = hello["page_size"]
-        self.process = hello["process"]  # the owner's id for this process
-        self.announces = bool(hello.get("announce"))  # the owner announces its directory: describe entries
-        kind = hello.get("backend", "host")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fds: list[int] = []
         try:
+            self._sock.settimeout(OWNER_TIMEOUT)  # an owner that hangs is an error here, not a hang
+            self._sock.connect(path)
+            hello, fds = self._ask({"op": "hello"}, max_fds=1)  # refused (too many processes): raises
+            self.page_size = hello["page_size"]
+            self.process = hello["process"]  # the owner's id for this process
+            self.announces = bool(hello.get("announce"))  # the owner announces its directory: describe entries
+            kind = hello.get("backend", "host")
             if (backend.name if backend is not None else "host") != kind:
                 raise OwnerError(f"the pool's pages are {kind} memory: attach with a {kind} backend of this process")
             if kind == "host":

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from vmm.backend import Backend
-from vmm.errors import DoubleFree, InvariantViolation, PoolExhausted
+from vmm.errors import DoubleFree, InvariantViolation, OutOfRange, PoolExhausted
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +73,14 @@ class PageAllocator:
                 raise PoolExhausted(f"need {n} pages, {len(self.free_ids)} of {self.num_pages} free")
             return [self.alloc() for _ in range(n)]
 
+    def _check_id(self, page: int) -> None:
+        if not 0 <= page < len(self.ref_counts):  # a negative id would index from the end
+            raise OutOfRange(f"page {page} is not a page of this pool: ids are 0..{self.num_pages - 1}")
+
     def hold(self, page: int) -> None:
         """Add a reference to a page that already has one."""
         with self.lock:
+            self._check_id(page)
             if self.ref_counts[page] == 0:
                 raise DoubleFree(f"page {page} is free: take it with alloc(), not hold()")
             self.ref_counts[page] += 1
@@ -83,6 +88,7 @@ class PageAllocator:
     def drop(self, page: int) -> bool:
         """Drop one reference; returns True when that freed the page."""
         with self.lock:
+            self._check_id(page)
             if self.ref_counts[page] == 0:
                 raise DoubleFree(f"page {page} is already free")
             self.ref_counts[page] -= 1
@@ -151,12 +157,12 @@ class PagePool(PageAllocator):
         every view of one) stays valid. All pages must be free; nothing can be mapped until
         `restore_memory`."""
         with self.lock:
-            if self.num_free != self.num_pages:
+            if not self.asleep and self.num_free != self.num_pages:
                 raise InvariantViolation(f"{self.num_pages - self.num_free} pages are still referenced: "
                                          f"unmap them before releasing the pool's memory")
             self.free_ids.clear()  # alloc() finds nothing while asleep
+            self.asleep = True  # from here on: a failure part way leaves an asleep pool (retry or wake)
             _release_all(self.backend, self.handles)
-            self.asleep = True
 
     def restore_memory(self) -> None:
         """Wake: create the pages again (their contents are undefined, as new pages' are). On
@@ -164,6 +170,7 @@ class PagePool(PageAllocator):
         with self.lock:
             if not self.asleep:
                 return
+            _release_all(self.backend, self.handles)  # what a failed release_memory left
             try:
                 for _ in range(self.num_pages):
                     self.handles.append(self.backend.create_page())
@@ -197,6 +204,7 @@ def expected_refs(reservations: Iterable, held: Mapping[int, int]) -> Counter:
 
 
 def _release_all(backend: Backend, handles: list) -> None:
-    for handle in handles:
-        backend.release_page(handle)
-    handles.clear()
+    """Release from the end, each handle forgotten once it is released (a retry goes on)."""
+    while handles:
+        backend.release_page(handles[-1])
+        handles.pop()

@@ -56,6 +56,9 @@ class Reservation:
             taken = [i for i in range(index, index + len(pages)) if i in self._pages]
             if taken:
                 raise AlreadyMapped(f"page index {taken[0]} already has page {self._pages[taken[0]]}")
+            outside = [page for page in pages if not 0 <= page < self.pool.num_pages]
+            if outside:  # a negative id would index another page's count from the end
+                raise OutOfRange(f"page {outside[0]} is not a page of the pool: ids are 0..{self.pool.num_pages - 1}")
             unheld = [page for page in pages if self.pool.ref_counts[page] == 0]
             if unheld:
                 raise DoubleFree(f"page {unheld[0]} is free: take it with alloc() before mapping it")
@@ -155,10 +158,13 @@ class Reservation:
         return whole.as_strided(tuple(shape), strides, offset // itemsize)
 
     def release(self) -> None:
-        """Unmap everything, drop this range's references and give the addresses back."""
+        """Unmap everything, drop this range's references and give the addresses back. If the
+        backend fails part way, what it unmapped is given back to the pool, the rest stays
+        mapped, and release() can be called again."""
         if self.released:
             raise ReservationReleased("the reservation was already released")
-        self._finalizer()
+        _release(self.pool, self.addr, self.nbytes, self._pages)
+        self._finalizer.detach()
 
     def _mapped(self, index: int) -> int:
         if index not in self._pages:
@@ -181,10 +187,15 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def _release(pool: PagePool, addr: int, nbytes: int, pages: dict[int, int]) -> None:
+    """Unmap run by run, each run's references dropped as soon as the backend has unmapped it
+    (so a failure part way leaves `pages` exactly what is still mapped), then free the range."""
     with pool.lock:
         for index, count in consecutive_runs(sorted(pages)):
-            pool.backend.unmap(addr + index * pool.page_size, count * pool.page_size)
-        pool.drop_many(list(pages.values()))
-        pages.clear()
+            try:
+                pool.backend.unmap(addr + index * pool.page_size, count * pool.page_size)
+            except PartialUnmap as exc:  # the first `done` of the run went
+                pool.drop_many([pages.pop(i) for i in range(index, index + exc.done)])
+                raise
+            pool.drop_many([pages.pop(i) for i in range(index, index + count)])
         pool.backend.free_reservation(addr, nbytes)
 

@@ -35,8 +35,14 @@ class SlotStore:
             self.store = torch.empty((self.num_slots, slot_size), dtype=torch.uint8, pin_memory=True)
         else:
             self._file = open(path, "w+b") if path else tempfile.TemporaryFile(prefix="vkv-swap-")
-            self._file.truncate(size)
-            self._map = mmap.mmap(self._file.fileno(), size)
+            try:
+                self._file.truncate(size)
+                self._map = mmap.mmap(self._file.fileno(), size)
+            except BaseException:  # undo: no file left behind
+                self._file.close()
+                if path:
+                    os.remove(path)
+                raise
             self.store = torch.frombuffer(self._map, dtype=torch.uint8).view(self.num_slots, slot_size)
         self.free_slots: deque[int] = deque(range(self.num_slots))
         self._free = set(self.free_slots)  # the same slots, to check a free against

@@ -248,8 +248,17 @@ class VirtualLayout(KVLayout):
         kept = [k for k in mine if k < len(self.page_range(0, seq.num_computed_tokens))]
         if self.swap.num_free < len(kept) * self.num_regions:
             return False
-        seq.kv.swapped = {k: (self.pages_at(seq, k), tuple(
-            self.swap.save(r.addr + r.offset_of(self._index(seq, k))) for r in self.regions)) for k in kept}
+        saved, taken = {}, []  # taken: every swap slot filled so far, freed again if a save fails
+        try:
+            for k in kept:
+                for r in self.regions:
+                    taken.append(self.swap.save(r.addr + r.offset_of(self._index(seq, k))))
+                saved[k] = (self.pages_at(seq, k), tuple(taken[-len(self.regions):]))
+        except BaseException:
+            for swap_slot in taken:
+                self.swap.discard(swap_slot)
+            raise
+        seq.kv.swapped = saved
         self._unmap(slot, mine)
         return True
 
