@@ -56,9 +56,10 @@ class Reservation:
             taken = [i for i in range(index, index + len(pages)) if i in self._pages]
             if taken:
                 raise AlreadyMapped(f"page index {taken[0]} already has page {self._pages[taken[0]]}")
-            outside = [page for page in pages if not 0 <= page < self.pool.num_pages]
+            ids = len(self.pool.ref_counts)  # (a PoolShare's pages are its group pool's: num_pages is its cap)
+            outside = [page for page in pages if not 0 <= page < ids]
             if outside:  # a negative id would index another page's count from the end
-                raise OutOfRange(f"page {outside[0]} is not a page of the pool: ids are 0..{self.pool.num_pages - 1}")
+                raise OutOfRange(f"page {outside[0]} is not a page of the pool: ids are 0..{ids - 1}")
             unheld = [page for page in pages if self.pool.ref_counts[page] == 0]
             if unheld:
                 raise DoubleFree(f"page {unheld[0]} is free: take it with alloc() before mapping it")
