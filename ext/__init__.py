@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import sys
 import threading
@@ -176,9 +177,15 @@ def _build(build: Path, isa: str, flags: list[str]) -> None:
                                extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
                                verbose=False)
         except Exception as exc:
-            (build / "FAILED").write_text(f"{type(exc).__name__}: {exc}".strip()[:2000])
+            if COMPILER_ERROR.search(str(exc)):  # the source does not compile here: not tried again.
+                # Anything else (no compiler on PATH, cc1plus killed, a full disk) may pass: tried
+                # again at the next start rather than leaving the torch references for good
+                (build / "FAILED").write_text(f"{type(exc).__name__}: {exc}".strip()[:2000])
             raise
         (build / "BUILT").touch()
+
+
+COMPILER_ERROR = re.compile(r":\d+:\d+: error:")  # a diagnostic in the source: file:line:col: error:
 
 
 def _ninja_on_path() -> None:

@@ -427,6 +427,25 @@ def test_a_dead_builder_or_a_deleted_library_is_built_past(tmp_path):
     assert (left / "BUILT").is_file() and any(left.glob("*.so"))
 
 
+def test_only_an_error_in_the_source_keeps_a_build_from_being_tried_again(tmp_path, monkeypatch):
+    """A start without a compiler (or with cc1plus killed, or the disk full) wrote a FAILED note
+    that kept every later start on the torch references for good, compiler or not."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(ext, "_ninja_on_path", lambda: None)
+    for output, remembered in (("/bin/sh: 1: c++: not found", False),
+                               ("c++: fatal error: Killed signal terminated program cc1plus", False),
+                               ("kernels.cpp:12:3: error: 'foo' was not declared in this scope", True)):
+        def fails(**kwargs):
+            raise RuntimeError(f"Error building extension 'vkv': {output}")
+
+        monkeypatch.setattr(cpp_extension, "load", fails)
+        build = tmp_path / output[:8].replace("/", "_").replace(" ", "_")
+        with pytest.raises(RuntimeError, match="Error building"):
+            ext._build(build, "scalar", [])
+        assert (build / "FAILED").is_file() == remembered, output
+
+
 def test_the_kernels_say_which_isa_they_were_built_for():
     assert ext.cpu_kernels().isa() == ext.kernel_isa()[0]
 
@@ -440,3 +459,37 @@ def test_the_engine_runs_without_the_native_kernels():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env={**__import__("os").environ, "VKV_NO_NATIVE": "1"})
     assert done.returncode == 0 and done.stdout.split()[-2:] == ["sdpa", "3"], done.stderr[-2000:]
+
+
+def test_rows_outside_the_tensors_are_refused_not_written():
+    """rope_store and attention trusted their index tensors (a review's reproducers: SIGSEGV, a
+    heap write past a cache, a strided positions tensor read as contiguous)."""
+    if ext.cpu_kernels() is None:
+        pytest.skip(ext.cpu_kernels_error())
+    D, H = 8, 2
+    cos_sin = torch.cat([torch.ones(16, D // 2), torch.zeros(16, D // 2)], 1)  # 16 positions
+    kc, vc = torch.zeros(4, 4, H, D), torch.zeros(4, 4, H, D)  # 4 blocks of 4 rows
+    table = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    q, k, v = torch.randn(1, H, D), torch.randn(1, H, D), torch.randn(1, H, D)
+    seq, i32 = torch.tensor([0], dtype=torch.int32), lambda *x: torch.tensor(x, dtype=torch.int32)
+    store = torch.ops.vkv.rope_store
+    for bad in (lambda: store(q, k, v, torch.tensor([1 << 40]), cos_sin, kc, vc, table, 4, seq),
+                lambda: store(q, k, v, torch.tensor([0]), cos_sin, kc, vc, i32([1 << 30]).view(1, 1), 4, seq),
+                lambda: store(q, k, v, torch.tensor([0]), cos_sin, kc, vc, table, 4, i32(1 << 30)),
+                lambda: store(torch.randn(1, 64, D), torch.randn(1, 64, D), torch.randn(1, 64, D), torch.tensor([15]),
+                              cos_sin, kc, vc, table, 4, seq),
+                lambda: store(torch.randn(2, H, D), torch.randn(2, H, D), torch.randn(2, H, D),
+                              torch.tensor([0, 9, 5, 9])[::2], cos_sin, kc, vc, table, 4, i32(0, 0))):
+        with pytest.raises(RuntimeError):
+            bad()
+    out = torch.empty_like(q)
+    attend = torch.ops.vkv.attention
+    for bad in (lambda: attend(q, kc, vc, i32(1 << 28).view(1, 1), 4, i32(0), i32(1), i32(1), 1.0, out),
+                lambda: attend(q, kc, vc, table, 4, i32(0), i32(1), i32(1 << 20), 1.0, out),
+                lambda: attend(q, kc, vc, table, 1 << 22, i32(0), i32(1), i32(1), 1.0, out),
+                lambda: attend(q, kc, vc, table, 4, i32(1 << 28), i32(1), i32(1), 1.0, out),
+                lambda: attend(q, kc, vc, table, 4, i32(0, 0), i32(1), i32(1), 1.0, out)):
+        with pytest.raises(RuntimeError):
+            bad()
+    assert kc.abs().sum() == 0 and vc.abs().sum() == 0  # nothing was written
+    attend(q, kc, vc, table, 4, i32(0), i32(1), i32(1), 1.0, out)  # and a good call still runs

@@ -118,3 +118,11 @@ def test_a_sequence_preempted_with_drafts_comes_back_without_them(tmp_path):
         assert llm.stats().preemptions > 0
         assert [o.outputs[0].token_ids for o in outs] == want
         assert_pool_whole(llm)
+
+
+def test_a_kernel_that_attends_to_everything_refuses_a_window():
+    """The native step took a window and attended to the whole context (a review's reproducer:
+    1.97 off sdpa's output); the engine runs windows on sdpa, a caller naming a kernel is told."""
+    from engine.worker.attention import StepAttention
+    with pytest.raises(ValueError, match="sliding window of 8 runs on sdpa"):
+        StepAttention("native", [], [], None, None, window=8)

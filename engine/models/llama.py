@@ -172,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
         self.sharded = False  # a tensor-parallel shard (`shard`)
         self.weights_dtype = self.compute_dtype = torch.float32  # what the weights are rounded to, and computed in (`prepare`)
         self.weights_version = 0  # updates written in place since load (engine/models/weights.py `apply`)
+        self.fingerprint = b""  # what the weights are (loader.py `load_model`; a fresh random one after `apply`)
         self.pages: WeightPages | None = None  # the weights in pages that sleep (sleep mode; set by `prepare`)
 
     def load_checkpoint(self, state: dict[str, torch.Tensor]) -> None:
@@ -296,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _one_call(self, input_ids: torch.Tensor, attn) -> tuple | None:
         """The step's arguments of the native `decode_layers`, or None where it cannot run them (too
-        many rows, no native path, a sliding window)."""
+        many rows, or no native step: another kernel, or a sliding window, which runs on sdpa)."""
         step = getattr(attn, "native_args", None) if self.decode and input_ids.shape[0] <= FEW_ROWS else None
         return step() if step is not None else None
 

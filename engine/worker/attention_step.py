@@ -24,7 +24,8 @@ class NativeStep:
     call per layer for the whole batch (and, for a few rows, every layer in one call)."""
 
     def __init__(self, k_caches, v_caches, batch: StepBatch, cos_sin: torch.Tensor, window: int | None):
-        self.k_caches, self.v_caches, self.batch, self.cos_sin, self.window = k_caches, v_caches, batch, cos_sin, window
+        no_window(window, "vkv's CPU kernels")
+        self.k_caches, self.v_caches, self.batch, self.cos_sin = k_caches, v_caches, batch, cos_sin
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache, b = self.k_caches[layer], self.v_caches[layer], self.batch
@@ -35,11 +36,8 @@ class NativeStep:
                                 b.ctx_len, q.shape[-1] ** -0.5, out)
         return out
 
-    def native_args(self) -> tuple | None:
-        """What the native `decode_layers` needs of this step (after the layers' weights), or None
-        where it cannot run the layers (a sliding window)."""
-        if self.window:
-            return None
+    def native_args(self) -> tuple:
+        """What the native `decode_layers` needs of this step (after the layers' weights)."""
         b = self.batch  # (decode_layers runs fp32; a bf16 table is widened as it is read)
         return (b.positions, self.cos_sin, self.k_caches, self.v_caches, b.block_table, b.block_size, b.token_seq,
                 b.q_start, b.q_len, b.ctx_len, self.k_caches[0].shape[-1] ** -0.5)
@@ -78,6 +76,7 @@ class FlashStep(TorchStep):
     slots flattened into one key range, slot offsets in `cu_seqlens_k`, lengths in `seqused_k`."""
 
     def __init__(self, k_caches, v_caches, batch, cos_sin, window, varlen):
+        no_window(window, "FlashAttention's varlen step")
         super().__init__(k_caches, v_caches, batch, cos_sin, window)
         self.varlen = varlen
         slots = batch.block_table[:, 0]
@@ -96,6 +95,7 @@ class KVCacheStep(TorchStep):
     `cache_batch_idx`, or the block table by `block_table`."""
 
     def __init__(self, k_caches, v_caches, batch, cos_sin, window, call, paged: bool):
+        no_window(window, "flash_attn_with_kvcache's step")
         super().__init__(k_caches, v_caches, batch, cos_sin, window)
         self.call, self.paged = call, paged
         self.groups = self._padded_groups()
@@ -142,6 +142,13 @@ def sequence_rows(cache: torch.Tensor, table: list[int], ctx: int, first: int = 
         return cache[table[0], first:ctx]
     skip = first // size  # blocks wholly before `first` are neither read nor gathered
     return cache[table[skip:-(-ctx // size)]].flatten(0, 1)[first - skip * size:ctx - skip * size]
+
+
+def no_window(window: int | None, kernel: str) -> None:
+    """A kernel that attends to the whole context refuses a window instead of ignoring it
+    (pick_attention runs windowed models on sdpa; a test or benchmark may name a kernel)."""
+    if window:
+        raise ValueError(f"{kernel} attends to the whole context: a sliding window of {window} runs on sdpa")
 
 
 def causal_mask(q_len: int, ctx_len: int, device, window: int | None = None, first: int = 0) -> torch.Tensor:

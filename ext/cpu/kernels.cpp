@@ -664,6 +664,35 @@ void check_cache(const at::Tensor& q, const at::Tensor& cache, const char* name)
   TORCH_CHECK(cache.size(3) == q.size(2) && q.size(1) % cache.size(2) == 0, name, ": head shapes do not fit q");
 }
 
+// The rows a step addresses lie inside its tensors (a caller's mistake is an error, not a write
+// past a cache): O(sequences + blocks used), checked once a call of the two ops below.
+// (decode_layers, which runs their bodies for every layer, is handed the engine's own batch.)
+void check_blocks(const at::Tensor& table, int64_t block_size, int64_t seq, int64_t end, const at::Tensor& cache) {
+  TORCH_CHECK(seq >= 0 && seq < table.size(0), "sequence ", seq, " has no row in the block table");
+  TORCH_CHECK(end <= table.size(1) * block_size, "row ", end - 1, " is past the block table's ", table.size(1),
+              " blocks of ", block_size);
+  const int32_t* row = table.data_ptr<int32_t>() + seq * table.stride(0);
+  for (int64_t b = 0; b * block_size < end; ++b)
+    TORCH_CHECK(row[b] >= 0 && row[b] < cache.size(0), "block ", row[b], " is not a block of the cache (",
+                cache.size(0), ")");
+}
+
+void check_step(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_table, int64_t block_size,
+                const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& ctx_len) {
+  const int64_t B = q_start.numel();
+  TORCH_CHECK(block_table.dim() == 2 && q_len.numel() == B && ctx_len.numel() == B && block_table.size(0) >= B,
+              "q_start, q_len and ctx_len need one entry a sequence, the block table a row");
+  TORCH_CHECK(block_size >= 1 && block_size <= k_cache.size(1), "block_size ", block_size, " outside the cache's ",
+              k_cache.size(1), " rows a block");
+  const int32_t *qs = q_start.data_ptr<int32_t>(), *ql = q_len.data_ptr<int32_t>(), *cl = ctx_len.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(qs[b] >= 0 && ql[b] >= 0 && qs[b] + int64_t{ql[b]} <= q.size(0) && ql[b] <= cl[b],
+                "sequence ", b, ": its queries [", qs[b], ", ", qs[b] + int64_t{ql[b]}, ") and ", cl[b],
+                " keys do not fit ", q.size(0), " query rows");
+    check_blocks(block_table, block_size, b, cl[b], k_cache);
+  }
+}
+
 void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                const at::Tensor& block_table, int64_t block_size, const at::Tensor& q_start, const at::Tensor& q_len,
                const at::Tensor& ctx_len, double scale, at::Tensor out) {
@@ -673,7 +702,9 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   check_cache(q, v_cache, "v_cache");
   for (const auto* t : {&block_table, &q_start, &q_len, &ctx_len})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "index tensors must be contiguous int32");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must share a dtype and a shape");
+  check_step(q, k_cache, block_table, block_size, q_start, q_len, ctx_len);
   dispatch(q.scalar_type(), k_cache.scalar_type(), "vkv attention", [&](auto t, auto c) {
     attention_impl<decltype(t), decltype(c)>(q, k_cache, v_cache, block_table, block_size, q_start, q_len, ctx_len,
                                              scale, out);
@@ -749,7 +780,27 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
               "dtypes must match (cos_sin may be bf16 under fp32 q)");
   check_cache(q, k_cache, "k_cache");
   check_cache(q, v_cache, "v_cache");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must share a dtype and a shape");
+  const int64_t Tn = q.size(0);
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(0) == Tn && v.size(0) == Tn && positions.numel() == Tn &&
+                  token_seq.numel() == Tn && positions.is_contiguous() && token_seq.is_contiguous(),
+              "k, v, positions and token_seq need one contiguous entry a row of q");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) && k.size(2) == q.size(2),
+              "k and v must be [tokens, the cache's heads, D]");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt && block_table.stride(1) == 1 &&
+                  block_size >= 1 && block_size <= k_cache.size(1),
+              "the block table must be int32 [sequences, blocks], block_size within the cache's rows");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int32_t* seq = token_seq.data_ptr<int32_t>();
+  for (int64_t t = 0; t < Tn; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_sin.size(0), "position ", pos[t], " is past the rotary table's ",
+                cos_sin.size(0), " rows");
+    TORCH_CHECK(seq[t] >= 0 && seq[t] < block_table.size(0) && pos[t] / block_size < block_table.size(1),
+                "row ", t, ": sequence ", seq[t], " position ", pos[t], " is outside the block table");
+    const int32_t block = block_table.data_ptr<int32_t>()[seq[t] * block_table.stride(0) + pos[t] / block_size];
+    TORCH_CHECK(block >= 0 && block < k_cache.size(0), "block ", block, " is not a block of the cache");
+  }
   dispatch(q.scalar_type(), k_cache.scalar_type(), "rope_store", [&](auto t, auto c) {
     using T = decltype(t);
     if constexpr (std::is_same_v<T, float>)
