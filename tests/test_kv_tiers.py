@@ -57,15 +57,17 @@ def test_a_restarted_engine_restores_from_disk_and_damage_is_recomputed(tmp_path
         (warm,) = rounds(llm, 1)
         assert warm == cold and tier(llm, "disk").tokens_restored >= 2 * len(PROMPTS) * 85
 
-    for i, f in enumerate(files):  # between runs: a flipped payload byte, a truncation, a wrong name
-        data = bytearray(f.read_bytes())
+    # between runs, every file damaged (which files a prompt's entries are depends on the names'
+    # order): a flipped payload byte, a truncation, another entry's bytes under its name
+    originals = [bytearray(f.read_bytes()) for f in files]
+    for i, (f, data) in enumerate(zip(files, originals)):
         if i % 3 == 0:
             data[HEADER.size + 1000] ^= 0x40
             f.write_bytes(data)
         elif i % 3 == 1:
             f.write_bytes(data[:len(data) // 2])
         else:
-            files[i - 1].write_bytes(data)  # another entry's bytes under this name
+            f.write_bytes(originals[i - 1])
     with LLM(**opts) as llm:
         (after_damage,) = rounds(llm, 1)
         disk = tier(llm, "disk")

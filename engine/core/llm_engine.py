@@ -12,6 +12,7 @@ the batch as a whole propagates: the engine is then broken.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import secrets
@@ -24,7 +25,7 @@ from engine.core.engine_core import EngineCore
 from engine.kv.publisher import make_publisher
 from engine.worker.lora import LoRARegistry, LoRARequest
 from engine.models import load_tokenizer, weights
-from engine.models.loader import checkpoint_dir, read_checkpoint
+from engine.models.loader import checkpoint_dir, read_checkpoint, read_config
 from engine.core.output_processor import OutputProcessor
 from engine.request.outputs import RequestOutput
 from engine.worker.parallel import RecordedKV, start_ranks
@@ -125,6 +126,7 @@ class LLMEngine:
                                  "(update_weights_from_disk, update_weights_from_tensor or reload_weights)")
         if request.request_id in self.output_processor.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.processor.check_room(request)
         first = self.processor.sequence(request, time.monotonic())
         self.output_processor.add(request.request_id, request.prompt, first.params, first.beam)
         self.core.add(first)
@@ -188,18 +190,20 @@ class LLMEngine:
         self.update_weights_from_disk(self.config.model)
 
     # -- new weights, pause and continue (RL loops: engine/models/weights.py) ----------------
-    def pause_generation(self, mode: str = "abort") -> None:
+    def pause_generation(self, mode: str = "abort") -> list[str]:
         """No step runs until continue_generation (SGLang's and vLLM's pause). "abort": every
-        request in flight ends now; "retract": they keep their place, give their KV back, and
-        are computed again (under new weights, if updated meanwhile) when generation goes on."""
+        request in flight ends now (their ids are returned); "retract": they keep their place,
+        give their KV back, and are computed again (under new weights, if updated meanwhile)
+        when generation goes on."""
         if mode not in ("abort", "retract"):
             raise ValueError(f"pause_generation mode {mode!r}: choose 'abort' or 'retract'")
-        if mode == "abort":
-            for request_id in list(self.output_processor.requests):
-                self.abort(request_id)
-        else:
+        aborted = list(self.output_processor.requests) if mode == "abort" else []
+        for request_id in aborted:
+            self.abort(request_id)
+        if mode == "retract":
             self.scheduler.retract_all()
         self.paused = True
+        return aborted
 
     def continue_generation(self) -> None:
         self.paused = False
@@ -233,19 +237,38 @@ class LLMEngine:
 
     def update_weights_from_disk(self, path: str) -> None:
         """update_weights_from_tensor with every tensor of a Hugging Face checkpoint directory
-        (or a .gguf file) of this model's shape."""
-        where = checkpoint_dir(path)
-        if where is None:
-            raise ValueError(f"{path!r} is a random model: it has no weights on disk")
+        (or a .gguf file) of this model's config: a checkpoint whose config.json differs (another
+        RoPE base, an untied LM head) would need another engine, and is refused by name."""
+        self.update_weights_from_tensor(self.read_weights_from_disk(path))
+
+    def read_weights_from_disk(self, path: str) -> dict:
+        """A checkpoint's tensors, read and checked against this model (ValueError by name);
+        changes nothing, so it may run off the engine's thread (the server reads there, and
+        checks every model an update names before any of them takes it)."""
         try:
-            state = read_checkpoint(where)
-        except (OSError, ValueError, FileNotFoundError):
+            where = checkpoint_dir(path)
+            if where is None:
+                raise ValueError(f"{path!r} is a random model: it has no weights on disk")
+            config = read_config(where / "config.json")
+            state, _ = read_checkpoint(where)
+        except FileNotFoundError:
             raise
-        except Exception as exc:  # a damaged file: the reader's own error (safetensors'), said as ours
+        except (OSError, RuntimeError) as exc:  # RuntimeError: expanduser of an unknown ~user
+            raise ValueError(f"{path}: cannot read a checkpoint there ({exc.strerror or exc})"
+                             if isinstance(exc, OSError) else f"{path}: {exc}") from None
+        except ValueError:
+            raise
+        except Exception as exc:  # a damaged .gguf: its reader's own error, said as ours
             raise ValueError(f"{path}: cannot read its weights ({type(exc).__name__}: {exc})") from None
+        differ = [f.name for f in dataclasses.fields(config)
+                  if getattr(config, f.name) != getattr(self.model_config, f.name)]
+        if differ:
+            raise ValueError(f"{where / 'config.json'}: {', '.join(differ)} differ from the running model's "
+                             f"config: start an engine on it instead")
         if self.model_config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # (as a load drops it)
-        self.update_weights_from_tensor(state)
+        weights.check(self.model, state)
+        return state
 
     def sync_workers(self) -> None:
         """Tensor parallel: the other ranks apply the KV operations made outside a step now."""

@@ -78,13 +78,22 @@ class InputProcessor:
         width = params.beam_width if isinstance(params, BeamSearchParams) else 1  # beams run in lockstep
         if width > c.max_num_seqs:
             raise ValueError(f"beam_width {width} exceeds max_num_seqs {c.max_num_seqs}")
+        request = EngineRequest(request_id, prompt, params, group, priority, grammar, self.adapter(lora_request))
+        self.check_room(request)
+        return request
+
+    def check_room(self, request: EngineRequest) -> None:
+        """The request fits the KV pages this model can ever hold: checked where it is made, and
+        again as the engine takes it (a limit lowered in between would strand it for good)."""
+        params = request.params
+        total = len(request.prompt.token_ids) + params.max_tokens
+        width = params.beam_width if isinstance(params, BeamSearchParams) else 1
         pages = width * self.pages_needed(total)
         most = self.pool.most_pages
         if pages > most:
             shared = " (this model's cap, less the other models' floors)" if most < self.pool.num_pages else ""
             raise ValueError(f"{total} tokens{f' for {width} beams' if width > 1 else ''} need {pages} KV pages, "
                              f"more than the whole KV budget of {most} pages{shared}")
-        return EngineRequest(request_id, prompt, params, group, priority, grammar, self.adapter(lora_request))
 
     def pages_needed(self, total: int) -> int:
         """The most pages a sequence of `total` tokens maps at once (a sliding window's pages are

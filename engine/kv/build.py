@@ -13,7 +13,6 @@ from engine.kv.manager import KVManager
 from engine.kv.paged import PagedLayout
 from engine.kv.tiers import KVTiers, make_tiers, namespace_of
 from engine.kv.virtual import VirtualLayout
-from engine.models import weights_fingerprint
 from engine.models.config import ModelConfig
 
 log = logging.getLogger("vkv.kv")
@@ -29,10 +28,12 @@ def backend_for(c: EngineConfig, shareable: bool = False) -> vmm.Backend:
 
 
 def make_kv_cache(c: EngineConfig, cfg: ModelConfig, budget: int, max_model_len: int, tile_rows: int,
-                  pool: vmm.PoolShare | None = None, window: int | None = None) -> KVManager:
+                  pool: vmm.PoolShare | None = None, window: int | None = None, weights: bytes = b"") -> KVManager:
     """One rank's KV manager over its layout: cfg holds its share of the KV heads, budget its
     bytes (or pool, a share of a pool several models draw from). tile_rows: what the attention
-    kernel loads past a sequence's end (engine/worker/attention.py); window: the model's sliding window."""
+    kernel loads past a sequence's end (engine/worker/attention.py); window: the model's sliding
+    window; weights: the loaded weights' fingerprint (`model.fingerprint`), which pages shared
+    with other processes or kept on disk are named under."""
     layout = make_layout(c, cfg, budget, max_model_len, tile_rows, pool)
     events = KVEventLog()
     if c.kv_events_config is not None and c.kv_events_config.publishes:
@@ -40,9 +41,9 @@ def make_kv_cache(c: EngineConfig, cfg: ModelConfig, budget: int, max_model_len:
     namespace, tiers = b"", None
     try:
         if c.offloading:
-            namespace, tiers = make_tiers_for(layout, c, events)
+            namespace, tiers = make_tiers_for(layout, c, events, weights)
         if c.kv_pool is not None:
-            namespace = shared_namespace(layout, c)
+            namespace = shared_namespace(layout, c, weights)
         return KVManager(layout, c.enable_prefix_caching, namespace=namespace, window=window, tiers=tiers,
                          events=events)
     except BaseException:
@@ -80,19 +81,25 @@ def make_layout(c: EngineConfig, cfg: ModelConfig, budget: int, max_model_len: i
                          backend, num_pages, tile_rows, swap, pool)
 
 
-def shared_namespace(layout: VirtualLayout, c: EngineConfig) -> bytes:
+def shared_namespace(layout: VirtualLayout, c: EngineConfig, weights: bytes) -> bytes:
     """Over a pool several processes share, pages are named in a namespace of the weights and
     the KV geometry, so no process maps another model's or layout's pages for a prefix."""
-    geometry = {"compute_dtype": str(c.compute_dtype), **layout.geometry()}
-    return namespace_of(weights_fingerprint(c.model, c.seed), geometry)
+    return namespace_of(weights, dtypes(c) | layout.geometry())
 
 
-def make_tiers_for(layout: VirtualLayout | PagedLayout, c: EngineConfig, events: KVEventLog) -> tuple[bytes, KVTiers]:
+def dtypes(c: EngineConfig) -> dict:
+    """The dtypes KV depends on besides the cache's own: bf16 weights computed in fp32 (a CPU
+    without native bf16) give other KV than fp32 weights do."""
+    return {"compute_dtype": str(c.compute_dtype), "weights_dtype": str(c.dtype)}
+
+
+def make_tiers_for(layout: VirtualLayout | PagedLayout, c: EngineConfig, events: KVEventLog,
+                   weights: bytes) -> tuple[bytes, KVTiers]:
     """The KV tiers below the pool, and the namespace pages are named in: one of the weights and
     the KV geometry, so a disk tier never hands an engine another model's or layout's bytes."""
     geometry = layout.geometry()
-    describe = {"model": c.model or "bundled", "compute_dtype": str(c.compute_dtype), **geometry}
-    weights = weights_fingerprint(c.model, c.seed) if c.kv_offloading_path else b""
+    describe = {"model": c.model or "bundled", **dtypes(c), **geometry}
+    weights = weights if c.kv_offloading_path else b""
     namespace = namespace_of(weights, {k: v for k, v in describe.items() if k != "model"})
     tiers = make_tiers(c.device, layout.entry_bytes, int(c.kv_offloading_size * (1 << 30)),
                        c.kv_offloading_path, int(c.kv_offloading_path_size * (1 << 30)), namespace, describe, events)

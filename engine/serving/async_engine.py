@@ -139,6 +139,9 @@ class AsyncEngine:
         deltas = getattr(request.params, "output_kind", None) is RequestOutputKind.DELTA
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic(), deltas)
         self.streams[request_id] = stream
+        if self.dead:  # died since the check above: its handler may have missed this stream
+            self.streams.pop(request_id, None)
+            raise self.dead
         self._command(Add(request))
         finished = False
         try:
@@ -193,9 +196,15 @@ class AsyncEngine:
     async def continue_generation(self) -> None:
         await self._ask(Resume)
 
-    async def update_weights_from_disk(self, path: str) -> None:
-        """New weights in place from a checkpoint (LLMEngine's); ValueError by name, nothing changed."""
-        await self._ask(lambda reply: UpdateWeights(reply, path))
+    async def read_weights_from_disk(self, path: str) -> dict:
+        """A checkpoint's tensors read and checked on a worker thread: the engine (and every
+        other model's, which wait for its turn) keeps stepping meanwhile."""
+        return await asyncio.to_thread(self.engine.read_weights_from_disk, path)
+
+    async def update_weights(self, state: dict) -> None:
+        """New weights in place (LLMEngine.update_weights_from_tensor); ValueError by name,
+        nothing changed."""
+        await self._ask(lambda reply: UpdateWeights(reply, state))
 
     async def _ask(self, command):
         if self.dead:
@@ -229,10 +238,10 @@ class AsyncEngine:
             self._run_steps()
         except Exception as exc:
             log.exception("the engine failed")
-            self._become(Phase.DEAD, EngineDeadError(f"the engine failed and stopped: {exc!r}"))
-            for stream in self.streams.values():
-                self._put(stream, self.dead)
-            self.streams.clear()
+            self._become(Phase.DEAD, EngineDeadError(f"the engine failed and stopped ({type(exc).__name__}): "
+                                                     f"see the server's log"))
+            for request_id in list(self.streams):  # (a copy: the loop thread registers streams meanwhile)
+                self._put(self.streams.pop(request_id, None), self.dead)
 
     def stalled(self) -> str | None:
         """Why the engine thread is not moving (for /health), or None: its turn began longer than
@@ -260,13 +269,15 @@ class AsyncEngine:
     def _turn(self) -> None:
         """Commands, then one step if there is work (with the models' turn held)."""
         self._apply_commands()
-        if self.phase is Phase.STOPPED or self.engine.paused:
+        if self.phase is Phase.STOPPED:
             return
-        if self.sleep_waiters and not self.engine.has_unfinished():
+        if self.sleep_waiters and not self.engine.has_unfinished():  # (paused too: nothing to drain)
             waiters, self.sleep_waiters = self.sleep_waiters, []
             level = max(level for _, level in waiters)
             for future, _ in waiters:
                 _settle(future, self._sleep_now, level)
+        if self.engine.paused:
+            return
         if not self.engine.has_unfinished():
             if self.idle_sleep is not None and idle_long_enough(self.engine, self.last_active, self.idle_sleep,
                                                                 time.monotonic()):
@@ -310,15 +321,15 @@ class AsyncEngine:
                         self._become(Phase.SERVING)
                     _settle(reply, self.engine.wake_up, tags)
                 case Pause(reply, mode):
-                    _settle(reply, self.engine.pause_generation, mode)
-                    if mode == "abort":  # (the engine forgot them: their streams end here)
-                        for stream in self.streams.values():
-                            self._put(stream, RequestCancelled("the request was aborted: generation was paused"))
-                        self.streams.clear()
+                    # the requests the engine forgets end here; a stream the loop thread registered
+                    # meanwhile belongs to an Add still queued, which waits for continue_generation
+                    for request_id in _settle(reply, self.engine.pause_generation, mode) or ():
+                        self._put(self.streams.pop(request_id, None),
+                                  RequestCancelled("the request was aborted: generation was paused"))
                 case Resume(reply):
                     _settle(reply, self.engine.continue_generation)
-                case UpdateWeights(reply, path):
-                    _settle(reply, self.engine.update_weights_from_disk, path)
+                case UpdateWeights(reply, state):
+                    _settle(reply, self.engine.update_weights_from_tensor, state)
                 case Snapshot(reply):
                     self.stats = self.engine.stats()
                     reply.get_loop().call_soon_threadsafe(_resolve, reply, self.stats)
@@ -389,11 +400,13 @@ def _reject(future: asyncio.Future, exc: BaseException) -> None:
         future.set_exception(exc)
 
 
-def _settle(future: asyncio.Future, fn, *args) -> None:
-    """Run fn on the engine thread; its result or its exception goes to the handler's future."""
+def _settle(future: asyncio.Future, fn, *args):
+    """Run fn on the engine thread; its result or its exception goes to the handler's future
+    (the result is returned too; None after an exception)."""
     try:
         result = fn(*args)
     except Exception as exc:
         future.get_loop().call_soon_threadsafe(_reject, future, exc)
-    else:
-        future.get_loop().call_soon_threadsafe(_resolve, future, result)
+        return None
+    future.get_loop().call_soon_threadsafe(_resolve, future, result)
+    return result

@@ -71,7 +71,7 @@ class Resume:
 @dataclass(frozen=True)
 class UpdateWeights:
     reply: asyncio.Future
-    path: str  # a checkpoint of the model's shape (LLMEngine.update_weights_from_disk)
+    state: dict  # {name: tensor}, read and checked off the engine thread (LLMEngine.read_weights_from_disk)
 
 
 @dataclass(frozen=True)

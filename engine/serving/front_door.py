@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.config import EngineConfig
-from engine.serving.http import BodyGuard
+from engine.serving.http import BodyGuard, guarded_protocol
 from engine.serving.options import ServerOptions
 from engine.serving.protocol import error_body
 from engine.serving.replicas import AFFINITY_BYTES, Replica, ReplicaSet
@@ -59,7 +59,14 @@ class FrontDoor:
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat)
         app.router.add_event_handler("shutdown", self.client.aclose)
+        app.add_exception_handler(Exception, self.bug)
         return app
+
+    @staticmethod
+    async def bug(_, exc: Exception):
+        """As one server answers a bug: OpenAI's error object, naming only the exception's type."""
+        log.exception("unexpected error", exc_info=exc)
+        return refuse(500, f"internal error: {type(exc).__name__}", "internal_error")
 
     # -- who asks ---------------------------------------------------------------------------
     def authorized(self, request: Request) -> bool:
@@ -140,8 +147,8 @@ class FrontDoor:
         content = await request.body()
         try:
             body = json.loads(content)
-        except ValueError:
-            return refuse(400, "invalid request: body: not JSON")
+        except (ValueError, RecursionError):  # (nested past Python's recursion limit)
+            return refuse(400, "invalid request: body: not JSON, or nested too deep")
         if not isinstance(body, dict):
             return refuse(400, "invalid request: body: a JSON object is expected")
         start = json.dumps(body.get("prompt", body.get("messages")), sort_keys=True)[:AFFINITY_BYTES].encode()
@@ -293,7 +300,7 @@ def serve_replicas(args, options: ServerOptions) -> None:
         # an exception, so the replicas are stopped below instead of the process dying past them
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _exit_cleanly)
-        uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level,
+        uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, http=guarded_protocol(options),
                     timeout_keep_alive=options.timeout_keep_alive, limit_concurrency=options.limit_concurrency,
                     timeout_graceful_shutdown=options.shutdown_timeout)
     finally:

@@ -162,3 +162,9 @@ class GuardedH11Protocol(H11Protocol):
         self._header_timer = None
         if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
             self.transport.close()
+
+
+def guarded_protocol(options: ServerOptions) -> type[GuardedH11Protocol]:
+    """The protocol class one server runs (its own count of connections per address)."""
+    return type("GuardedH11", (GuardedH11Protocol,), {"header_timeout": options.header_timeout, "peers": Counter(),
+                                                      "max_per_peer": options.max_connections_per_peer})

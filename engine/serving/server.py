@@ -27,7 +27,6 @@ import asyncio
 import json
 import logging
 import signal
-from collections import Counter
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -39,7 +38,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.multi import MultiLLM
 from engine.serving.async_engine import AsyncEngine, EngineDeadError, RequestCancelled, Turns
-from engine.serving.http import BodyGuard, GuardedH11Protocol
+from engine.serving.http import BodyGuard, guarded_protocol
 from engine.serving.metrics import Metrics
 from engine.serving.options import ServerOptions
 from engine.serving.protocol import parse_limit
@@ -177,8 +176,7 @@ def serve(args, options: ServerOptions) -> None:
     if options.replica_rank is not None:
         _title(f"vkv: rank {options.replica_rank}")
     app, async_engines, what = make_app(args, options)
-    protocol = type("GuardedH11", (GuardedH11Protocol,), {"header_timeout": options.header_timeout, "peers": Counter(),
-                                                          "max_per_peer": options.max_connections_per_peer})
+    protocol = guarded_protocol(options)
     print(f"vkv: serving {what} on http://{options.host}:{options.port}", flush=True)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level, http=protocol,
                             timeout_keep_alive=options.timeout_keep_alive,

@@ -65,5 +65,5 @@ def build_rank(c: EngineConfig, rank: int = 0, model=None, pool: vmm.PoolShare |
     if c.device.type == "cuda" and c.kv_cache_memory is None:
         peak = activation_peak(model, c.max_num_batched_tokens, c.max_num_seqs, c.device)
     kv = make_kv_cache(c, shard_config(mc, tp), c.kv_budget_bytes(peak) // tp, max_model_len,
-                       attention.tile_rows(attention.target), pool, mc.sliding_window)
+                       attention.tile_rows(attention.target), pool, mc.sliding_window, model.fingerprint)
     return Rank(mc, max_model_len, model, attention, kv)

@@ -67,14 +67,16 @@ async def continue_generation(model: str | None = None, state: ServerState = Dep
 @router.post("/update_weights_from_disk", include_in_schema=False)
 async def update_weights_from_disk(body: UpdateWeightsRequest, state: ServerState = Depends(state_of)):
     state.weight_updates()
-    try:
-        for e in state.named(body.model).values():
-            await e.update_weights_from_disk(body.model_path)
+    engines = state.named(body.model)
+    try:  # every model reads and checks it first: none takes weights another refuses
+        checked = [(e, await e.read_weights_from_disk(body.model_path)) for e in engines.values()]
+        for e, update in checked:
+            await e.update_weights(update)
     except (ValueError, FileNotFoundError) as exc:
         raise HTTPError(400, str(exc)) from exc
     except RuntimeError as exc:  # requests in flight: pause first
         raise HTTPError(409, str(exc), "conflict") from exc
-    return {"success": True, "weights_version": [e.engine.weights_version for e in state.named(body.model).values()]}
+    return {"success": True, "weights_version": [e.engine.weights_version for e in engines.values()]}
 
 
 @router.get("/kv_limits", include_in_schema=False)
