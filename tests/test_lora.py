@@ -263,3 +263,39 @@ def test_vkv_generate_runs_with_an_adapter_and_refuses_lora_flags_that_would_do_
     for argv in (["generate", "--enable-lora", "hi"], ["generate", "--lora", str(root / "all"), "hi"]):
         with pytest.raises(SystemExit, match="lora"):
             main(argv)
+
+
+def test_malformed_adapter_files_are_refused_by_name(tmp_path):
+    """A review's reproducers escaped as RecursionError, ZeroDivisionError, IndexError,
+    OverflowError and MemoryError (a 500 from the server, not a 400 naming the adapter)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from engine.models.config import ModelConfig
+    from engine.worker.lora import LoRARequest, load_adapter
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=8)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
+    good = {key + "A.weight": torch.ones(2, 16), key + "B.weight": torch.ones(16, 2)}
+
+    def adapter(name, config, tensors=None):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "adapter_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+        if tensors is not None:
+            save_file(tensors, str(path / "adapter_model.safetensors"))
+        return LoRARequest(name, 1, str(path))
+
+    cases = [adapter("deep", "[" * 100_000 + "]" * 100_000, good),
+             adapter("rank0", {"r": 2}, {key + "A.weight": torch.ones(0, 16), key + "B.weight": torch.ones(16, 0)}),
+             adapter("scalar", {"r": 2}, {key + "A.weight": torch.tensor(1.0), key + "B.weight": torch.ones(16, 2)}),
+             adapter("bigint", '{"r": 2, "lora_alpha": ' + "9" * 400 + "}", good),
+             adapter("sparse", {"r": 2})]
+    with open(tmp_path / "sparse" / "adapter_model.safetensors", "wb") as f:
+        f.truncate(1 << 40)  # 1 TiB, sparse: no disk used
+    for request in cases:
+        with pytest.raises(ValueError, match=f"LoRA adapter {request.lora_name!r}"):
+            load_adapter(request, cfg, 8, torch.device("cpu"), torch.float32)
+    assert load_adapter(adapter("good", {"r": 2}, good), cfg, 8, torch.device("cpu"), torch.float32).rank == 2

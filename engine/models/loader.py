@@ -356,6 +356,8 @@ def load_tokenizer(spec: str | None):
     path = checkpoint_dir(spec)
     if path is None or not _has_tokenizer(path):
         borrowed = os.environ.get("VKV_TOKENIZER")
+        if path is not None:  # said: a checkpoint of another vocabulary would decode to wrong text
+            log.warning("vkv: %s has no tokenizer files: borrowing %s's", path, borrowed or "the bundled model")
         path = Path(borrowed).expanduser() if borrowed else checkpoint_dir(None)
         if borrowed and not _has_tokenizer(path):
             raise FileNotFoundError(f"VKV_TOKENIZER={borrowed}: no tokenizer.json or tokenizer_config.json there")

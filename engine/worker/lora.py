@@ -111,10 +111,10 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int, device: 
             raise ValueError(f"{what}: adapter_config.json is over {MAX_CONFIG_BYTES} bytes")
         try:
             config = json.loads(config_bytes)
-        except ValueError as exc:
-            raise ValueError(f"{what}: adapter_config.json is not JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"{what}: adapter_config.json is not JSON, or nested too deep ({exc})") from None
         _check_config(what, config)
-        tensors, weight_bytes = _read_weights(what, path)
+        tensors, weight_bytes = _read_weights(what, path, most_bytes(cfg, max_rank))
     except OSError as exc:  # a directory that cannot be read, a name too long, ...
         raise ValueError(f"{what}: cannot be read ({exc.strerror or exc})") from None
     alpha, rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
@@ -147,8 +147,8 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int, device: 
             a, b = ab["A"], ab["B"]
             if not (a.is_floating_point() and b.is_floating_point() and torch.isfinite(a).all() and torch.isfinite(b).all()):
                 raise ValueError(f"{what}: {where} holds values that are not finite floats")
-            r = a.shape[0]
-            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (outs[part], r):
+            r = a.shape[0] if a.dim() == 2 else 0
+            if r < 1 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (outs[part], r):
                 raise ValueError(f"{what}: {where} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; this model's "
                                  f"{module} maps {fan_in} -> {outs[part]} features (an adapter of another base model?)")
             if r > max_rank:
@@ -179,7 +179,20 @@ def _read_bounded(path: Path, limit: int) -> bytes | None:
 
 
 def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite JSON number (an integer of 400 digits is none: float() overflows)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def most_bytes(cfg: ModelConfig, max_rank: int) -> int:
+    """The most bytes an adapter's weights can take (every projection of every layer at
+    max_lora_rank, in fp64), and room for the file's header: a larger file is refused unread."""
+    per_layer = sum(fan_in + sum(outs) * len(outs) for fan_in, outs in projection_shapes(cfg).values())
+    return cfg.num_layers * per_layer * max_rank * 8 * 4 + (1 << 20)
 
 
 def _check_config(what: str, config) -> None:
@@ -217,15 +230,20 @@ def _check_config(what: str, config) -> None:
                              f"(it has {', '.join(TARGETS)})")
 
 
-def _read_weights(what: str, path: Path) -> tuple[dict[str, torch.Tensor], bytes]:
-    """The checkpoint's tensors (on the CPU) and the bytes they came from."""
+def _read_weights(what: str, path: Path, most: int) -> tuple[dict[str, torch.Tensor], bytes]:
+    """The checkpoint's tensors (on the CPU) and the bytes they came from (at most `most`)."""
+    from engine.models.loader import parse_safetensors
+
     safetensors, pickled = path / "adapter_model.safetensors", path / "adapter_model.bin"
+    for f in (safetensors, pickled):
+        if f.is_file() and f.stat().st_size > most:
+            raise ValueError(f"{what}: {f.name} is {f.stat().st_size} bytes, more than any adapter of rank "
+                             f"max_lora_rank over this model holds ({most})")
     if safetensors.is_file():
-        from safetensors.torch import load
         data = safetensors.read_bytes()
         try:
-            return load(data), data
-        except Exception as exc:  # a truncated or foreign file
+            return parse_safetensors(bytearray(data)), data
+        except ValueError as exc:  # a truncated or foreign file
             raise ValueError(f"{what}: adapter_model.safetensors cannot be read ({exc})") from None
     if pickled.is_file():
         data = pickled.read_bytes()
