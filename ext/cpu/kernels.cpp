@@ -96,13 +96,13 @@ VKV_INLINE void store(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // 
 template <typename F>
 struct Fp8;
 template <>
-struct Fp8<c10::Float8_e4m3fn> {  // 4 exponent bits (bias 7), 3 mantissa bits
-  static constexpr int kShift = 20, kBias = 127 - 7, kSubBelow = 8;
+struct Fp8<c10::Float8_e4m3fn> {  // 4 exponent bits (bias 7), 3 mantissa bits; 0x7f is NaN, no infinity
+  static constexpr int kShift = 20, kBias = 127 - 7, kSubBelow = 8, kNanFrom = 0x7f, kInf = 0x100;
   static constexpr float kStep = 1.0f / 512, kMax = 448.0f;
 };
 template <>
-struct Fp8<c10::Float8_e5m2> {  // 5 exponent bits (bias 15), 2 mantissa bits
-  static constexpr int kShift = 21, kBias = 127 - 15, kSubBelow = 4;
+struct Fp8<c10::Float8_e5m2> {  // 5 exponent bits (bias 15), 2 mantissa bits; 0x7c is infinity, above NaN
+  static constexpr int kShift = 21, kBias = 127 - 15, kSubBelow = 4, kNanFrom = 0x7d, kInf = 0x7c;
   static constexpr float kStep = 1.0f / 65536, kMax = 57344.0f;
 };
 template <typename F>
@@ -111,6 +111,10 @@ VKV_INLINE float fp8_load(uint8_t b) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   f = mag < Fp8<F>::kSubBelow ? static_cast<float>(mag) * Fp8<F>::kStep : f;
+  // NaN and infinity as themselves (a NaN stored from poisoned activations must not come back
+  // as 480 or 114,688 and slip past the sampler's check)
+  f = mag >= static_cast<uint32_t>(Fp8<F>::kNanFrom) ? std::numeric_limits<float>::quiet_NaN() : f;
+  f = mag == static_cast<uint32_t>(Fp8<F>::kInf) ? std::numeric_limits<float>::infinity() : f;
   return (b & 0x80u) ? -f : f;
 }
 VKV_INLINE float load(c10::Float8_e4m3fn x) { return fp8_load<c10::Float8_e4m3fn>(x.x); }
@@ -308,8 +312,13 @@ struct Vec {
         _mm512_add_epi32(_mm512_slli_epi32(mag, Fp8<F>::kShift), _mm512_set1_epi32(Fp8<F>::kBias << 23)));
     const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(Fp8<F>::kStep));
     const __mmask16 is_sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(Fp8<F>::kSubBelow));
+    const __mmask16 is_nan = _mm512_cmpge_epi32_mask(mag, _mm512_set1_epi32(Fp8<F>::kNanFrom));
+    const __mmask16 is_inf = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(Fp8<F>::kInf));
+    __m512 f = _mm512_mask_blend_ps(is_sub, normal, sub);
+    f = _mm512_mask_blend_ps(is_nan, f, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+    f = _mm512_mask_blend_ps(is_inf, f, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
     const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(_mm512_mask_blend_ps(is_sub, normal, sub)), sign));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
   }
   static VKV_INLINE void store(float* p, R x) { _mm512_storeu_ps(p, x); }
   static VKV_INLINE R set1(float x) { return _mm512_set1_ps(x); }
@@ -336,8 +345,13 @@ struct Vec {
         _mm256_add_epi32(_mm256_slli_epi32(mag, Fp8<F>::kShift), _mm256_set1_epi32(Fp8<F>::kBias << 23)));
     const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(Fp8<F>::kStep));
     const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(Fp8<F>::kSubBelow), mag));
+    const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(Fp8<F>::kNanFrom - 1)));
+    const __m256 is_inf = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(Fp8<F>::kInf)));
+    __m256 f = _mm256_blendv_ps(normal, sub, is_sub);
+    f = _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), is_nan);
+    f = _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::infinity()), is_inf);
     const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
-    return _mm256_or_ps(_mm256_blendv_ps(normal, sub, is_sub), _mm256_castsi256_ps(sign));
+    return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
   }
   static VKV_INLINE void store(float* p, R x) { _mm256_storeu_ps(p, x); }
   static VKV_INLINE R set1(float x) { return _mm256_set1_ps(x); }
