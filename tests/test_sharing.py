@@ -179,3 +179,30 @@ def test_beam_search_refuses_what_it_cannot_run():
         llm.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=10**6))
     assert llm.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=2))[0].sequences
     assert_pool_whole(llm)
+
+
+def test_a_prompt_that_fits_alone_runs_when_its_cached_prefix_would_cost_a_page_too_many():
+    """A review's reproducer hung the engine for good: the cached first page's last row runs into
+    the next page, so the hit needs a private copy of a page while the cache keeps the original:
+    more pages than the prompt needs computed. Alone, it is now computed without the hit."""
+    import random
+    import threading
+
+    page = 64 << 10  # per_layer over SmolLM2's KV geometry: 85.3 rows a page
+    opts = dict(model=NARROW, kv_layout="per_layer", max_num_seqs=4, max_model_len=512,
+                kv_cache_memory=200 * page, page_size=page)
+    prompt = random.Random(7).sample(range(100, 5000), 200)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(enable_prefix_caching=False, **opts) as llm:
+        assert llm.engine.kv.pages_for(200) <= 200 < llm.engine.kv.pages_for(200) + 2 * 30  # the case: tight
+        expected = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(**opts) as llm:
+        llm.generate([prompt[:86]], params, use_tqdm=False)  # caches the first page
+        done = []
+        worker = threading.Thread(target=lambda: done.append(llm.generate([prompt], params, use_tqdm=False)),
+                                  daemon=True)
+        worker.start()
+        worker.join(60)
+        assert done, "the engine spun on the request for 60 s"
+        assert done[0][0].outputs[0].token_ids == expected
+        assert_pool_whole(llm)

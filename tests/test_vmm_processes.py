@@ -188,11 +188,32 @@ def test_no_process_can_wedge_break_or_flush_the_owner_for_the_others(owner, mon
                 evil.send(b'{"op":"stats"}')
         start = time.monotonic()
         assert pool.alloc_many(1) and time.monotonic() - start < 5  # the owner answers the others
+        idle = []  # connections that fill their sockets and never read: the owner never waits on one
+        for _ in range(6):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(owner.path)
+            s.setblocking(False)
+            try:
+                for _ in range(20_000):
+                    s.send(b'{"op":"stats"}')
+            except OSError:
+                pass
+            idle.append(s)
+        worst = 0.0
+        for _ in range(200):
+            start = time.monotonic()
+            pool.owner_stats()
+            worst = max(worst, time.monotonic() - start)
+        assert worst < 0.5, worst  # (each non-reading connection cost the owner 1 s a round before)
+        for s in idle:
+            s.close()
         page = pool.alloc_many(1)[0]
         with pytest.raises(OwnerError, match="twice"):
             pool._ask({"op": "publish", "entries": [["aa", [page, page]]]})
         with pytest.raises(OwnerError, match="meta"):
             pool._ask({"op": "publish", "entries": [["ab", [page], "not a dict"]]})
+        with pytest.raises(OwnerError, match="meta"):  # (past 64 bits it sank a whole batch of KV events)
+            pool._ask({"op": "publish", "entries": [["ab", [page], {"tokens": [2 ** 64]}]]})
         owner.audit()
         assert pool._ask({"op": "publish", "entries": [["ac", [page]]]})[0]["published"] == [True]
         pool.drop_many([page])  # cached now, held by nobody: evictable

@@ -76,8 +76,9 @@ DIRECTORY = 0  # the holder id of the name directory; processes are 1, 2, ...
 LOOKUP_ANSWER_PAGES = 8192  # page ids in one lookup answer (well inside a datagram); the caller asks again
 MAX_CHANGES = 1 << 20  # directory changes kept for `take_changes`; past this the oldest go (counted)
 MAX_PROCESSES = 256  # connected at once; more are closed at once (each costs the owner a descriptor)
-SEND_TIMEOUT = 1.0  # seconds an answer may wait for room in a process's socket: one that does not
-# read its answers is let go (its references released), so it cannot stall the owner for the others
+PARK_TIMEOUT = 10.0  # seconds an answer may wait for room in a process's socket. The owner never
+# blocks on a send: an answer with no room waits (and its process is not read from) while the owner
+# serves the others; a process that leaves it waiting this long is let go (its references released)
 
 
 def check_meta(meta) -> None:
@@ -85,7 +86,8 @@ def check_meta(meta) -> None:
     reads it): None, or {"parent": hex name or None, "tokens": ids, "size": n, "lora": name or None}."""
     if meta is None:
         return
-    count = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+    count = lambda x: isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 32  # noqa: E731
+    # (token ids and sizes are 32-bit where names chain them; a 2**64 one sank a whole batch of events)
     parent = meta.get("parent") if isinstance(meta, dict) else None
     tokens = meta.get("tokens", []) if isinstance(meta, dict) else None
     if not (isinstance(meta, dict) and set(meta) <= {"parent", "tokens", "size", "lora"}
@@ -136,10 +138,40 @@ class PoolOwner:
         selector = selectors.DefaultSelector()
         selector.register(self._listener, selectors.EVENT_READ, None)
         conns: dict[socket.socket, int] = {}
+        parked: dict[socket.socket, tuple[dict, list[int], float]] = {}  # answers waiting for room
         refusing = False  # accept failing (said once until it works again)
+
+        def drop(conn: socket.socket) -> None:
+            client = conns.pop(conn)
+            selector.unregister(conn)
+            conn.close()
+            for fd in parked.pop(conn, (None, [], 0))[1]:
+                os.close(fd)
+            with self.lock:
+                self._leave(client)
+
+        def deliver(conn: socket.socket, answer: dict, fds: list[int], since: float) -> None:
+            """Send now, or park the answer (fds kept open) and read nothing more from conn until
+            it is sent. Exported copies are closed once sent."""
+            try:
+                wire.send(conn, answer, fds)
+            except BlockingIOError:
+                parked[conn] = (answer, fds, since)
+                selector.modify(conn, selectors.EVENT_WRITE, conns[conn])
+                return
+            except ValueError as exc:  # too large for one datagram: said, not fatal
+                for fd in fds:
+                    os.close(fd)
+                deliver(conn, {"error": "ValueError", "message": str(exc)}, [], since)
+                return
+            for fd in fds:
+                os.close(fd)
+            if parked.pop(conn, None) is not None:
+                selector.modify(conn, selectors.EVENT_READ, conns[conn])
+
         try:
             while not self._stopping.is_set():
-                for key, _ in selector.select(timeout=0.1):
+                for key, events in selector.select(timeout=0.1):
                     if key.data is None:
                         try:
                             conn, _ = self._listener.accept()
@@ -153,37 +185,34 @@ class PoolOwner:
                         if len(conns) >= MAX_PROCESSES:
                             conn.close()  # it reads the end at once and says the owner refused it
                             continue
-                        conn.settimeout(SEND_TIMEOUT)  # one that stops reading its answers is let go
+                        conn.setblocking(False)  # see PARK_TIMEOUT
                         with self.lock:
                             conns[conn] = self._join(conn)
                         selector.register(conn, selectors.EVENT_READ, conns[conn])
                         continue
                     conn, client = key.fileobj, key.data
                     try:
+                        if conn in parked:  # room at last for the answer it waits for
+                            deliver(conn, *parked[conn])
+                            continue
                         message, _ = wire.receive(conn)
                         with self.lock:
                             answer, fds = self._answer(client, message)
-                        try:
-                            wire.send(conn, answer, fds)
-                        except ValueError as exc:  # too large for one datagram: said, not fatal
-                            wire.send(conn, {"error": "ValueError", "message": str(exc)})
-                        finally:
-                            if message.get("op") == "export":  # exported copies: sent (or not), never kept
-                                for fd in fds:
-                                    os.close(fd)
+                        if message.get("op") != "export":
+                            fds = [os.dup(fd) for fd in fds]  # (kept open until sent; the owner keeps its own)
+                        deliver(conn, answer, fds, time.monotonic())
                     except Exception as exc:  # gone, a bug, or a process that speaks nonsense: it alone is let go
-                        if not isinstance(exc, wire.WireError):
+                        if not isinstance(exc, (wire.WireError, BlockingIOError)):
                             log.exception("vkv: pool process %d: %s", client, exc)
-                        selector.unregister(conn)
-                        del conns[conn]
-                        conn.close()
-                        with self.lock:
-                            self._leave(client)
+                        drop(conn)
+                now = time.monotonic()
+                for conn in [c for c, (_, _, since) in parked.items() if now - since > PARK_TIMEOUT]:
+                    log.warning("vkv: pool process %d has not read its answer for %.0f s: let go", conns[conn],
+                                now - parked[conn][2])
+                    drop(conn)
         finally:
-            with self.lock:
-                for conn, client in conns.items():
-                    conn.close()
-                    self._leave(client)
+            for conn in list(conns):
+                drop(conn)
             selector.close()
 
     def request_stop(self) -> None:

@@ -28,6 +28,8 @@ def send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
             socket.send_fds(sock, [data], list(fds))
         else:
             sock.send(data)
+    except BlockingIOError:  # a non-blocking socket with no room: the caller waits for it
+        raise
     except OSError as exc:
         raise WireError(f"the other end went away: {exc}") from exc
 

@@ -143,10 +143,13 @@ class KVManager:
         self.reclaim(self.pool.num_free + pages)
 
     # -- the sequence life cycle (the scheduler's calls) -----------------------------------
-    def admit(self, seq: Sequence) -> int:
+    def admit(self, seq: Sequence, cached: bool = True) -> int:
         """Give seq a place and map its longest cached prefix, from the pool and then from the
-        tiers, and a cached page that begins with its next tokens; returns the tokens it holds."""
+        tiers, and a cached page that begins with its next tokens; returns the tokens it holds.
+        cached=False: no prefix (a hit costs a page it lacks: see Scheduler._admit_waiting)."""
         self._take_place(seq)
+        if not cached:
+            return 0
         hits = self.lookup.match(seq)
         self.layout.install_prefix(seq, hits)
         return self.lookup.partial(seq, len(hits) + self.lookup.restore(seq, len(hits)))

@@ -304,17 +304,15 @@ class Scheduler:
             seq = self.order.next(self.waiting, self.running)
             if seq is None or not self._fits(seq, budget):
                 break
-            seq.num_computed_tokens = self.kv.admit(seq)  # a cached prefix counts as computed
-            if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = seq.num_computed_tokens
-            if seq.num_pending_tokens <= 0:  # never expected: a step over no rows would fail the engine
-                log.warning("admitting %s (%d tokens) found %d computed: its last token is computed again",
-                            seq.request_id, len(seq), seq.num_computed_tokens)
-                seq.num_computed_tokens = len(seq) - 1  # its logits sample the next token
-            n = min(seq.num_pending_tokens, budget)
-            if not self.kv.ensure_mapped(seq, seq.num_computed_tokens + n):
-                self.kv.release(seq, keep_pages=False)
-                seq.num_computed_tokens = 0
+            n = self._place(seq, budget, cached=True)
+            if n is None and not self.running:
+                # Alone and still short: a hit whose last row runs into the next page makes that page
+                # a private copy while the cache keeps its original mapped (a page or two more than
+                # _fits counted). Without the hit it needs exactly what _fits counted: computed again
+                # rather than retried for ever.
+                seq.num_cached_tokens = None
+                n = self._place(seq, budget, cached=False)
+            if n is None:
                 break
             self.order.admitted(seq, self.waiting)
             self.waiting.remove(seq)
@@ -322,6 +320,23 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
         return scheduled
+
+    def _place(self, seq: Sequence, budget: int, cached: bool) -> int | None:
+        """Admit seq (with its cached prefix, if `cached`) and map the rows it computes first: how
+        many, or None, with nothing held, when memory is short."""
+        seq.num_computed_tokens = self.kv.admit(seq, cached)  # a cached prefix counts as computed
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        if seq.num_pending_tokens <= 0:  # never expected: a step over no rows would fail the engine
+            log.warning("admitting %s (%d tokens) found %d computed: its last token is computed again",
+                        seq.request_id, len(seq), seq.num_computed_tokens)
+            seq.num_computed_tokens = len(seq) - 1  # its logits sample the next token
+        n = min(seq.num_pending_tokens, budget)
+        if not self.kv.ensure_mapped(seq, seq.num_computed_tokens + n):
+            self.kv.release(seq, keep_pages=False)
+            seq.num_computed_tokens = 0
+            return None
+        return n
 
     def _fits(self, seq: Sequence, budget: int) -> bool:
         headroom = self.headroom_pages if self.running else 0

@@ -249,12 +249,18 @@ class Workers:
             dist.destroy_process_group()
 
     def _stop_all(self) -> None:
+        """Each worker ends, asked or not: terminated after 10 s, killed after 5 more (a stopped
+        or hung process never acts on SIGTERM, and close() must still end the process group)."""
         for w in self.procs:
             try:
                 w.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 w.proc.terminate()
-                w.proc.wait(timeout=10)
+                try:
+                    w.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    w.proc.kill()
+                    w.proc.wait()
 
 
 def start_ranks(c: EngineConfig, model=None, pool=None) -> tuple[Rank, Workers | None]:
