@@ -238,9 +238,7 @@ class AsyncEngine:
             self._run_steps()
         except Exception as exc:
             log.exception("the engine failed")
-            ours = type(exc).__module__.split(".")[0] in ("engine", "vmm")  # (a worker died, ...): said
-            why = f"{type(exc).__name__}: {exc}" if ours else f"{type(exc).__name__}; see the server's log"
-            self._become(Phase.DEAD, EngineDeadError(f"the engine failed and stopped ({why})"))
+            self._become(Phase.DEAD, EngineDeadError(f"the engine failed and stopped: {type(exc).__name__}: {exc}"))
             for request_id in list(self.streams):  # (a copy: the loop thread registers streams meanwhile)
                 self._put(self.streams.pop(request_id, None), self.dead)
 
