@@ -221,6 +221,10 @@ def test_no_process_can_wedge_break_or_flush_the_owner_for_the_others(owner, mon
         with pytest.raises(PoolExhausted):
             other.alloc_many(owner.pool.num_pages)  # more than free + evictable (one page is held)
         assert owner.stats()["cached"] == before["cached"]  # and nothing was evicted for it
+        second = owner_backend(owner.kind)
+        with pytest.raises(ValueError, match="already serves"):  # a second owner on a live owner's path
+            PoolOwner(second, 4, owner.path)
+        second.close()
         monkeypatch.setattr(owner_module, "MAX_PROCESSES", 2)  # pool and other: a third is closed
         backend = None if owner.kind == "host" else make_cuda_backend()
         with pytest.raises(OwnerError):

@@ -103,6 +103,18 @@ class PoolOwner:
         if not isinstance(backend, HostBackend) and not getattr(backend, "shareable", False):
             raise ValueError(f"a pool shared across processes needs the host backend or a CUDA backend made "
                              f"with shareable=True, not {backend.name}")
+        if os.path.exists(path):  # a live owner's socket is refused; a dead one's is taken over
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                probe.settimeout(1.0)
+                probe.connect(path)
+            except OSError:  # nobody listens: left by an owner that died
+                os.unlink(path)
+            else:
+                raise ValueError(f"a pool owner already serves {path}: processes attached to it would split "
+                                 f"across two pools (stop it, or give this one another path)")
+            finally:
+                probe.close()
         self.pool = PagePool(backend, num_pages)
         self.path = path
         self.holders: list[set[int]] = [set() for _ in range(num_pages)]
@@ -121,8 +133,6 @@ class PoolOwner:
         self.lock = threading.Lock()  # the loop's steps, and stats/audit from other threads
         self._thread: threading.Thread | None = None
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        if os.path.exists(path):
-            os.unlink(path)
         self._listener.bind(path)
         os.chmod(path, 0o600)
         self._listener.listen(64)
