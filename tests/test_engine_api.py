@@ -58,6 +58,24 @@ def test_max_tokens_min_tokens_and_stop_strings(llm):
     assert llm.tokenizer.eos_token_id not in held.token_ids[:least - 1]
 
 
+def test_the_token_that_stops_a_completion_is_kept_out_of_its_text(llm):
+    """vLLM's rule, as for stop strings: `stop_token_ids=['.']` ended "Paris." and a chat turn
+    with skip_special_tokens=False ended "...<|im_end|>" (a review's reproducer)."""
+    dot = llm.tokenizer.encode(".", add_special_tokens=False)[0]
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    full = llm.generate("The capital of France is", p, use_tqdm=False)[0].outputs[0]
+    assert dot in full.token_ids  # the case: the greedy answer has a full stop
+    cut = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[dot]),
+                       use_tqdm=False)[0].outputs[0]
+    by_string = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12, stop=["."]),
+                             use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.token_ids[-1] == dot and cut.text == by_string.text
+    say = [{"role": "user", "content": "Say OK."}]
+    turn = llm.chat(say, SamplingParams(temperature=0, max_tokens=30, skip_special_tokens=False),
+                    use_tqdm=False)[0].outputs[0]
+    assert turn.token_ids[-1] == llm.tokenizer.eos_token_id and not turn.text.endswith(llm.tokenizer.eos_token)
+
+
 def test_streamed_completions_keep_their_index_when_best_of_is_n():
     """best_of == n chooses nothing: each completion keeps its index from the first delta to the
     final output (ranking them by cum_logprob at the end swapped their last tokens)."""

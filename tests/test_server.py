@@ -562,3 +562,23 @@ def test_auto_tool_calls_are_parsed_from_hermes_blocks():
     assert tool_use([strict], "required", None).functions[0].strict  # enforced by the schema there
     with pytest.raises(ValueError, match="strict must be true or false"):
         tool_use([{"type": "function", "function": {**WEATHER["function"], "strict": "yes"}}], "required", None)
+
+
+def test_echoed_offsets_and_top_logprobs_read_as_the_text_does():
+    """A review's reproducers: with echo, a prompt token's offset summed each token's U+FFFD-laden
+    text (not monotonic for an emoji prompt, 9 where ' is' begins at 3), and top_logprobs kept the
+    last, least likely, of tokens that read alike."""
+    from engine.models import load_tokenizer
+    from engine.request.outputs import CompletionOutput, TokenLogprob
+    from engine.serving.token_text import TokenText
+
+    tokenizer = load_tokenizer(None)
+    text = TokenText(tokenizer)
+    prompt = tokenizer.encode("🎉🎉🎉 is", add_special_tokens=False)
+    empty = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offsets = text.echoed_logprobs([None] * len(prompt), prompt, empty, 6)["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] == 3  # ' is' starts after the three emoji
+    partial = [t for t in range(200, 260) if tokenizer.decode([t]) == "\ufffd"][:2]
+    c = CompletionOutput(0, "x", [partial[0]], None, [TokenLogprob(partial[0], -0.1, [(partial[0], -0.1),
+                                                                                       (partial[1], -3.0)], 0)])
+    assert text.completion_logprobs(c)["top_logprobs"] == [{"\ufffd": -0.1}]

@@ -69,3 +69,20 @@ def test_each_request_has_a_budget_in_the_grammar_engine(tiny, monkeypatch):
     monkeypatch.undo()
     out = tiny.generate("Hi", SamplingParams(max_tokens=8, structured_outputs=options), use_tqdm=False)[0]
     assert out.error is None
+
+
+def test_a_grammar_that_reaches_a_dead_end_fails_instead_of_stopping_with_broken_text(tiny):
+    """llguidance errs at a point no text completes and then allows only EOS: the request ended
+    "stop" with '{"a":' (a review's reproducer). It now fails, naming the grammar; and a schema
+    that contradicts itself is refused with the engine's own one-line reason."""
+    self_required = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
+    for spec in ({"json": self_required}, {"grammar": 'start: "x" y\ny: y "z"'}):
+        try:
+            out = tiny.generate([[1, 2]], SamplingParams(max_tokens=16, structured_outputs=spec), use_tqdm=False)[0]
+        except ValueError:
+            continue  # refused up front: as good
+        assert out.outputs[0].finish_reason != "stop" and out.error and "grammar" in out.error, out
+    with pytest.raises(ValueError, match="minItems \\(3\\) is greater than maxItems \\(1\\)"):
+        tiny.generate([[1, 2]], SamplingParams(structured_outputs={"json": {"type": "array", "minItems": 3,
+                                                                             "maxItems": 1}}), use_tqdm=False)
+    assert_pool_whole(tiny)

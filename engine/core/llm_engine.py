@@ -68,7 +68,7 @@ class LLMEngine:
                                   c.compute_dtype) if c.enable_lora else None
         self.processor = InputProcessor(c, self.model_config, self.max_model_len, self.tokenizer, self.eos_ids,
                                         self.grammars, self.kv.pages_for, self.kv.pool, self.loras)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_ids)
         self.closed = False
         self.paused = False  # pause_generation: no step runs until continue_generation
         self.counters = Counters()

@@ -56,8 +56,8 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, eos_ids: tuple[int, ...] = ()):
+        self.tokenizer, self.eos_ids = tokenizer, eos_ids
         self.requests: dict[str, RequestState] = {}
 
     def add(self, request_id: str, prompt: Prompt, params: SamplingParams, beam: BeamGroup | None = None) -> None:
@@ -131,7 +131,11 @@ class OutputProcessor:
                 c.shown, c.finish_reason = min(stops), "stop"
                 return o.finish_reason is None
             if i == len(o.new) - 1 and o.finish_reason:
-                c.shown, c.finish_reason = len(text), o.finish_reason
+                # a stop by EOS or a stop token keeps the token, not its text (vLLM's rule, as for
+                # stop strings: `stop_token_ids=['.']` ended "Paris." and a chat turn "...<|im_end|>")
+                by_token = o.finish_reason == "stop" and (
+                    s.token_id in p.stop_token_ids or (s.token_id in self.eos_ids and not p.ignore_eos))
+                c.shown, c.finish_reason = (before if by_token else len(text)), o.finish_reason
             else:
                 c.shown = max(c.shown, len(text) - (max(map(len, p.stop), default=1) - 1))
         if not o.new and o.finish_reason:  # finished with no token (an abort, a drop)

@@ -30,8 +30,11 @@ MAX_CHOICES = 2000  # a choice of this many strings fits the row limit above (ea
 def engine_message(error: str | None, kind: str) -> str:
     """What a client is told of a grammar-engine error: which limit or what did not parse, never
     the engine's own text (its parser state, the generated grammar, a caret under it)."""
-    text = (error or "").lower()
-    if "items" in text:
+    first = (error or "").splitlines()[0] if error else ""  # (the rest is the engine's parser state)
+    if first.startswith("Unsatisfiable schema:") and len(first) < 300:  # the schema's own contradiction
+        return "the JSON schema cannot be satisfied: " + first.removeprefix("Unsatisfiable schema:").strip()
+    text = first.lower()
+    if "items; max is" in text or "max_items" in text:
         return (f"the structured output has more alternatives or repeats in one place than the grammar engine's "
                 f"limits allow (a choice holds at most {MAX_CHOICES:,} options)")
     if any(word in text for word in ("lexer", "fuel", "expressions", "too large", "size", "states", "limit")):
@@ -206,8 +209,13 @@ class GrammarError(RuntimeError):
 
 
 def consume(matcher, token_id: int) -> bool:
-    """Advance a matcher by one sampled token; True when its grammar is now complete."""
-    if not matcher.consume_token(token_id):
+    """Advance a matcher by one sampled token; True when its grammar is now complete. A grammar
+    that reached a point no text completes (a schema whose property requires itself) errs, and
+    then allows only EOS: that ends the request as an error, not as a "stop" with text the
+    grammar does not match."""
+    if not matcher.consume_token(token_id) or matcher.is_error():
         raise GrammarError(f"the structured output's grammar failed while generating: "
                            f"{engine_message(matcher.get_error(), '')}")
+    if matcher.is_stopped() and not matcher.is_accepting():
+        raise GrammarError("the structured output's grammar failed while generating: no text completes it")
     return matcher.is_stopped()

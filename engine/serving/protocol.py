@@ -193,7 +193,7 @@ class _Request(_SamplingFields):
                                                 ("logit_bias", self.logit_bias or None)) if value is not None]
             defaults = _sampling_defaults()  # beams are greedy: a sampling field set away from its default would be ignored
             refused += [name for name in SHARED_WITH_SAMPLING_PARAMS
-                        if name not in ("n", "ignore_eos", "stop", "skip_special_tokens")
+                        if name not in ("n", "ignore_eos", "stop")  # (beams decode without special tokens)
                         and getattr(self, name) != defaults[name] and not (name == "temperature" and self.temperature == 0)]
             if refused:
                 raise ValueError(f"{refused[0]} is not supported with beam search (its beams are greedy)")

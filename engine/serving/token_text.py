@@ -2,6 +2,7 @@
 or byte-fallback token is its own bytes, not U+FFFD), and each API's logprobs form."""
 from __future__ import annotations
 
+from engine.request.detokenizer import IncrementalDetokenizer
 from engine.request.outputs import CompletionOutput
 
 
@@ -36,21 +37,29 @@ class TokenText:
         records = c.logprobs[start:]
         return {"tokens": [self.text(r.token_id) for r in records],
                 "token_logprobs": [r.logprob for r in records],
-                "top_logprobs": [{self.text(t): v for t, v in r.top} for r in records],
+                "top_logprobs": [self.top(r.top) for r in records],
                 "text_offset": [offset + r.text_offset for r in records]}
+
+    def top(self, pairs) -> dict[str, float]:
+        """{text: logprob}, most likely first; tokens of the same text (byte tokens that each
+        read U+FFFD) keep the likelier one's logprob, not the last one's."""
+        top: dict[str, float] = {}
+        for t, v in pairs:
+            top.setdefault(self.text(t), v)
+        return top
 
     def echoed_logprobs(self, scored: list, prompt_ids: list[int], completion: dict, shift: int) -> dict:
         """The completions API's logprobs with echo: the prompt's tokens (the first has no
         logprob, as OpenAI's), then the completion's, whose text offsets move past the prompt's
         `shift` characters. A prompt token's offset is where its text starts among theirs."""
         texts = [self.text(t) for t in prompt_ids]
-        offsets = [0]
-        for t in texts[:-1]:
-            offsets.append(offsets[-1] + len(t))
+        reader, offsets = IncrementalDetokenizer(self.tokenizer, []), []
+        for t in prompt_ids:  # (as a completion's offsets: where the text read so far ends)
+            offsets.append(len(reader.text))
+            reader.add(t)
         return {"tokens": texts + completion["tokens"],
                 "token_logprobs": [r.logprob if r else None for r in scored] + completion["token_logprobs"],
-                "top_logprobs": [{self.text(t): v for t, v in r.top} if r else None for r in scored]
-                + completion["top_logprobs"],
+                "top_logprobs": [self.top(r.top) if r else None for r in scored] + completion["top_logprobs"],
                 "text_offset": offsets + [shift + o for o in completion["text_offset"]]}
 
     def chat_logprobs(self, c: CompletionOutput, start: int = 0) -> dict | None:
