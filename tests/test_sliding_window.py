@@ -126,3 +126,35 @@ def test_a_kernel_that_attends_to_everything_refuses_a_window():
     from engine.worker.attention import StepAttention
     with pytest.raises(ValueError, match="sliding window of 8 runs on sdpa"):
         StepAttention("native", [], [], None, None, window=8)
+
+
+def test_a_pool_of_the_pages_the_check_counts_runs_every_prompt(tmp_path):
+    """The live rows of a window and a chunk start anywhere in a page: they touch one page more
+    than they fill. A pool of exactly the pages the admission check counted preempted a lone
+    request for ever at some prompt lengths (a review's reproducer: window 42, chunks of 12)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=42,
+                                     max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                                     tie_word_embeddings=False)).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bundled_dir() / name, tmp_path / name)
+    opts = dict(model=str(tmp_path), kv_layout="interleaved", page_size=4096, max_num_batched_tokens=12,
+                enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(kv_cache_memory=64 << 20, **opts) as roomy:
+        pages = roomy.engine.processor.pages_needed(80)
+        expected = {n: roomy.generate([list(range(5, 5 + n))], params, use_tqdm=False)[0].outputs[0].token_ids
+                    for n in range(52, 76)}
+    with LLM(kv_cache_memory=pages * 4096, **opts) as tight:
+        engine = tight.engine
+        for n, want in expected.items():
+            engine.add_request(f"r{n}", list(range(5, 5 + n)), params)
+            got, steps = None, 0
+            while engine.has_unfinished() and steps < 300:
+                got = next((o for o in engine.step() if o.finished), got)
+                steps += 1
+            assert got is not None and got.outputs[0].token_ids == want, (n, steps)
+        assert_pool_whole(tight)

@@ -99,7 +99,11 @@ class InputProcessor:
         """The most pages a sequence of `total` tokens maps at once (a sliding window's pages are
         let go as it grows)."""
         window = self.model_config.sliding_window
-        return self.pages_for(min(total, window + self.config.max_num_batched_tokens) if window else total)
+        if not window:
+            return self.pages_for(total)
+        # the live rows (a window and a step's chunk) start anywhere in a page: one page more
+        # a region than the rows alone fill (a review's reproducer looped for ever on that page)
+        return min(self.pages_for(total), self.pages_for(window + self.config.max_num_batched_tokens) + self.pages_for(1))
 
     def adapter(self, request: LoRARequest | None) -> Adapter | None:
         """The adapter a request names, loaded and checked (engine/worker/lora.py); ValueError by name."""

@@ -48,7 +48,9 @@ class AdmissionOrder:
         if starved:
             return waiting[starved[0]]
         cached = [self._cached_pages(seq) for seq in waiting]
-        return waiting[min(range(len(waiting)), key=lambda i: (-cached[i], fair(i)))]
+        busy = {s.group for s in running}  # a client with nothing running first, as seat sharing wants:
+        # else the sequence it preempted, cached and at the front, was admitted straight back
+        return waiting[min(range(len(waiting)), key=lambda i: (waiting[i].group in busy, -cached[i], fair(i)))]
 
     def _cached_pages(self, seq: Sequence) -> int:
         """How many of seq's first pages the KV cache or its tiers hold (its page names are

@@ -267,9 +267,12 @@ class Scheduler:
         while not self.kv.ensure_mapped(seq, num_tokens):
             candidates = self.running if self.order.policy == "priority" else self.running[position - before:]
             victim = self.order.victim(candidates)
-            if victim is seq:
-                self.preempt(victim)
-                return False, before, refund
+            if victim is seq:  # a beam idle for its siblings gives its pages first, wherever it stands
+                idle = [s for s in self.running if s is not seq and s.beam and s.num_pending_tokens == 0]
+                if not idle:
+                    self.preempt(seq)
+                    return False, before, refund
+                victim = idle[-1]
             if self.running.index(victim) < position - before:
                 before += 1
                 for k, (done, n) in enumerate(scheduled):
@@ -305,11 +308,12 @@ class Scheduler:
             if seq is None or not self._fits(seq, budget):
                 break
             n = self._place(seq, budget, cached=True)
-            if n is None and not self.running:
-                # Alone and still short: a hit whose last row runs into the next page makes that page
-                # a private copy while the cache keeps its original mapped (a page or two more than
-                # _fits counted). Without the hit it needs exactly what _fits counted: computed again
-                # rather than retried for ever.
+            if n is None and not any(s.num_pending_tokens > 0 for s in self.running):
+                # Short with nothing running that will give pages back (alone, or beside beams idle
+                # for their siblings): a hit whose last row runs into the next page makes that page a
+                # private copy while the cache keeps its original mapped (a page or two more than
+                # _fits counted). Without the hit it needs what _fits counted: computed again rather
+                # than retried for ever.
                 seq.num_cached_tokens = None
                 n = self._place(seq, budget, cached=False)
             if n is None:
