@@ -926,15 +926,14 @@ void silu_and_mul(const at::Tensor& gate_up, at::Tensor out) {
 constexpr int64_t kPanel = 2 * Vec::W;
 constexpr int kPanelRows = Vec::W == 16 ? 12 : 6;  // 24 of 32 / 12 of 16 registers hold the tile
 constexpr int64_t kPanelChunk = 16 * kPanelRows;
-// A one-row step reads each thread's panels as two streams (panel_pair) over fp32 panels on AVX2
-// (21-23 against 18-20 GB/s in alternating runs of a decode step's projections on a 2-core AVX2
-// EPYC) and over bf16 panels everywhere: decode of the bundled model on the 2-core AVX-512 EPYC,
-// switched in one process, 14 alternations, median +9.8% and +7.7% tok/s (two runs) with the
-// AVX-512 kernels and +13.5% with the AVX2 ones, against one stream that prefetches the next panel
-// non-temporally. fp32 panels with AVX-512 measured even (0.998x) and keep the one stream.
-template <typename TW>
-constexpr bool kTwoStreams = std::is_same_v<TW, c10::BFloat16> || std::is_same_v<TW, int8_t> ||
-                              (Vec::W == 8 && std::is_same_v<TW, float>);
+// A one-row step reads each thread's panels as two streams (panel_pair), whatever the weights'
+// type and the ISA. Against one stream that prefetches the next panel non-temporally: fp32 on AVX2
+// 21-23 against 18-20 GB/s (alternating runs of a decode step's projections, 2-core AVX2 EPYC);
+// bf16 on the 2-core AVX-512 EPYC, switched in one process, 14 alternations, median +9.8% and +7.7%
+// tok/s with the AVX-512 kernels and +13.5% with the AVX2 ones; fp32 with AVX-512 there 0.998x
+// (even), so it had kept the one stream, until a 2-vCPU Intel Xeon (AVX-512, AMX; KVM) decoded fp32
+// at 31.2-31.5 tok/s with it and 58.6-59.2 with two streams (the bundled model, 128 tokens, three
+// generations each, one build and then the other): its non-temporal prefetch halved the stream.
 
 // Row k of a panel, its kPanel weights, as the two vectors a tile multiplies. fp32: columns
 // [0, W) and [W, 2W). bf16: one load of all 2W weights (exactly a register), widened with no
@@ -1069,7 +1068,7 @@ VKV_INLINE void panel_pair(const float* x, int64_t K, const TW* wa, const TW* wb
 template <typename TW>
 void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64_t N, const float* bias, float* out) {
   const int64_t P = (N + kPanel - 1) / kPanel;
-  if (M == 1 && kTwoStreams<TW>) {
+  if (M == 1) {
     at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
       const int64_t half = (hi - lo) / 2;
       for (int64_t i = 0; i < half; ++i) {
