@@ -41,7 +41,7 @@ def test_bad_checkpoint_paths_are_400s_and_a_sleep_while_paused_answers(tmp_path
             r = httpx.post(base + "/update_weights_from_disk", json={"model_path": path}, timeout=30)
             assert r.status_code == 400, (path[:40], r.status_code, r.text)
             assert r.json()["error"]["type"] == "invalid_request_error"
-        assert httpx.post(base + "/pause_generation", json={"mode": "abort"}, timeout=10).status_code == 200
+        assert httpx.post(base + "/pause_generation", timeout=10).json() == {"paused": True, "mode": "abort"}
         assert httpx.post(base + "/sleep", timeout=10).json() == {"is_sleeping": True}
         assert httpx.post(base + "/wake_up", timeout=10).json() == {"is_sleeping": False}
         httpx.post(base + "/continue_generation", timeout=10)
@@ -136,3 +136,12 @@ def test_the_front_door_answers_deep_json_with_a_400():
 
     answer = asyncio.run(door.generate(Body(), "/v1/completions"))
     assert answer.status_code == 400 and b"nested too deep" in answer.body
+
+
+def test_the_rl_routes_without_the_flag_are_403_with_or_without_a_body():
+    """A pause with no body answered 400 "body: Field required" before the flag was checked."""
+    engine = tiny()
+    with serving(build_app(engine, "tiny", ServerOptions())) as base:
+        for body in (None, {"mode": "retract"}):
+            r = httpx.post(base + "/pause_generation", json=body, timeout=10)
+            assert r.status_code == 403 and "--enable-weight-updates" in r.json()["error"]["message"]

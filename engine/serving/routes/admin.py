@@ -49,8 +49,9 @@ async def is_sleeping(model: str | None = None, state: ServerState = Depends(sta
 
 
 @router.post("/pause_generation", include_in_schema=False)
-async def pause_generation(body: PauseRequest, state: ServerState = Depends(state_of)):
+async def pause_generation(body: PauseRequest | None = None, state: ServerState = Depends(state_of)):
     state.weight_updates()
+    body = body or PauseRequest()  # (no body: SGLang's default, abort)
     for e in state.named(body.model).values():
         await e.pause_generation(body.mode)
     return {"paused": True, "mode": body.mode}
