@@ -13,23 +13,29 @@ WINDOW = 40
 MAX_NEW = 150  # almost four windows
 
 
-@pytest.fixture(scope="module")
-def mistral_dir(tmp_path_factory):
+def save_mistral(path, window: int, vocab: int = 49152, scale: float = 1.0):
+    """A small Mistral checkpoint (random weights, matrices times `scale`) with the bundled
+    model's tokenizer at path."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    path = tmp_path_factory.mktemp("mistral-sw")
-    config = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+    config = MistralConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
                            max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = MistralForCausalLM(config)
-    with torch.no_grad():  # larger weights than the init's: outputs that depend on the context
+    with torch.no_grad():
         for p in model.parameters():
-            p.mul_(8 if p.dim() > 1 else 1)
+            p.mul_(scale if p.dim() > 1 else 1)
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(bundled_dir() / name, path / name)
     return path
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory):
+    # larger weights than the init's: outputs that depend on the context
+    return save_mistral(tmp_path_factory.mktemp("mistral-sw"), WINDOW, scale=8)
 
 
 @pytest.fixture(scope="module")
@@ -96,15 +102,7 @@ def test_a_sequence_preempted_with_drafts_comes_back_without_them(tmp_path):
     """Speculative drafts belong to the step a sequence was scheduled in: one preempted while
     holding them kept them, and the next update counted them off its computed tokens again, so
     it recomputed rows whose window pages were already unmapped (a segfault in attention)."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(0)
-    MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
-                                     max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                                     tie_word_embeddings=False)).save_pretrained(tmp_path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(bundled_dir() / name, tmp_path / name)
+    save_mistral(tmp_path, 16, vocab=64)
     prompts = [[21 + i, 7, 8, 9, 10, 11, 12] * 3 for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     with LLM(model=str(tmp_path), kv_layout="interleaved", page_size=4096, kv_cache_memory=64 * 4096) as roomy:
@@ -132,15 +130,7 @@ def test_a_pool_of_the_pages_the_check_counts_runs_every_prompt(tmp_path):
     """The live rows of a window and a chunk start anywhere in a page: they touch one page more
     than they fill. A pool of exactly the pages the admission check counted preempted a lone
     request for ever at some prompt lengths (a review's reproducer: window 42, chunks of 12)."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(0)
-    MistralForCausalLM(MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=42,
-                                     max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                                     tie_word_embeddings=False)).save_pretrained(tmp_path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(bundled_dir() / name, tmp_path / name)
+    save_mistral(tmp_path, 42)
     opts = dict(model=str(tmp_path), kv_layout="interleaved", page_size=4096, max_num_batched_tokens=12,
                 enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

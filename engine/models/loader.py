@@ -142,8 +142,9 @@ def load_config(spec: str | None) -> ModelConfig:
 
 def read_config(path: Path) -> ModelConfig:
     """config.json as a ModelConfig; ValueError naming the file and what is wrong with it."""
-    if path.stat().st_size > MAX_HEADER:
-        raise ValueError(f"{path}: {path.stat().st_size} bytes is no model config")
+    size = path.stat().st_size
+    if size > MAX_HEADER:
+        raise ValueError(f"{path}: {size} bytes is no model config")
     try:
         return ModelConfig.from_hf(json.loads(_read_regular(path)))
     except (ValueError, RecursionError) as exc:
