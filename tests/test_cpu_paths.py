@@ -10,7 +10,7 @@ import torch
 import ext
 from engine.models import ops
 from engine import LLM, SamplingParams
-from engine.models.linear import Linear
+from engine.models.linear import FEW_ROWS, Linear
 from helpers import assert_pool_whole
 from lossy import (Scored, Tolerance, assert_agree_until_a_near_tie, assert_close, continuations, greedy_with_gaps,
                    teacher_forced)
@@ -144,7 +144,7 @@ def test_native_bf16_runs_onednn_for_batches_and_bf16_panels_in_fp32_for_decode(
     assert_pool_whole(llm)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, FEW_ROWS])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_decode_layers_in_one_native_call_equal_the_layer_by_layer_path(dtype, rows, request):
     """Steps of a few rows run every decoder layer in one native call (`decode_layers`): the same
@@ -156,11 +156,11 @@ def test_the_decode_layers_in_one_native_call_equal_the_layer_by_layer_path(dtyp
         pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
     if dtype == "bfloat16":
         request.getfixturevalue("no_native_bf16")
-    llm = LLM(dtype=dtype, kv_cache_memory=16 << 20, max_num_seqs=4)
+    llm = LLM(dtype=dtype, kv_cache_memory=16 << 20, max_num_seqs=rows)
     model = llm.engine.model
     assert model.decode, "the one-call path should be on for the bundled model on the CPU"
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
-    prompts = PROMPTS[:rows]  # at once: steps of that many rows
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(rows)]  # at once: steps of that many rows
 
     def run():
         return [[(lp.token_id, lp.logprob, lp.top) for lp in o.outputs[0].logprobs]
@@ -180,3 +180,21 @@ def test_the_native_kernels_build_where_ci_requires_them():
     if os.environ.get("CI", "").lower() not in ("true", "1"):
         pytest.skip("not in CI (CI=true): a failed build falls back to the references")
     assert ext.cpu_kernels() is not None, f"the native CPU kernels did not build: {ext.cpu_kernels_error()}"
+
+
+def test_a_few_row_step_asks_for_its_next_panel_as_this_cpu_vendor_wants():
+    """Steps of 2 to 12 rows ask for each thread's next panel while computing one (ext/cpu/kernels.cpp,
+    `panel_tile`): non-temporally on an AMD CPU, where that measured faster, and into L2 elsewhere:
+    Intel's non-temporal prefetch fills L1 alone, the panel's lines were gone before they were read,
+    and such steps ran 3-4x slower on a Xeon. The platform says which hint runs."""
+    if ext.cpu_kernels() is None:
+        pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
+    with open("/proc/cpuinfo") as f:
+        vendor = next((line.partition(":")[2].strip() for line in f if line.startswith("vendor_id")), "")
+    hint = torch.ops.vkv.ahead_hint()
+    if ext.kernel_isa()[0] == "scalar":
+        assert hint.startswith("none")
+    else:
+        assert hint.startswith("non-temporal") == (vendor == "AuthenticAMD"), (vendor, hint)
+    llm = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=2)
+    assert llm.stats().platform["panel_prefetch"] == hint

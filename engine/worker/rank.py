@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 import ext
 import vmm
 from engine.worker.attention import AttentionBackend, pick_attention
@@ -34,7 +36,8 @@ class Rank:
         return {"compute_dtype": str(compute).removeprefix("torch."), "compute_reason": why,
                 "kv_dtype": str(c.kv_dtype).removeprefix("torch."), "gemm": self.model.gemm_path,
                 "attention": self.attention.name,
-                "kernel_isa": f"{isa} ({isa_why})" if self.model.native else f"none ({ext.cpu_kernels_error()})"}
+                "kernel_isa": f"{isa} ({isa_why})" if self.model.native else f"none ({ext.cpu_kernels_error()})",
+                "panel_prefetch": torch.ops.vkv.ahead_hint() if self.model.native else "none"}
 
 
 def check_divisible(cfg: ModelConfig, world: int) -> None:

@@ -988,14 +988,27 @@ VKV_INLINE void panel_store(float* tile, typename Vec::R a0, typename Vec::R a1)
 
 // `ahead`, if not null: the next panel, asked for line by line while this tile computes (the
 // prefetcher alone leaves the first row block of a panel waiting on memory). `once`: this tile is
-// the only one to read its panel (a step of at most kPanelRows rows, decode), so the next panel
-// is asked for non-temporally and, read once, leaves the shared L3 to what is read again (the KV
-// cache, the activations, the engine's Python between steps). Decode of the bundled model on the
-// 2-core AVX-512 EPYC, hint switched in one process, 12-16 alternations: median +4.9% tok/s in
-// bf16, +12% in fp32, +7.7% in bf16 with the AVX2 kernels (one-row bf16 steps have since moved to
-// panel_pair, faster again; steps of 2 to kPanelRows rows keep this). panel_pair's two streams
-// measured 10% slower with the same hint on the panels after theirs (AVX2, fp32), so they keep the
-// hardware's prefetch.
+// the only one to read its panel (a step of at most kPanelRows rows, decode), so on an AMD CPU the
+// next panel is asked for non-temporally and, read once, leaves the shared L3 to what is read
+// again (the KV cache, the activations, the engine's Python between steps). Decode of the bundled
+// model on the 2-core AVX-512 EPYC, hint switched in one process, 12-16 alternations: median +4.9%
+// tok/s in bf16, +12% in fp32, +7.7% in bf16 with the AVX2 kernels (one-row steps have since moved
+// to panel_pair; steps of 2 to kPanelRows rows keep this). On an Intel Xeon (2 vCPUs, AVX-512 and
+// AMX) the same hint cost 3-4x: one-call steps of 2-12 rows over panels not in cache read 7-10 GB/s
+// with it and 16-41 GB/s with the next panel asked into L2 (fp32 and bf16 weights, the model's
+// four shapes; the batch of 32 ShareGPT requests, whose tail runs such steps, at 1.13x vLLM's CPU
+// build in fp32). Intel's non-temporal prefetch fills L1 alone, and a panel ahead (36 KiB in bf16,
+// 72 in fp32) is as large as L1: its lines are gone before they are read, and read again from
+// memory. So the hint is non-temporal on AMD only, into L2 elsewhere (`ahead_hint`). panel_pair's
+// two streams measured 10% slower with the non-temporal hint on the panels after theirs (AVX2,
+// fp32, the EPYC), and even with L2's on the Xeon: they keep the hardware's prefetch.
+static const bool kAheadNonTemporal = [] {
+  __builtin_cpu_init();  // (a static initializer may run before libgcc's own has)
+  return __builtin_cpu_is("amd") > 0;
+}();
+
+std::string ahead_hint() { return kAheadNonTemporal ? "non-temporal (an AMD CPU)" : "into L2"; }
+
 template <typename TW, int MR>
 VKV_INLINE void panel_tile(const float* x, int64_t K, const TW* w, const float* bias, float* out, int64_t N,
                            int64_t cols, const TW* ahead, bool once) {
@@ -1006,7 +1019,7 @@ VKV_INLINE void panel_tile(const float* x, int64_t K, const TW* w, const float* 
     if (ahead)
       for (int64_t l = 0; l < kLines; ++l) {
         const char* line = reinterpret_cast<const char*>(ahead + k * kPanel) + 64 * l;
-        if (once)
+        if (once && kAheadNonTemporal)
           _mm_prefetch(line, _MM_HINT_NTA);
         else
           _mm_prefetch(line, _MM_HINT_T1);
@@ -1096,6 +1109,8 @@ void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64
 }
 #else
 constexpr int64_t kPanel = 16;
+
+std::string ahead_hint() { return "none (the scalar build)"; }
 
 template <typename TW>
 void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64_t N, const float* bias, float* out) {
@@ -1709,7 +1724,8 @@ TORCH_LIBRARY(vkv, m) {
   m.def("greedy_pick(Tensor h, Tensor panels, Tensor pick, Tensor pick_bounds, Tensor? pick_scales, bool bf16, "
         "Tensor(a!) logits, Tensor(b!) best, Tensor(c!) picked) -> ()");
   m.def("lora_segments(Tensor x, Tensor(a!) out, Tensor[] a, Tensor[] b, int[] bounds) -> ()");
-  m.def("panel_width() -> int", &panel_width);  // output columns per panel of linear_panels' weights
+  m.def("panel_width() -> int", &panel_width);
+  m.def("ahead_hint() -> str", &ahead_hint);  // how a few-row step asks for its next panel  // output columns per panel of linear_panels' weights
   m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()");
 }
 
