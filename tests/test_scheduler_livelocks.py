@@ -1,8 +1,9 @@
 """Requests that pass the admission check finish (a review's reproducers, each of which stepped
 for ever): a beam idle for its sibling gives its pages before a plain request preempts itself;
 the "admit again without the hit" fallback applies beside idle beams too; under lpm a client
-with nothing running is served first, so seat sharing does not hand the seat straight back
-(a sliding window's case is in test_sliding_window.py). Each run ends with the same tokens as
+with nothing running is served first, so seat sharing does not hand the seat straight back; a
+beam search is preempted whole, so two searches do not take each other's beams for ever (a
+sliding window's case is in test_sliding_window.py). Each run ends with the same tokens as
 the request alone in a roomy pool, and the pool whole."""
 import pytest
 from helpers import NARROW, assert_pool_whole
@@ -56,13 +57,19 @@ CASES = {
          ("c", [*range(11, 23), 216, 307, 426, 51, 134, 245, 204, 123, 233, 446, 318, 483, 253, 37, 294, 76],
           BeamSearchParams(3, 15, ignore_eos=True), 0),
          ("b", [*range(11, 23), 354, 272, 303, 50, 220, 248], greedy(13), 3)]),
+    "two beam searches in a pool the wider one fills": (  # each took the other's beams for ever
+        dict(kv_layout="interleaved", page_size=8192, kv_cache_memory=405 * 8192, max_num_seqs=4,
+             max_num_batched_tokens=16, enable_prefix_caching=False),
+        [("a", [*range(11, 23), 360, 328, 323, 337], BeamSearchParams(3, 8, ignore_eos=True), 0),
+         ("b", [*range(11, 23), 99, 92, 222, 351, 225, 259, 74, 327, 434, 180, 457, 495, 145],
+          BeamSearchParams(2, 9, ignore_eos=True), 3)]),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_requests_that_pass_the_check_finish_with_their_own_tokens(case):
     options, requests = CASES[case]
-    with LLM(model=NARROW, kv_layout="per_layer", page_size=4096, **options) as llm:
+    with LLM(model=NARROW, **{"kv_layout": "per_layer", "page_size": 4096, **options}) as llm:
         done = drive(llm, requests)
         for rid, prompt, params, _ in requests:
             assert tokens(done[rid]) == alone(prompt, params), rid

@@ -35,7 +35,11 @@ needs) gets one, the other's newest sequence preempted.
 
 A running sequence may have nothing to compute: a beam waiting for its siblings' logprobs.
 If such idle sequences hold the seats or pages a waiting one needs, so that nothing at all
-can run, they step aside (newest first, to the back of the queue) until it fits.
+can run, they step aside (newest first, to the back of the queue) until it fits. A beam search
+is preempted whole: its other beams cannot advance without the one that goes, and holding
+their pages idle while it computes its way back let two searches in one pool take each other's
+beams for ever. Each search fits the pool alone (the admission check), so the one left running
+finishes.
 """
 from __future__ import annotations
 
@@ -267,20 +271,21 @@ class Scheduler:
         while not self.kv.ensure_mapped(seq, num_tokens):
             candidates = self.running if self.order.policy == "priority" else self.running[position - before:]
             victim = self.order.victim(candidates)
-            if victim is seq:  # a beam idle for its siblings gives its pages first, wherever it stands
-                idle = [s for s in self.running if s is not seq and s.beam and s.num_pending_tokens == 0]
-                if not idle:
-                    self.preempt(seq)
-                    return False, before, refund
-                victim = idle[-1]
-            if self.running.index(victim) < position - before:
-                before += 1
-                for k, (done, n) in enumerate(scheduled):
-                    if done is victim:
-                        refund += max(n, 0)
-                        del scheduled[k]
-                        break
+            if victim is seq:  # another search's beam idle for its siblings gives its pages first
+                idle = [s for s in self.running if s.beam and s.beam is not seq.beam and s.num_pending_tokens == 0]
+                victim = idle[-1] if idle else seq
+            gang, at = self._gang(victim), self.running.index(seq)
+            for gone in gang:
+                if self.running.index(gone) < at:
+                    before += 1
+                    for k, (done, n) in enumerate(scheduled):
+                        if done is gone:
+                            refund += max(n, 0)
+                            del scheduled[k]
+                            break
             self.preempt(victim)
+            if seq in gang:
+                return False, before, refund
         return True, before, refund
 
     def _resume_swapped(self, budget: int) -> Scheduled:
@@ -352,7 +357,9 @@ class Scheduler:
         if head is None:
             return
         while idle and (len(self.running) >= self.max_num_seqs or not self._fits(head, budget)):
-            self.preempt(idle.pop(), to_front=False)
+            seq = idle.pop()
+            if seq.status is SequenceStatus.RUNNING:  # (not gone with a beam of its search)
+                self.preempt(seq, to_front=False)
 
     def _run(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -360,8 +367,20 @@ class Scheduler:
 
     # -- sequences coming and going -------------------------------------------------------
     def preempt(self, seq: Sequence, to_front: bool = True) -> None:
-        """Make room: swap seq out when that is the cheaper way back, else recompute it later.
+        """Make room: swap seq out when that is the cheaper way back, else recompute it later;
+        a beam goes with every running beam of its search (`_gang`), in their order.
         to_front=False: an idle beam stepping aside, recomputed."""
+        gang = self._gang(seq)
+        for s in reversed(gang) if to_front else gang:  # (each to the front: the first ends first)
+            self._preempt_one(s, to_front)
+
+    def _gang(self, seq: Sequence) -> list[Sequence]:
+        """The running sequences that leave with seq: itself, and its beam search's other beams."""
+        if seq.beam is None:
+            return [seq]
+        return [s for s in self.running if s is seq or s.beam is seq.beam]
+
+    def _preempt_one(self, seq: Sequence, to_front: bool) -> None:
         self.running.remove(seq)
         self.num_preemptions += 1
         seq.draft = []  # (drafts belong to a step it is no longer in: kept, the next update rewound it)
