@@ -2,7 +2,13 @@
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.core.output_processor import OutputProcessor
 from engine.request.detokenizer import IncrementalDetokenizer
+from engine.request.inputs import Prompt
+from engine.request.outputs import RequestOutputKind
+from engine.request.sequence import Sequence
+from engine.sample.sampler import Sampled
+from engine.sched.step import SeqOutput
 from helpers import assert_pool_whole
 
 
@@ -107,6 +113,23 @@ def test_multibyte_text_streams_whole_characters(llm):
     deltas = [detok.add(t) for t in ids]
     assert "".join(deltas) == tok.decode(ids) == text
     assert not any("\ufffd" in d for d in deltas)
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
+def test_a_completion_cut_inside_a_character_ends_with_the_text_its_tokens_decode_to(llm, kind):
+    """max_tokens may end a completion between the byte tokens of one character: the held-back
+    bytes come out at the end, as decoding its tokens shows them (a replacement character), not
+    dropped; streamed deltas add up to the same text."""
+    tok = llm.tokenizer
+    ids = tok.encode("ok 🎉", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    params = SamplingParams(max_tokens=cut, output_kind=kind)
+    processor, seq = OutputProcessor(tok), Sequence("r", 0, [1, 2, 3], params, 0.0)
+    processor.add("r", Prompt([1, 2, 3]), params)
+    texts = [processor.process([SeqOutput(seq, [Sampled(t)], "length" if i == cut - 1 else None)])[0][0].outputs[0].text
+             for i, t in enumerate(ids[:cut])]
+    want = tok.decode(ids[:cut])
+    assert (texts[-1] if kind is RequestOutputKind.CUMULATIVE else "".join(texts)) == want
 
 
 @pytest.mark.parametrize("bad", [

@@ -135,7 +135,9 @@ class OutputProcessor:
                 # stop strings: `stop_token_ids=['.']` ended "Paris." and a chat turn "...<|im_end|>")
                 by_token = o.finish_reason == "stop" and (
                     s.token_id in p.stop_token_ids or (s.token_id in self.eos_ids and not p.ignore_eos))
-                c.shown, c.finish_reason = (before if by_token else len(text)), o.finish_reason
+                if not by_token:  # (a character cut short at the end shows as its tokens decode)
+                    c.detokenizer.flush()
+                c.shown, c.finish_reason = (before if by_token else len(c.detokenizer.text)), o.finish_reason
             else:
                 c.shown = max(c.shown, len(text) - (max(map(len, p.stop), default=1) - 1))
         if not o.new and o.finish_reason:  # finished with no token (an abort, a drop)
