@@ -1057,17 +1057,20 @@ VKV_INLINE void panel_rows(const float* x, int64_t rows, int64_t K, const TW* w,
 
 // One row over two panels at once: a thread's run of panels read as two streams side by side
 // (its first half and its second), twice the loads in flight of one stream. Except on AMD CPUs,
-// each stream also asks for its lines kStreamAhead bytes ahead (into L1; panels lie one after
+// each stream also asks for its lines kStreamAhead weights ahead (into L1; panels lie one after
 // another, so past a panel's end that is the next one's start). On the Intel Xeon (2 vCPUs, AMX)
 // a one-row `linear_panels` read about 31-33 GB/s with the hardware's prefetch alone, where the
 // read probe (a dot product of two arrays) read 37-48: each core's own reads were the limit. The
 // model's projections one after another (bench_projection_sequence.py, 3 samples each): fp32
-// 30.1-30.5 -> 31.6-31.8 GB/s, bf16 27.8-28.6 -> 31.1-31.7 with 2 KiB; 512 B to 8 KiB all helped
+// 30.1-30.5 -> 31.6-31.8 GB/s, bf16 27.8-28.6 -> 31.1-31.7 at 2 KiB; 512 B to 8 KiB all helped
 // fp32, bf16 wanted 2-3 KiB. Decode of the bundled model, 8 steps a call, 768 tokens a run, the
-// distance switched in one process (3 alternations each): fp32 60.9-64.8 -> 63.0-66.6 tok/s, bf16
-// 113.7-118.4 -> 128.6-134.0. Not measured on an AMD CPU, where the hardware's prefetch alone
-// read at the probe's rate (the EPYC's one projection at 94-100% of it): left as it was there.
-constexpr int64_t kStreamAhead = 2048;
+// distance switched between processes: with the AVX-512 kernels fp32 60.9-64.8 -> 63.0-66.6 tok/s
+// at 2 KiB (3 alternations; 4 KiB even with 2), bf16 113.7-118.4 -> 128.6-134.0 at 2 KiB (4 KiB:
+// 128.2-128.7); with the AVX2 ones fp32 60.2-61.2 at 2 KiB, 63.7-66.6 at 4 KiB (2 alternations; 61.0
+// with none), bf16 126.2-128.8 at 2 KiB, 125.8-125.9 at 4. So 1,024 weights ahead: 4 KiB of fp32,
+// 2 KiB of bf16. Not measured on an AMD CPU, where the hardware's prefetch alone read at the
+// probe's rate (the EPYC's one projection at 94-100% of it): left as it was there.
+constexpr int64_t kStreamAhead = 1024;
 
 template <typename TW>
 VKV_INLINE void panel_pair(const float* x, int64_t K, const TW* wa, const TW* wb, const float* bias_a,
@@ -1076,8 +1079,8 @@ VKV_INLINE void panel_pair(const float* x, int64_t K, const TW* wa, const TW* wb
   constexpr int64_t kRowBytes = kPanel * sizeof(TW);  // what each stream reads a k
   for (int64_t k = 0; k < K; ++k) {
     if (!kAheadNonTemporal) {
-      const char* ahead_a = reinterpret_cast<const char*>(wa + k * kPanel) + kStreamAhead;
-      const char* ahead_b = reinterpret_cast<const char*>(wb + k * kPanel) + kStreamAhead;
+      const char* ahead_a = reinterpret_cast<const char*>(wa + k * kPanel + kStreamAhead);
+      const char* ahead_b = reinterpret_cast<const char*>(wb + k * kPanel + kStreamAhead);
       for (int64_t o = 0; o < kRowBytes; o += 64) {
         _mm_prefetch(ahead_a + o, _MM_HINT_T0);
         _mm_prefetch(ahead_b + o, _MM_HINT_T0);
