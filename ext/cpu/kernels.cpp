@@ -1007,7 +1007,10 @@ static const bool kAheadNonTemporal = [] {
   return __builtin_cpu_is("amd") > 0;
 }();
 
-std::string ahead_hint() { return kAheadNonTemporal ? "non-temporal (an AMD CPU)" : "into L2"; }
+std::string ahead_hint() {
+  return kAheadNonTemporal ? "non-temporal (an AMD CPU)"
+                           : "into L2 (steps of 2-12 rows); one-row streams 1,024 weights ahead into L1";
+}
 
 template <typename TW, int MR>
 VKV_INLINE void panel_tile(const float* x, int64_t K, const TW* w, const float* bias, float* out, int64_t N,
@@ -1748,8 +1751,8 @@ TORCH_LIBRARY(vkv, m) {
   m.def("greedy_pick(Tensor h, Tensor panels, Tensor pick, Tensor pick_bounds, Tensor? pick_scales, bool bf16, "
         "Tensor(a!) logits, Tensor(b!) best, Tensor(c!) picked) -> ()");
   m.def("lora_segments(Tensor x, Tensor(a!) out, Tensor[] a, Tensor[] b, int[] bounds) -> ()");
-  m.def("panel_width() -> int", &panel_width);
-  m.def("ahead_hint() -> str", &ahead_hint);  // how a few-row step asks for its next panel  // output columns per panel of linear_panels' weights
+  m.def("panel_width() -> int", &panel_width);  // output columns per panel of linear_panels' weights
+  m.def("ahead_hint() -> str", &ahead_hint);  // how steps ask for the weights they read next
   m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()");
 }
 
