@@ -115,20 +115,29 @@ def test_multibyte_text_streams_whole_characters(llm):
     assert not any("\ufffd" in d for d in deltas)
 
 
+@pytest.mark.parametrize("ending", ["length", "eos", "stop_token_ids"])
 @pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
-def test_a_completion_cut_inside_a_character_ends_with_the_text_its_tokens_decode_to(llm, kind):
-    """max_tokens may end a completion between the byte tokens of one character: the held-back
-    bytes come out at the end, as decoding its tokens shows them (a replacement character), not
-    dropped; streamed deltas add up to the same text."""
+def test_a_completion_cut_inside_a_character_ends_with_the_text_its_tokens_decode_to(llm, kind, ending):
+    """max_tokens, EOS or a stop token may end a completion between the byte tokens of one
+    character: the held-back bytes come out at the end, as decoding its tokens shows them (a
+    replacement character), not dropped; a stop token's own text stays out (vLLM's rule); streamed
+    deltas add up to the same text."""
     tok = llm.tokenizer
     ids = tok.encode("ok 🎉", add_special_tokens=False)
     cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
-    params = SamplingParams(max_tokens=cut, output_kind=kind)
-    processor, seq = OutputProcessor(tok), Sequence("r", 0, [1, 2, 3], params, 0.0)
+    stop = tok.encode(".", add_special_tokens=False)[0]
+    eos = tok.eos_token_id
+    params = SamplingParams(max_tokens=cut if ending == "length" else 64, output_kind=kind, skip_special_tokens=False,
+                            stop_token_ids=[stop] if ending == "stop_token_ids" else None)
+    generated = ids[:cut] + ([] if ending == "length" else [eos if ending == "eos" else stop])
+    processor, seq = OutputProcessor(tok, eos_ids=(eos,)), Sequence("r", 0, [1, 2, 3], params, 0.0)
     processor.add("r", Prompt([1, 2, 3]), params)
-    texts = [processor.process([SeqOutput(seq, [Sampled(t)], "length" if i == cut - 1 else None)])[0][0].outputs[0].text
-             for i, t in enumerate(ids[:cut])]
+    last = len(generated) - 1
+    texts = [processor.process([SeqOutput(seq, [Sampled(t)], (ending if ending == "length" else "stop")
+                                          if i == last else None)])[0][0].outputs[0].text
+             for i, t in enumerate(generated)]
     want = tok.decode(ids[:cut])
+    assert want.endswith("\ufffd")
     assert (texts[-1] if kind is RequestOutputKind.CUMULATIVE else "".join(texts)) == want
 
 

@@ -122,6 +122,14 @@ class OutputProcessor:
         before the scheduler did."""
         p = state.params
         for i, s in enumerate(o.new):
+            ends = i == len(o.new) - 1 and o.finish_reason
+            # a stop by EOS or a stop token keeps the token, not its text (vLLM's rule, as for stop
+            # strings: `stop_token_ids=['.']` ended "Paris." and a chat turn "...<|im_end|>"); the text
+            # before it is final, a character cut short showing as its tokens decode
+            by_token = ends and o.finish_reason == "stop" and (
+                s.token_id in p.stop_token_ids or (s.token_id in self.eos_ids and not p.ignore_eos))
+            if by_token:
+                c.detokenizer.flush()
             before = len(c.detokenizer.text)
             self._add_token(c, s)
             text = c.detokenizer.text  # a stop string ending before `before` would have stopped it already
@@ -130,11 +138,7 @@ class OutputProcessor:
             if stops:
                 c.shown, c.finish_reason = min(stops), "stop"
                 return o.finish_reason is None
-            if i == len(o.new) - 1 and o.finish_reason:
-                # a stop by EOS or a stop token keeps the token, not its text (vLLM's rule, as for
-                # stop strings: `stop_token_ids=['.']` ended "Paris." and a chat turn "...<|im_end|>")
-                by_token = o.finish_reason == "stop" and (
-                    s.token_id in p.stop_token_ids or (s.token_id in self.eos_ids and not p.ignore_eos))
+            if ends:
                 if not by_token:  # (a character cut short at the end shows as its tokens decode)
                     c.detokenizer.flush()
                 c.shown, c.finish_reason = (before if by_token else len(c.detokenizer.text)), o.finish_reason
