@@ -108,6 +108,26 @@ def test_a_mismatched_update_is_refused_by_name_and_changes_nothing(tmp_path):
         assert greedy(llm) == before
 
 
+def test_a_checkpoint_read_from_disk_is_checked_once(tmp_path, monkeypatch):
+    """The server reads and checks a checkpoint off the engine's thread (read_weights_from_disk);
+    the update then takes that answer without reading every tensor again on the engine's thread.
+    An answer checked against another model is checked again."""
+    from engine.models import weights
+    checkpoint(tmp_path / "old", 0), checkpoint(tmp_path / "new", 1)
+    calls = []
+    real = weights.check
+    monkeypatch.setattr(weights, "check", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with LLM(model=str(tmp_path / "old"), kv_cache_memory=16 << 20) as llm:
+        before = greedy(llm)
+        llm.update_weights_from_disk(str(tmp_path / "new"))
+        assert len(calls) == 1
+        update = llm.engine.read_weights_from_disk(str(tmp_path / "old"))
+        assert len(calls) == 2 and update.whole
+        llm.update_weights_from_tensor(weights.Checked(update, model=object(), whole=True))
+        assert len(calls) == 3  # not this model's answer: read again
+        assert greedy(llm) == before
+
+
 def test_pause_retract_recomputes_under_the_new_weights_and_abort_ends_requests(tmp_path):
     checkpoint(tmp_path / "old", 0)
     new = checkpoint(tmp_path / "new", 1)

@@ -222,7 +222,7 @@ class LLMEngine:
         if self.model.pages is not None and self.model.pages.asleep:
             raise EngineSleeping("the weights sleep (level 2): wake_up(tags=['weights']) before writing new ones")
         empty = self.model.pages is not None and self.model.pages.empty
-        update = weights.check(self.model, named_tensors, whole=empty)
+        update = weights.checked(self.model, named_tensors, whole=empty)
         if self.kv.active_sequences():
             raise RuntimeError("requests in flight hold KV computed with the current weights: "
                                "pause_generation('retract') or ('abort') first")
@@ -267,8 +267,7 @@ class LLMEngine:
                              f"config: start an engine on it instead")
         if self.model_config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # (as a load drops it)
-        weights.check(self.model, state)
-        return state
+        return weights.check(self.model, state)
 
     def sync_workers(self) -> None:
         """Tensor parallel: the other ranks apply the KV operations made outside a step now."""

@@ -9,7 +9,9 @@ address (the one-call decode path keeps each layer's tensors).
 
 Approach. `check(model, named_tensors)` reads every tensor first: its name as the model's
 Hugging Face checkpoint has it, its full (unsharded) shape from the config, a floating-point
-dtype; anything else is refused by name and nothing changes. `apply` then writes each value
+dtype, finite values; anything else is refused by name and nothing changes. Its answer
+(`Checked`) is taken back as it is (`checked`): the server reads a checkpoint and checks it off
+the engine's thread, and the engine's thread does not read it again. `apply` then writes each value
 into the model's own tensors, in place: q/k/v into their rows of the fused qkv projection,
 gate/up into gate_up, and every copy a projection keeps for its kernels (the plain weight if
 kept, the GEMM panels, oneDNN's packed weight; engine/models/linear.py `Linear.assign`)
@@ -66,7 +68,24 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check(model, named_tensors, whole: bool = False) -> dict[str, torch.Tensor]:
+class Checked(dict):
+    """What `check` returns: {name: tensor}, checked against `model`; `whole` when it brings every
+    weight. An update handed back as it is (read off the engine's thread, then applied on it) is
+    not read twice (`checked`)."""
+
+    def __init__(self, update: dict, model, whole: bool):
+        super().__init__(update)
+        self.model, self.whole = model, whole
+
+
+def checked(model, named_tensors, whole: bool = False) -> dict[str, torch.Tensor]:
+    """`check`, unless named_tensors is its own answer for this model (and whole, where asked)."""
+    if isinstance(named_tensors, Checked) and named_tensors.model is model and (named_tensors.whole or not whole):
+        return named_tensors
+    return check(model, named_tensors, whole)
+
+
+def check(model, named_tensors, whole: bool = False) -> Checked:
     """The update as {name: tensor}, every name, shape and dtype checked; ValueError naming the
     first that does not fit (nothing is changed). whole: every weight must be there (weights
     that woke up empty after sleep level 2)."""
@@ -98,10 +117,10 @@ def check(model, named_tensors, whole: bool = False) -> dict[str, torch.Tensor]:
         if embedding is None or not (tensor.data_ptr() == embedding.data_ptr() or torch.equal(tensor, embedding)):
             raise ValueError("lm_head.weight: this model ties it to model.embed_tokens.weight; update that "
                              "(lm_head.weight is taken only equal to it)")
-    missing = [name for name in shapes if name not in update] if whole else []
-    if missing:
+    absent = [name for name in shapes if name not in update]
+    if absent and whole:
         raise ValueError(f"the weights are empty after sleep level 2, so an update must bring every weight: "
-                         f"{len(missing)} missing, e.g. {', '.join(missing[:3])}")
+                         f"{len(absent)} missing, e.g. {', '.join(absent[:3])}")
     for name in update:  # fused projections come whole
         pre, layer, module, kind = split(name)
         if module in FUSED:
@@ -110,7 +129,7 @@ def check(model, named_tensors, whole: bool = False) -> dict[str, torch.Tensor]:
             missing = [s for s in siblings if s not in update]
             if missing:
                 raise ValueError(f"{name}: given without {', '.join(missing)} (a fused projection is updated whole)")
-    return update
+    return Checked(update, model, whole=not absent)
 
 
 @torch.no_grad()
