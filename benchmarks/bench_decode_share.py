@@ -19,6 +19,7 @@ machine's memory. Run it alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -35,6 +36,26 @@ from engine import LLM, SamplingParams  # noqa: E402
 
 PROMPT = [1, 504, 3458, 282]
 PROBE_MIB = 128  # 2 x 64 MiB, 4x this machine's L3
+
+
+def parse_dtypes(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """--dtypes as a list: float32 and bfloat16 only (the one-call decode path's)."""
+    dtypes = text.split(",")
+    if not set(dtypes) <= {"float32", "bfloat16"}:
+        parser.error(f"--dtypes takes float32 and bfloat16, got {text!r}")
+    return dtypes
+
+
+@contextlib.contextmanager
+def single_stream(dtype: str, steps: int):
+    """vkv's single-stream engine (bench_vs_llamacpp.py's: prefix caching off, all threads); exits
+    where the native kernels or the one-call decode path do not run."""
+    if ext.cpu_kernels() is None:
+        sys.exit(f"the native CPU kernels are unavailable: {ext.cpu_kernels_error()}")
+    with LLM(dtype=dtype, num_scheduler_steps=steps, enable_prefix_caching=False) as llm:
+        if not llm.engine.model.decode:
+            sys.exit(f"{dtype}: the one-call decode path does not run here ({llm.engine.model.gemm_path})")
+        yield llm
 
 
 def streamed_bytes(model) -> int:
@@ -92,20 +113,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steady", type=float, default=1.1, help="a sample's larger probe over its smaller, at most")
     add_level_arguments(p)
     args = p.parse_args(argv)
-    dtypes = args.dtypes.split(",")
-    if not set(dtypes) <= {"float32", "bfloat16"}:
-        p.error(f"--dtypes takes float32 and bfloat16, got {args.dtypes!r}")
+    dtypes = parse_dtypes(p, args.dtypes)
     if args.steady < 1:
         p.error(f"--steady is a ratio of two probes, at least 1, got {args.steady}")
     run_as(args.isa, __file__, argv)
-    if ext.cpu_kernels() is None:
-        sys.exit(f"the native CPU kernels are unavailable: {ext.cpu_kernels_error()}")
     rows = []
     for dtype in dtypes:
-        with LLM(dtype=dtype, num_scheduler_steps=args.num_scheduler_steps, enable_prefix_caching=False) as llm:
+        with single_stream(dtype, args.num_scheduler_steps) as llm:
             model = llm.engine.model
-            if not model.decode:
-                sys.exit(f"{dtype}: the one-call decode path does not run here ({model.gemm_path})")
             nbytes = streamed_bytes(model)
             params = SamplingParams(temperature=0, max_tokens=args.tokens + 1, ignore_eos=True)
             sample(llm, params, args.tokens, nbytes)  # first-call costs, not kept

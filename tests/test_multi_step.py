@@ -122,3 +122,25 @@ def test_random_traffic_under_several_steps_a_call_gives_what_single_steps_give(
             assert done[f"r{i}"].outputs[0].token_ids == alone(r["prompt"], r["max_tokens"], r["stop"]), r
     assert_pool_whole(llm)
     llm.engine.close()
+
+
+def test_the_stage_clock_times_every_stage_of_the_steps_it_is_on_for_and_nothing_else():
+    """decode_layers' stage clock (benchmarks/bench_decode_stages.py): off, it adds nothing; on,
+    every stage of every step run gets time, the steps are counted, and a read with reset clears."""
+    import torch
+    llm = LLM(model="random:tiny", seed=0, kv_cache_memory=1 << 22, num_scheduler_steps=4)
+    params = greedy(12, None)
+    torch.ops.vkv.decode_stage_times(True)
+    tokens(llm, [[5, 6, 7, 8]], params)
+    assert set(torch.ops.vkv.decode_stage_times(True).values()) == {0.0}
+    torch.ops.vkv.time_decode_stages(True)
+    try:
+        tokens(llm, [[5, 6, 7, 8]], params)
+    finally:
+        torch.ops.vkv.time_decode_stages(False)
+    times = torch.ops.vkv.decode_stage_times(True)
+    assert times.pop("steps") >= 11 and llm.stats().multi_step_calls > 0  # (the first token is the prompt's)
+    assert set(times) == {"context prefetch", "norms", "qkv", "rope", "attention", "o", "gate_up", "down", "pick",
+                          "next embedding"}
+    assert all(us > 0 for us in times.values()), times
+    assert set(torch.ops.vkv.decode_stage_times(False).values()) == {0.0}

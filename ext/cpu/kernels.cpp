@@ -29,6 +29,7 @@
 // Every accumulation is fp32.
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Dict.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -66,6 +67,7 @@ inline float vkv_reduce_add_ps(__m512 x) {  // halves added pairwise, as the nat
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1247,6 +1249,38 @@ bool gate_up_silu(const at::Tensor& x, const at::Tensor& panels, at::Tensor& act
 // final norm under the layers' eps (one rms_norm_eps in a Llama config): each return from a call
 // that streamed the weights costs the Python after it about 0.1 ms of cold caches, so one call
 // a step instead of two measured 1.025x in bf16 (21 of 30 alternations) and 1.009x in fp32 (15 of 24).
+// Where a decode step's time goes (benchmarks/bench_decode_stages.py): with the clock on
+// (`time_decode_stages(true)`), decode_layers adds each stage's microseconds to its sum, read (and
+// cleared) by `decode_stage_times`; off, a stage costs the test of one flag. The sums are atomic:
+// engines of several models in one process step on threads of their own.
+enum Stage { kContext, kNorms, kQkv, kRope, kAttention, kO, kGateUp, kDown, kPick, kEmbed, kStages };
+constexpr const char* kStageNames[kStages] = {"context prefetch", "norms", "qkv", "rope", "attention", "o",
+                                              "gate_up", "down", "pick", "next embedding"};
+std::atomic<bool> stage_clock_on{false};
+std::atomic<double> stage_us[kStages];
+std::atomic<int64_t> stage_steps{0};
+
+struct StageClock {
+  bool on = stage_clock_on.load(std::memory_order_relaxed);
+  std::chrono::steady_clock::time_point last = on ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+  void lap(Stage stage) {  // the time since the last lap (or the start) was `stage`'s
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    stage_us[stage].fetch_add(std::chrono::duration<double, std::micro>(now - last).count(), std::memory_order_relaxed);
+    last = now;
+  }
+};
+
+void time_decode_stages(bool on) { stage_clock_on.store(on); }
+
+c10::Dict<std::string, double> decode_stage_times(bool reset) {
+  c10::Dict<std::string, double> out;
+  for (int i = 0; i < kStages; ++i)
+    out.insert(kStageNames[i], reset ? stage_us[i].exchange(0.0) : stage_us[i].load());
+  out.insert("steps", static_cast<double>(reset ? stage_steps.exchange(0) : stage_steps.load()));
+  return out;
+}
+
 struct DecodeStep {  // what every layer of the step reads, and its intermediates
   const at::Tensor &positions, &cos_sin, &block_table, &token_seq, &q_start, &q_len, &ctx_len;
   int64_t block_size;
@@ -1300,23 +1334,33 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
                   const at::Tensor& post_norm, const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
                   const at::Tensor& o_weight, const at::Tensor& gate_up_weight, const at::Tensor& down_weight,
                   const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  StageClock clock;
   prefetch_context(s, k_cache, v_cache);
+  clock.lap(kContext);
   if (first) {
     residual.copy_(x);
     add_rms_norm(x, std::nullopt, input_norm, s.eps);
   } else {
     add_rms_norm(x, residual, input_norm, s.eps);
   }
+  clock.lap(kNorms);
   linear_panels(x, qkv_weight, qkv_bias, s.qkv);
+  clock.lap(kQkv);
   rope_store(s.q, s.k, s.v, s.positions, s.cos_sin, k_cache, v_cache, s.block_table, s.block_size, s.token_seq);
+  clock.lap(kRope);
   attention(s.q, k_cache, v_cache, s.block_table, s.block_size, s.q_start, s.q_len, s.ctx_len, s.scale, s.attended);
+  clock.lap(kAttention);
   linear_panels(s.attended.view({x.size(0), -1}), o_weight, std::nullopt, s.h);
+  clock.lap(kO);
   add_rms_norm(s.h, residual, post_norm, s.eps);
+  clock.lap(kNorms);
   if (!gate_up_silu(s.h, gate_up_weight, s.act)) {
     linear_panels(s.h, gate_up_weight, std::nullopt, s.gate_up);
     silu_and_mul(s.gate_up, s.act);
   }
+  clock.lap(kGateUp);
   linear_panels(s.act, down_weight, std::nullopt, x);
+  clock.lap(kDown);
 }
 
 // After the layers (decode_layers ends with it): the model's last norm and the LM head over the rows
@@ -1654,6 +1698,8 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
       decode_layer(s, x, residual, i == 0, input_norms[i], post_norms[i], qkv_weights[i], qkv_biases.get(i),
                    o_weights[i], gate_up_weights[i], down_weights[i], k_caches[i], v_caches[i]);
     }
+    StageClock clock;
+    stage_steps.fetch_add(clock.on, std::memory_order_relaxed);
     if (!logits) return;
     TORCH_CHECK(rows && final_norm && lm_head, "logits need rows, the final norm and the LM head");
     if (tokens && pick) {  // only the pick is wanted: from half the LM head's bytes, exactly
@@ -1676,10 +1722,12 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
       all_stopped &= stopped[r] != 0;
     }
     tokens->select(0, step).copy_(picked);
+    clock.lap(kPick);
     if (!finite || all_stopped || step + 1 == steps) break;
     x.copy_(embed->index_select(0, picked));  // (a bf16 embedding widens exactly, as the first step's did)
     pos.add_(1);
     ctx.add_(1);
+    clock.lap(kEmbed);
   }
 }
 
@@ -1770,7 +1818,9 @@ TORCH_LIBRARY(vkv, m) {
         "Tensor(a!) logits, Tensor(b!) best, Tensor(c!) picked) -> ()");
   m.def("lora_segments(Tensor x, Tensor(a!) out, Tensor[] a, Tensor[] b, int[] bounds) -> ()");
   m.def("panel_width() -> int", &panel_width);  // output columns per panel of linear_panels' weights
-  m.def("ahead_hint() -> str", &ahead_hint);  // how steps ask for the weights they read next
+  m.def("ahead_hint() -> str", &ahead_hint);
+  m.def("time_decode_stages(bool on) -> ()", &time_decode_stages);  // decode_layers' stage clock
+  m.def("decode_stage_times(bool reset) -> Dict(str, float)", &decode_stage_times);  // its sums (us), "steps"  // how steps ask for the weights they read next
   m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()");
 }
 
