@@ -1075,8 +1075,9 @@ VKV_INLINE void panel_rows(const float* x, int64_t rows, int64_t K, const TW* w,
 // with none), bf16 126.2-128.8 at 2 KiB, 125.8-125.9 at 4. So 1,024 weights ahead: 4 KiB of fp32,
 // 2 KiB of bf16. Where a k's row is under a line (bf16 and int8 on AVX2, int8 on AVX-512) a line is
 // asked for once a k; asking once a line measured no better (AVX2 bf16 decode 0.982x, 3 of 8
-// alternations faster; AVX-512 bf16 1.003x, 4 of 8). Not measured on an AMD CPU, where the hardware's prefetch alone read at the
-// probe's rate (the EPYC's one projection at 94-100% of it): left as it was there.
+// alternations faster; AVX-512 bf16 1.003x, 4 of 8). Not measured on an AMD CPU, where the
+// hardware's prefetch alone read at the probe's rate (the EPYC's one projection at 94-100% of it):
+// left as it was there.
 constexpr int64_t kStreamAhead = 1024;
 
 template <typename TW>
@@ -1249,6 +1250,13 @@ bool gate_up_silu(const at::Tensor& x, const at::Tensor& panels, at::Tensor& act
 // final norm under the layers' eps (one rms_norm_eps in a Llama config): each return from a call
 // that streamed the weights costs the Python after it about 0.1 ms of cold caches, so one call
 // a step instead of two measured 1.025x in bf16 (21 of 30 alternations) and 1.009x in fp32 (15 of 24).
+struct DecodeStep {  // what every layer of the step reads, and its intermediates
+  const at::Tensor &positions, &cos_sin, &block_table, &token_seq, &q_start, &q_len, &ctx_len;
+  int64_t block_size;
+  double eps, scale;
+  at::Tensor qkv, q, k, v, attended, h, gate_up, act;
+};
+
 // Where a decode step's time goes (benchmarks/bench_decode_stages.py): with the clock on
 // (`time_decode_stages(true)`), decode_layers adds each stage's microseconds to its sum, read (and
 // cleared) by `decode_stage_times`; off, a stage costs the test of one flag. The sums are atomic:
@@ -1280,13 +1288,6 @@ c10::Dict<std::string, double> decode_stage_times(bool reset) {
   out.insert("steps", static_cast<double>(reset ? stage_steps.exchange(0) : stage_steps.load()));
   return out;
 }
-
-struct DecodeStep {  // what every layer of the step reads, and its intermediates
-  const at::Tensor &positions, &cos_sin, &block_table, &token_seq, &q_start, &q_len, &ctx_len;
-  int64_t block_size;
-  double eps, scale;
-  at::Tensor qkv, q, k, v, attended, h, gate_up, act;
-};
 
 // The first keys and values the layer's attention will read, asked into L2 as the layer starts (at
 // most kContextPrefetch bytes of each cache). The step's weights have streamed through the caches
