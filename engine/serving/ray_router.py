@@ -10,12 +10,17 @@ from ray.serve.request_router import FIFOMixin, RequestRouter
 
 from engine.serving.ray_serve import BUSIER, EXPECT_SECONDS, MAX_REPORTED, RouteKey, page_names
 
+MAX_UNNAMED = 1024  # requests remembered before the names are known, at most (the newest)
+
 
 class PrefixRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, busier: int = BUSIER, expect_seconds: float = EXPECT_SECONDS):
         self.busier, self.expect_seconds = busier, expect_seconds
         self.sent: dict[int, tuple[object, float]] = {}  # page name -> (replica it was just sent to, when)
         self.held: dict[object, tuple[tuple, set[int]]] = {}  # replica -> (its report, its names as a set)
+        # requests routed before any replica's stats said how pages are named (the first
+        # STATS_PERIOD after a start): (key, replica, when), named into `sent` once that is known
+        self.unnamed: list[tuple[RouteKey, object, float]] = []
 
     def _load(self, replica) -> int:
         queued = self.replica_queue_len_cache.get(replica.replica_id)
@@ -30,14 +35,23 @@ class PrefixRouter(FIFOMixin, RequestRouter):
             cached = self.held[replica.replica_id] = (report, set(report))
         return cached[1]
 
-    def _names(self, pending, replicas) -> list[int]:
+    def _names(self, pending, replicas, now: float) -> list[int]:
         """The request's page names, computed once (Ray may ask again for the same request)."""
         named = getattr(pending.routing_context, "vkv_names", None) if pending is not None else None
         if named:
             return named
         key = pending.args[-1] if pending is not None and pending.args else None
         naming = next((r.routing_stats for r in replicas if (r.routing_stats or {}).get("page_ends")), None)
-        if not isinstance(key, RouteKey) or naming is None:
+        if naming is not None and self.unnamed:  # what went out before the names were known
+            for early, replica, when in self.unnamed:
+                if now - when < self.expect_seconds:
+                    self._remember(page_names(early, bytes.fromhex(naming["namespace"]), naming["page_ends"]),
+                                   replica, when)
+            self.unnamed.clear()
+        if not isinstance(key, RouteKey):
+            return []
+        if naming is None:
+            pending.routing_context.vkv_key = key  # (named when routed: on_request_routed)
             return []
         return page_names(key, bytes.fromhex(naming["namespace"]), naming["page_ends"])
 
@@ -54,7 +68,8 @@ class PrefixRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if not candidate_replicas:
             return []
-        now, names = time.monotonic(), self._names(pending_request, candidate_replicas)
+        now = time.monotonic()
+        names = self._names(pending_request, candidate_replicas, now)
         load = {r.replica_id: self._load(r) for r in candidate_replicas}
         least = min(load.values())
         best = max(candidate_replicas, key=lambda r: (self._depth(r, names, now), -load[r.replica_id]))
@@ -68,12 +83,19 @@ class PrefixRouter(FIFOMixin, RequestRouter):
         return chosen
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
+        now, context = time.monotonic(), pending_request.routing_context
+        self._remember(getattr(context, "vkv_names", ()), replica_id, now)
+        if not getattr(context, "vkv_names", None) and getattr(context, "vkv_key", None) is not None:
+            self.unnamed = self.unnamed[-MAX_UNNAMED + 1:] + [(context.vkv_key, replica_id, now)]
+
+    def _remember(self, names, replica_id, when: float) -> None:
+        """`names` were just sent to replica_id (at `when`): they count as held there for a while."""
         now = time.monotonic()
-        for name in getattr(pending_request.routing_context, "vkv_names", ()):
+        for name in names:
             self.sent.pop(name, None)  # to the end: the map stays oldest first
-            self.sent[name] = (replica_id, now)
+            self.sent[name] = (replica_id, when)
         while self.sent:  # forget from the oldest: what expired, and past the bound what is left
-            name, (_, when) = next(iter(self.sent.items()))
-            if now - when < self.expect_seconds and len(self.sent) <= 4 * MAX_REPORTED:
+            name, (_, at) = next(iter(self.sent.items()))
+            if now - at < self.expect_seconds and len(self.sent) <= 4 * MAX_REPORTED:
                 break
             del self.sent[name]

@@ -26,7 +26,8 @@ Approach.
   PrefixRouter  vkv's RequestRouter: names the request's pages as the replicas do
                 (engine/kv/prefix_cache.py) and sends it to the replica holding the most
                 leading pages, or the one a request with those pages was just sent to (so a
-                burst of one new prefix lands in one place before the stats say so), unless
+                burst of one new prefix lands in one place before the stats say so; what was
+                sent before any stats said how pages are named is named once they do), unless
                 that replica is more than BUSIER requests busier than the least busy; with no
                 holder, the less busy of two picked at random (Ray's power of two choices).
 `--ray-router pow2` uses Ray's power of two instead, `ray-prefix` Ray's prefix router (where it
