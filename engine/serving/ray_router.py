@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
@@ -20,7 +21,7 @@ class PrefixRouter(FIFOMixin, RequestRouter):
         self.held: dict[object, tuple[tuple, set[int]]] = {}  # replica -> (its report, its names as a set)
         # requests routed before any replica's stats said how pages are named (the first
         # STATS_PERIOD after a start): (key, replica, when), named into `sent` once that is known
-        self.unnamed: list[tuple[RouteKey, object, float]] = []
+        self.unnamed: deque[tuple[RouteKey, object, float]] = deque(maxlen=MAX_UNNAMED)
 
     def _load(self, replica) -> int:
         queued = self.replica_queue_len_cache.get(replica.replica_id)
@@ -42,17 +43,21 @@ class PrefixRouter(FIFOMixin, RequestRouter):
             return named
         key = pending.args[-1] if pending is not None and pending.args else None
         naming = next((r.routing_stats for r in replicas if (r.routing_stats or {}).get("page_ends")), None)
-        if naming is not None and self.unnamed:  # what went out before the names were known
-            for early, replica, when in self.unnamed:
+        if naming is not None:  # what went out before the names were known counts as held where it went
+            while self.unnamed:
+                early, replica, when = self.unnamed.popleft()
                 if now - when < self.expect_seconds:
-                    self._remember(page_names(early, bytes.fromhex(naming["namespace"]), naming["page_ends"]),
-                                   replica, when)
-            self.unnamed.clear()
+                    self._remember(self._named(early, naming), replica, when)
         if not isinstance(key, RouteKey):
             return []
         if naming is None:
-            pending.routing_context.vkv_key = key  # (named when routed: on_request_routed)
+            pending.routing_context.vkv_key = key  # (kept unnamed when routed: on_request_routed)
             return []
+        return self._named(key, naming)
+
+    @staticmethod
+    def _named(key: RouteKey, naming: dict) -> list[int]:
+        """key's page names under a replica's stats (its namespace and page boundaries)."""
         return page_names(key, bytes.fromhex(naming["namespace"]), naming["page_ends"])
 
     def _depth(self, replica, names: list[int], now: float) -> int:
@@ -86,7 +91,7 @@ class PrefixRouter(FIFOMixin, RequestRouter):
         now, context = time.monotonic(), pending_request.routing_context
         self._remember(getattr(context, "vkv_names", ()), replica_id, now)
         if not getattr(context, "vkv_names", None) and getattr(context, "vkv_key", None) is not None:
-            self.unnamed = self.unnamed[-MAX_UNNAMED + 1:] + [(context.vkv_key, replica_id, now)]
+            self.unnamed.append((context.vkv_key, replica_id, now))
 
     def _remember(self, names, replica_id, when: float) -> None:
         """`names` were just sent to replica_id (at `when`): they count as held there for a while."""

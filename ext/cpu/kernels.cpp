@@ -1316,8 +1316,7 @@ void prefetch_context(const DecodeStep& s, const at::Tensor& k_cache, const at::
   for (int64_t b = 0; b < s.q_start.size(0); ++b) keys += ctx[b];
   keys = std::min(keys, kContextPrefetch / row);
   at::parallel_for(0, keys, kContextGrain, [&](int64_t lo, int64_t hi) {
-    int64_t first = 0, b = 0;  // key `lo` is sequence b's key lo - first
-    while (first + ctx[b] <= lo) first += ctx[b++];
+    int64_t first = 0, b = 0;  // key i is sequence b's key i - first
     for (int64_t i = lo; i < hi; ++i) {
       while (i - first >= ctx[b]) first += ctx[b++];
       const int64_t key = i - first;
@@ -1700,7 +1699,7 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
                    o_weights[i], gate_up_weights[i], down_weights[i], k_caches[i], v_caches[i]);
     }
     StageClock clock;
-    stage_steps.fetch_add(clock.on, std::memory_order_relaxed);
+    if (clock.on) stage_steps.fetch_add(1, std::memory_order_relaxed);
     if (!logits) return;
     TORCH_CHECK(rows && final_norm && lm_head, "logits need rows, the final norm and the LM head");
     if (tokens && pick) {  // only the pick is wanted: from half the LM head's bytes, exactly
