@@ -33,7 +33,17 @@ import torch
 SOURCE = Path(__file__).parent / "cpu" / "kernels.cpp"
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, expanded in our code; the libgomp.so.1
 # it links is the one torch already loaded (same soname), so there is one thread pool.
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+# -fno-trapping-math: nothing here turns floating-point exceptions on, and with them possible GCC
+# leaves loops whose body selects between floats scalar, attention's softmax among them (an exp
+# and a rounding per score). No value changes (unlike -ffast-math). The attention op alone, one
+# decode row of the bundled model's shape (9 query heads over 3 KV heads of 64), with this flag,
+# the softmax's fp32 probabilities and AVX2's 3 query rows a pass (kernels.cpp attend_item,
+# kScoreRows), against the build before, hot caches, 3 alternations on the 2-vCPU Xeon: AVX2
+# kernels fp32 11.8-13.1 -> 8.7-9.3 us at 130 keys, 20.0-21.8 -> 14.2-15.1 at 250; bf16 16.3-17.0
+# -> 10.9-11.5 and 28.0-29.2 -> 17.0-18.6; AVX-512 kernels bf16 9.9-10.5 -> 9.0-9.8 and 15.9-16.1
+# -> 13.8-14.7, fp32 even. In decode (bench_decode_stages.py --isa avx2) attention took 0.57 ->
+# 0.42 ms of a bf16 step.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
 ISAS = ("avx512", "avx2", "scalar")  # widest first
 EMULATED = "avx512-emulated"  # the AVX-512 layer through SIMDe, on any CPU: for tests
 ISA_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"],  # -mno-avx: no AVX, AVX2, FMA, AVX-512

@@ -69,6 +69,29 @@ def test_native_attention_equals_the_reference_on_random_batches(data, layout, d
         assert torch.equal(mine.view(torch.uint8), theirs[1].view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("query_heads", [9, 48])  # 3 query heads a KV head: the vector rows; 16: the GEMM
+def test_a_nan_query_poisons_its_own_head_alone(dtype, query_heads):
+    """The softmax holds each probability rounded to the activations' type in fp32 (attend_item's
+    Pf), in a loop that vectorizes: a NaN score stays NaN through it, any payload (0x7fffffff in
+    fp32; bf16 holds its own), on both read paths, and a NaN in one head reaches no other."""
+    torch.manual_seed(0)
+    keys, kv_heads, dim = 130, 3, 64
+    k_cache, v_cache = (torch.randn(1, 256, kv_heads, dim).to(dtype) for _ in range(2))
+    batch = make_batch([(1, keys)], [[0]], 256)
+    q = torch.randn(1, query_heads, dim).to(dtype)
+    q[0, 0, 5] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32).to(dtype)  # a NaN, all payload
+    q[0, 1, 7] = float("nan")
+    out = torch.empty_like(q)
+    torch.ops.vkv.attention(q, k_cache, v_cache, batch.block_table, 256, batch.q_start, batch.q_len, batch.ctx_len,
+                            dim ** -0.5, out)
+    assert out[0, :2].isnan().all()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[:, 2:].float().transpose(0, 1), *(c[0, :keys].float().repeat_interleave(query_heads // kv_heads, 1)
+                                            [:, 2:].transpose(0, 1) for c in (k_cache, v_cache)))
+    torch.testing.assert_close(out[0, 2:].float(), want[:, 0], atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("query_heads", [1, 16])  # a few rows: the vector loads; many: the widened GEMM
 def test_every_fp8_value_decodes_exactly_and_stores_saturate(cache_dtype, query_heads):

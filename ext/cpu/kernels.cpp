@@ -365,7 +365,14 @@ struct Vec {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
 };
-constexpr int kScoreRows[2] = {2, 1}, kWeighRows[2] = {3, 1};  // 16 registers
+// 16 registers. Scores over 8 vectors (a 64-wide head) take 3 query rows a pass, more than the
+// registers hold: the queries are read from L1 as the multiplies' operands, and each key is loaded
+// (and, from a bf16 cache, widened) once for a KV head's 3 query heads instead of once for each.
+// The attention op alone on the bundled model's shape (9 query heads over 3 KV heads, one decode
+// row), hot caches, 3 alternations of builds on the 2-vCPU Xeon: 1 row a pass against 3, fp32
+// 9.8-10.6 -> 9.3-9.5 us at 130 keys and 15.9-17.1 -> 14.4-15.0 at 250; bf16 13.0-14.5 -> 11.1-11.8
+// and 21.4-22.7 -> 18.4-19.2.
+constexpr int kScoreRows[2] = {2, 3}, kWeighRows[2] = {3, 1};
 #else
 #define VKV_ISA "scalar"
 #endif
@@ -487,11 +494,16 @@ void attend_item(const Item& it, const T* q, int64_t sq_t, int64_t sq_h, const R
   const int64_t b = it.seq, nq = it.q_hi - it.q_lo, R = nq * G, rows = Hkv * R;  // row = (head, query, group)
   const int64_t first_pos = ctx_len[b] - q_len[b];  // absolute position of query 0
   const int64_t t_floats = (sizeof(T) * (rows * D + R * kKeyBlock) + sizeof(float) - 1) / sizeof(float);
-  buf.resize(2 * rows * D + R * kKeyBlock + 2 * rows + t_floats);
+  buf.resize(2 * rows * D + 2 * R * kKeyBlock + 2 * rows + t_floats);
   float* acc = buf.data();
   float* Qf = acc + rows * D;  // the query rows in fp32, for the few-rows path
   float* S = Qf + rows * D;
-  float* m = S + R * kKeyBlock;
+  // One head's probabilities, each rounded to T as a store to T would, held as fp32: the few-rows
+  // path weighs from these (a broadcast load a key and row, where widening a bf16 one took three
+  // instructions), the GEMM path from their copy in T (P; exact). The softmax loop over them
+  // vectorizes under -fno-trapping-math (ext/__init__.py).
+  float* Pf = S + R * kKeyBlock;
+  float* m = Pf + R * kKeyBlock;
   float* l = m + rows;
   T* Q = reinterpret_cast<T*>(l + rows);  // the item's query rows, gathered per KV head
   T* P = Q + rows * D;                    // one head's probabilities, in the GEMM's input type
@@ -517,7 +529,7 @@ void attend_item(const Item& it, const T* q, int64_t sq_t, int64_t sq_h, const R
       for (int64_t r = 0; r < R; ++r) {
         const int64_t visible = std::clamp<int64_t>(first_pos + it.q_lo + r / G + 1 - k0, 0, n);  // causal
         const float* s = S + r * kKeyBlock;
-        T* p = P + r * kKeyBlock;
+        float* p = Pf + r * kKeyBlock;
         float& mr = m[h * R + r];
         float mx = mr;
 #pragma omp simd reduction(max : mx)
@@ -525,10 +537,12 @@ void attend_item(const Item& it, const T* q, int64_t sq_t, int64_t sq_h, const R
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < visible; ++j) {
-          store(p + j, exp_approx(s[j] * scale - mx));
-          sum += load(p[j]);
+          const float e = exp_approx(s[j] * scale - mx);
+          const float t = round_to<T>(e);  // (as a store to T rounds it; NaN stays NaN)
+          p[j] = e == e ? t : e;
+          sum += p[j];
         }
-        for (int64_t j = visible; j < n; ++j) store(p + j, 0.0f);
+        for (int64_t j = visible; j < n; ++j) p[j] = 0.0f;
         if (visible) {
           const float correction = exp_approx(mr - mx);
           mr = mx;
@@ -539,8 +553,11 @@ void attend_item(const Item& it, const T* q, int64_t sq_t, int64_t sq_h, const R
         }
       }
       const C* vp = V.row(b, block, row, h);
-      if (!(few && weigh_few(vp, V.s_row, n, P, R, D, acc + h * R * D)))
+      if (!(few && weigh_few(vp, V.s_row, n, Pf, R, D, acc + h * R * D))) {
+        for (int64_t r = 0; r < R; ++r)  // (exact: Pf holds values of T)
+          for (int64_t j = 0; j < n; ++j) store(P + r * kKeyBlock + j, Pf[r * kKeyBlock + j]);
         weigh<T, C>(vp, V.s_row, n, P, R, D, acc + h * R * D, wide);
+      }
     }
     k0 += n;
     row += n;
@@ -1818,9 +1835,9 @@ TORCH_LIBRARY(vkv, m) {
         "Tensor(a!) logits, Tensor(b!) best, Tensor(c!) picked) -> ()");
   m.def("lora_segments(Tensor x, Tensor(a!) out, Tensor[] a, Tensor[] b, int[] bounds) -> ()");
   m.def("panel_width() -> int", &panel_width);  // output columns per panel of linear_panels' weights
-  m.def("ahead_hint() -> str", &ahead_hint);
+  m.def("ahead_hint() -> str", &ahead_hint);  // how steps ask for the weights they read next
   m.def("time_decode_stages(bool on) -> ()", &time_decode_stages);  // decode_layers' stage clock
-  m.def("decode_stage_times(bool reset) -> Dict(str, float)", &decode_stage_times);  // its sums (us), "steps"  // how steps ask for the weights they read next
+  m.def("decode_stage_times(bool reset) -> Dict(str, float)", &decode_stage_times);  // its sums (us), "steps"
   m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()");
 }
 
