@@ -3,6 +3,7 @@ bf16 KV cache but computes in fp32; a GEMM path oneDNN refuses falls back instea
 the engine says which paths run and why. Each test forces the narrower path, so any machine
 checks it."""
 import os
+import threading
 
 import pytest
 import torch
@@ -156,6 +157,8 @@ def test_the_decode_layers_in_one_native_call_equal_the_layer_by_layer_path(dtyp
         pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
     if dtype == "bfloat16":
         request.getfixturevalue("no_native_bf16")
+    if rows == 1:  # on two threads, attention and the o projection share a parallel region (attention_then_o)
+        request.getfixturevalue("two_threads")
     llm = LLM(dtype=dtype, kv_cache_memory=16 << 20, max_num_seqs=rows)
     model = llm.engine.model
     assert model.decode, "the one-call path should be on for the bundled model on the CPU"
@@ -172,6 +175,54 @@ def test_the_decode_layers_in_one_native_call_equal_the_layer_by_layer_path(dtyp
         assert run() == fused
     finally:
         model.decode = weights
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_attention_refusing_a_step_inside_the_shared_parallel_region_raises_and_hangs_nothing(two_threads,
+                                                                                               monkeypatch):
+    """A one-row step on two threads runs attention on one thread while the other asks for the o
+    projection's weights, then both compute it (kernels.cpp attention_then_o). Attention's own
+    checks refusing the step there (here: a context shorter than its query) must come back as the
+    error, with the other thread released, not left waiting: the call is made on a thread that
+    must end within a minute, during a real step (its pages mapped), and the step still runs."""
+    if ext.cpu_kernels() is None:
+        pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
+    llm = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=1)
+    model, outcomes = llm.engine.model, []
+    one_call = model._one_call
+
+    def refused(input_ids, args):
+        torch.set_num_threads(2)  # (a new thread's own OpenMP setting)
+        bad = args[:9] + (torch.zeros_like(args[9]),) + args[10:]  # ctx_len 0 < q_len 1
+        try:
+            model._decode_layers(model.model.embed_tokens.forward(input_ids), bad, torch.arange(1),
+                                 torch.empty(1, model.lm_head.panels_n))
+            outcomes.append("no error")
+        except RuntimeError as e:
+            outcomes.append(str(e))
+
+    def watched(input_ids, attn):
+        args = one_call(input_ids, attn)
+        if args is not None and input_ids.shape[0] == 1 and not outcomes:
+            caller = threading.Thread(target=refused, args=(input_ids, args), daemon=True)
+            caller.start()
+            caller.join(60)
+            if caller.is_alive():
+                outcomes.append("hung")
+        return args
+
+    monkeypatch.setattr(model, "_one_call", watched)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(outcomes) == 1 and "do not fit" in outcomes[0], outcomes
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert_pool_whole(llm)
 
 
 def test_the_native_kernels_build_where_ci_requires_them():

@@ -584,6 +584,12 @@ void attend_item(const Item& it, const T* q, int64_t sq_t, int64_t sq_h, const R
     }
 }
 
+// The parts a decode item of `keys` keys splits into (merged after), when `items` items are too
+// few for the threads (under 2: it stays whole, on one thread).
+int64_t decode_parts(int64_t keys, int64_t items, int64_t threads) {
+  return std::min<int64_t>(4 * threads / items + 1, keys / 128);
+}
+
 template <typename T, typename C>
 void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_table, int64_t block_size, const at::Tensor& q_start,
@@ -614,7 +620,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     int64_t parts = 0;
     for (const auto& it : items) {
       const int64_t keys = cl[it.seq];
-      const int64_t n = std::min<int64_t>(want / static_cast<int64_t>(items.size()) + 1, keys / 128);
+      const int64_t n = decode_parts(keys, static_cast<int64_t>(items.size()), threads);
       if (ql[it.seq] != 1 || n < 2) {
         split.push_back(it);
         continue;
@@ -1127,22 +1133,28 @@ VKV_INLINE void panel_pair(const float* x, int64_t K, const TW* wa, const TW* wb
   for (int64_t c = 0; c < cols_b; ++c) out_b[c] = bias_b ? tile[kPanel + c] + bias_b[c] : tile[kPanel + c];
 }
 
+// One row over panels [lo, hi) (a thread's run): its first half and its second as panel_pair's two
+// streams, an odd panel left alone.
+template <typename TW>
+void row_over_panels(const float* x, int64_t K, const TW* w, int64_t N, const float* bias, float* out, int64_t lo,
+                     int64_t hi) {
+  const int64_t half = (hi - lo) / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t pa = lo + i, pb = lo + half + i;
+    panel_pair<TW>(x, K, w + pa * K * kPanel, w + pb * K * kPanel, bias ? bias + pa * kPanel : nullptr,
+                   bias ? bias + pb * kPanel : nullptr, out + pa * kPanel, out + pb * kPanel,
+                   std::min(kPanel, N - pa * kPanel), std::min(kPanel, N - pb * kPanel));
+  }
+  for (int64_t p = lo + 2 * half; p < hi; ++p)
+    panel_tile<TW, 1>(x, K, w + p * K * kPanel, bias ? bias + p * kPanel : nullptr, out + p * kPanel, N,
+                      std::min(kPanel, N - p * kPanel), nullptr, true);
+}
+
 template <typename TW>
 void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64_t N, const float* bias, float* out) {
   const int64_t P = (N + kPanel - 1) / kPanel;
   if (M == 1) {
-    at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
-      const int64_t half = (hi - lo) / 2;
-      for (int64_t i = 0; i < half; ++i) {
-        const int64_t pa = lo + i, pb = lo + half + i;
-        panel_pair<TW>(x, K, w + pa * K * kPanel, w + pb * K * kPanel, bias ? bias + pa * kPanel : nullptr,
-                       bias ? bias + pb * kPanel : nullptr, out + pa * kPanel, out + pb * kPanel,
-                       std::min(kPanel, N - pa * kPanel), std::min(kPanel, N - pb * kPanel));
-      }
-      for (int64_t p = lo + 2 * half; p < hi; ++p)
-        panel_tile<TW, 1>(x, K, w + p * K * kPanel, bias ? bias + p * kPanel : nullptr, out + p * kPanel, N,
-                          std::min(kPanel, N - p * kPanel), nullptr, true);
-    });
+    at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) { row_over_panels<TW>(x, K, w, N, bias, out, lo, hi); });
     return;
   }
   for (int64_t m0 = 0; m0 < M; m0 += kPanelChunk) {
@@ -1347,6 +1359,78 @@ void prefetch_context(const DecodeStep& s, const at::Tensor& k_cache, const at::
   });
 }
 
+// Note [The o projection's weights asked for while attention runs]
+// Rationale: a one-sequence decode step's attention is one work item (decode_parts: under 256
+// keys) on one thread, 13-20 us a layer, while the other thread waits and the memory bus idles;
+// then the o projection, the smallest (0.65 MB a layer in bf16, 1.3 in fp32), starts cold on both
+// threads and read 23-27 GB/s where the larger projections read 30-36 (bench_decode_stages.py).
+// Approach: one parallel region for both. Thread 0 runs attention; thread 1 asks for the o weight's
+// panels into its L2, from the last panel down, until attention is done (at most kWarmShare of
+// them); then the two split the panels so that thread 1 takes the warm ones and half of the cold
+// ones less a quarter of the warm count, which thread 0 takes instead (thread 1 still reads the
+// warm ones, at L2's rate). Each column is computed as linear_panels computes it, whatever the
+// split: the same bits. One region instead of attention inline and o's own also saves a fork and
+// a join. Measured on the 2-vCPU Xeon, switched in one process, 6 alternations of 256-token decodes
+// (stage clock on): the o stage 0.90-0.92 -> 0.60-0.61 ms a step in bf16 and 1.61-1.70 -> 1.26-1.27
+// in fp32 (both ISAs' kernels), attention +15-52 us; decode 1.035x bf16 (AVX-512 kernels; every
+// alternation faster), 1.038x fp32, and with the AVX2 kernels 1.044x bf16, 1.009x fp32 (medians of
+// the alternations' ratios, in a noisy hour).
+// Limitations: two threads only (more were not measured; they take the path before), one row.
+// If attention throws, thread 1 still sees `done` and both skip the projection; the error rethrows.
+constexpr int64_t kWarmShare = 4;  // thread 1 asks for at most (kWarmShare - 1) / kWarmShare of the panels
+
+bool attention_then_o(DecodeStep& s, const at::Tensor& o_weight, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      StageClock& clock) {
+#if !defined(VKV_VEC)
+  return false;  // (the scalar build's panels have no row_over_panels)
+#else
+  const int64_t P = o_weight.size(0), K = o_weight.size(1), N = s.h.size(1);
+  if (s.h.size(0) != 1 || s.q_start.size(0) != 1 || at::get_num_threads() != 2 || at::in_parallel_region() ||
+      decode_parts(s.ctx_len.data_ptr<int32_t>()[0], 1, 2) >= 2 ||
+      !(o_weight.scalar_type() == at::kFloat || o_weight.scalar_type() == at::kBFloat16))
+    return false;
+  const int64_t panel_bytes = K * kPanel * o_weight.element_size();
+  const char* weights = static_cast<const char*>(o_weight.data_ptr());
+  const float* x = s.attended.data_ptr<float>();
+  float* out = s.h.data_ptr<float>();
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> warm{-1};  // the panels thread 1 asked for, once it stops
+  std::exception_ptr failed;
+  at::parallel_for(0, 2, 1, [&](int64_t lo, int64_t hi) {
+    if (lo == 0) {
+      try {
+        attention(s.q, k_cache, v_cache, s.block_table, s.block_size, s.q_start, s.q_len, s.ctx_len, s.scale,
+                  s.attended);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      done.store(true, std::memory_order_release);
+      clock.lap(kAttention);
+      if (hi == 2) warm.store(0, std::memory_order_release);  // (one thread ran the whole range)
+    } else {
+      int64_t n = 0;
+      for (int64_t p = P - 1; p >= P / kWarmShare && !done.load(std::memory_order_acquire); --p, ++n)
+        for (int64_t b = 0; b < panel_bytes && !done.load(std::memory_order_relaxed); b += 64)
+          _mm_prefetch(weights + p * panel_bytes + b, _MM_HINT_T1);
+      while (!done.load(std::memory_order_acquire)) _mm_pause();
+      warm.store(n, std::memory_order_release);
+    }
+    int64_t n;
+    while ((n = warm.load(std::memory_order_acquire)) < 0) _mm_pause();
+    if (failed) return;
+    const int64_t split = std::min(P, (P - n + 1) / 2 + n / 4);
+    const int64_t a = lo == 0 ? 0 : split, b = lo == 0 ? (hi == 2 ? P : split) : P;
+    if (o_weight.scalar_type() == at::kFloat)
+      row_over_panels<float>(x, K, o_weight.data_ptr<float>(), N, nullptr, out, a, b);
+    else
+      row_over_panels<c10::BFloat16>(x, K, o_weight.data_ptr<c10::BFloat16>(), N, nullptr, out, a, b);
+  });
+  if (failed) std::rethrow_exception(failed);
+  clock.lap(kO);
+  return true;
+#endif
+}
+
 void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& input_norm,
                   const at::Tensor& post_norm, const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
                   const at::Tensor& o_weight, const at::Tensor& gate_up_weight, const at::Tensor& down_weight,
@@ -1365,10 +1449,12 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
   clock.lap(kQkv);
   rope_store(s.q, s.k, s.v, s.positions, s.cos_sin, k_cache, v_cache, s.block_table, s.block_size, s.token_seq);
   clock.lap(kRope);
-  attention(s.q, k_cache, v_cache, s.block_table, s.block_size, s.q_start, s.q_len, s.ctx_len, s.scale, s.attended);
-  clock.lap(kAttention);
-  linear_panels(s.attended.view({x.size(0), -1}), o_weight, std::nullopt, s.h);
-  clock.lap(kO);
+  if (!attention_then_o(s, o_weight, k_cache, v_cache, clock)) {
+    attention(s.q, k_cache, v_cache, s.block_table, s.block_size, s.q_start, s.q_len, s.ctx_len, s.scale, s.attended);
+    clock.lap(kAttention);
+    linear_panels(s.attended.view({x.size(0), -1}), o_weight, std::nullopt, s.h);
+    clock.lap(kO);
+  }
   add_rms_norm(s.h, residual, post_norm, s.eps);
   clock.lap(kNorms);
   if (!gate_up_silu(s.h, gate_up_weight, s.act)) {
