@@ -1034,7 +1034,7 @@ static const bool kAheadNonTemporal = [] {
 
 std::string ahead_hint() {
   return kAheadNonTemporal ? "non-temporal (an AMD CPU)"
-                           : "into L2 (steps of 2-12 rows); one-row streams 1,024 weights ahead into L1";
+                           : "into L2 (steps of 2-12 rows); one-row streams 1,024 weights ahead into L1 (int8: 4,096)";
 }
 
 template <typename TW, int MR>
@@ -1100,8 +1100,14 @@ VKV_INLINE void panel_rows(const float* x, int64_t rows, int64_t K, const TW* w,
 // asked for once a k; asking once a line measured no better (AVX2 bf16 decode 0.982x, 3 of 8
 // alternations faster; AVX-512 bf16 1.003x, 4 of 8). Not measured on an AMD CPU, where the
 // hardware's prefetch alone read at the probe's rate (the EPYC's one projection at 94-100% of it):
-// left as it was there.
-constexpr int64_t kStreamAhead = 1024;
+// left as it was there. int8 panels (the bf16 model's pick) ask 4,096 weights ahead, 4 KiB as
+// fp32's: at 1,024 (1 KiB) the pick read 25-26 GB/s in decode where the projections read 30-35.
+// The pick alone (12 copies of the LM head's int8 panels in turn, 6 alternations in one process)
+// read 23.7 -> 26.0 GB/s (medians) with the AVX-512 kernels and 22.8 -> 26.3 with the AVX2 ones at
+// 4,096 (2,048: 24.0 and 24.1; 8,192: 25.6 and 25.3); in bf16 decode the pick took 1,030 -> 948 us
+// a step (AVX-512) and 1,070 -> 982 (AVX2), decode 1.014x and 1.013x (6 alternations, 5 faster).
+template <typename TW>
+constexpr int64_t kStreamAhead = sizeof(TW) == 1 ? 4096 : 1024;
 
 template <typename TW>
 VKV_INLINE void panel_pair(const float* x, int64_t K, const TW* wa, const TW* wb, const float* bias_a,
@@ -1110,8 +1116,8 @@ VKV_INLINE void panel_pair(const float* x, int64_t K, const TW* wa, const TW* wb
   constexpr int64_t kRowBytes = kPanel * sizeof(TW);  // what each stream reads a k
   for (int64_t k = 0; k < K; ++k) {
     if (!kAheadNonTemporal) {
-      const char* ahead_a = reinterpret_cast<const char*>(wa + k * kPanel + kStreamAhead);
-      const char* ahead_b = reinterpret_cast<const char*>(wb + k * kPanel + kStreamAhead);
+      const char* ahead_a = reinterpret_cast<const char*>(wa + k * kPanel + kStreamAhead<TW>);
+      const char* ahead_b = reinterpret_cast<const char*>(wb + k * kPanel + kStreamAhead<TW>);
       for (int64_t o = 0; o < kRowBytes; o += 64) {
         _mm_prefetch(ahead_a + o, _MM_HINT_T0);
         _mm_prefetch(ahead_b + o, _MM_HINT_T0);
