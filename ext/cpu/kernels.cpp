@@ -1381,7 +1381,8 @@ void prefetch_context(const DecodeStep& s, const at::Tensor& k_cache, const at::
 // in fp32 (both ISAs' kernels), attention +15-52 us; decode 1.035x bf16 (AVX-512 kernels; every
 // alternation faster), 1.038x fp32, and with the AVX2 kernels 1.044x bf16, 1.009x fp32 (medians of
 // the alternations' ratios, in a noisy hour).
-// Limitations: two threads only (more were not measured; they take the path before), one row.
+// Limitations: two threads only (more were not measured; they take the path before), one row;
+// not measured on an AMD CPU, where it runs as here.
 // If attention throws, thread 1 still sees `done` and both skip the projection; the error rethrows.
 constexpr int64_t kWarmShare = 4;  // thread 1 asks for at most (kWarmShare - 1) / kWarmShare of the panels
 
