@@ -584,10 +584,12 @@ void attend_item(const Item& it, const T* q, int64_t sq_t, int64_t sq_h, const R
     }
 }
 
+constexpr int64_t kItemsPerThread = 4;  // attention's work items a thread, fewer and decodes split
+
 // The parts a decode item of `keys` keys splits into (merged after), when `items` items are too
 // few for the threads (under 2: it stays whole, on one thread).
 int64_t decode_parts(int64_t keys, int64_t items, int64_t threads) {
-  return std::min<int64_t>(4 * threads / items + 1, keys / 128);
+  return std::min<int64_t>(kItemsPerThread * threads / items + 1, keys / 128);
 }
 
 template <typename T, typename C>
@@ -609,7 +611,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   for (int64_t b = 0; b < B; ++b)
     for (int64_t lo = 0; lo < ql[b]; lo += kQueryBlock)
       items.push_back({b, lo, std::min<int64_t>(ql[b], lo + kQueryBlock), 0, cl[b], -1});
-  const int64_t threads = at::get_num_threads(), want = 4 * threads;
+  const int64_t threads = at::get_num_threads(), want = kItemsPerThread * threads;
   struct Merge {
     Item item;
     int64_t first, parts;
@@ -1371,10 +1373,10 @@ void prefetch_context(const DecodeStep& s, const at::Tensor& k_cache, const at::
 // then the o projection, the smallest (0.65 MB a layer in bf16, 1.3 in fp32), starts cold on both
 // threads and read 23-27 GB/s where the larger projections read 30-36 (bench_decode_stages.py).
 // Approach: one parallel region for both. Thread 0 runs attention; thread 1 asks for the o weight's
-// panels into its L2, from the last panel down, until attention is done (at most kWarmShare of
-// them); then the two split the panels so that thread 1 takes the warm ones and half of the cold
-// ones less a quarter of the warm count, which thread 0 takes instead (thread 1 still reads the
-// warm ones, at L2's rate). Each column is computed as linear_panels computes it, whatever the
+// panels into its L2, from the last panel down, until attention is done (at most all but
+// 1 / kWarmShare of them); then the two split the panels so that thread 1 takes the warm ones and
+// half of the cold ones less 1 / kWarmGiven of the warm count, which thread 0 takes instead
+// (thread 1 still reads the warm ones, at L2's rate). Each column is computed as linear_panels computes it, whatever the
 // split: the same bits. One region instead of attention inline and o's own also saves a fork and
 // a join. Measured on the 2-vCPU Xeon, switched in one process, 6 alternations of 256-token decodes
 // (stage clock on): the o stage 0.90-0.92 -> 0.60-0.61 ms a step in bf16 and 1.61-1.70 -> 1.26-1.27
@@ -1385,6 +1387,7 @@ void prefetch_context(const DecodeStep& s, const at::Tensor& k_cache, const at::
 // not measured on an AMD CPU, where it runs as here.
 // If attention throws, thread 1 still sees `done` and both skip the projection; the error rethrows.
 constexpr int64_t kWarmShare = 4;  // thread 1 asks for at most (kWarmShare - 1) / kWarmShare of the panels
+constexpr int64_t kWarmGiven = 4;  // thread 0 takes 1 / kWarmGiven of the warm count in cold panels
 
 bool attention_then_o(DecodeStep& s, const at::Tensor& o_weight, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       StageClock& clock) {
@@ -1425,7 +1428,7 @@ bool attention_then_o(DecodeStep& s, const at::Tensor& o_weight, const at::Tenso
     int64_t n;
     while ((n = warm.load(std::memory_order_acquire)) < 0) _mm_pause();
     if (failed) return;
-    const int64_t split = std::min(P, (P - n + 1) / 2 + n / 4);
+    const int64_t split = std::min(P, (P - n + 1) / 2 + n / kWarmGiven);
     const int64_t a = lo == 0 ? 0 : split, b = lo == 0 ? (hi == 2 ? P : split) : P;
     if (o_weight.scalar_type() == at::kFloat)
       row_over_panels<float>(x, K, o_weight.data_ptr<float>(), N, nullptr, out, a, b);
