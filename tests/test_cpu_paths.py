@@ -237,7 +237,8 @@ def test_a_few_row_step_asks_for_its_next_panel_as_this_cpu_vendor_wants():
     """Steps of 2 to 12 rows ask for each thread's next panel while computing one (ext/cpu/kernels.cpp,
     `panel_tile`): non-temporally on an AMD CPU, where that measured faster, and into L2 elsewhere:
     Intel's non-temporal prefetch fills L1 alone, the panel's lines were gone before they were read,
-    and such steps ran 3-4x slower on a Xeon. The platform says which hint runs."""
+    and such steps ran 3-4x slower on a Xeon. The platform says which hint runs, and whether one-row
+    streams also ask into L2 further ahead."""
     if ext.cpu_kernels() is None:
         pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
     with open("/proc/cpuinfo") as f:
@@ -247,5 +248,7 @@ def test_a_few_row_step_asks_for_its_next_panel_as_this_cpu_vendor_wants():
         assert hint.startswith("none")
     else:
         assert hint.startswith("non-temporal") == (vendor == "AuthenticAMD"), (vendor, hint)
+        # the AVX2 kernels' one-row streams also ask 2 KiB further into L2 (kStreamFar); the AVX-512 ones do not
+        assert ("into L2 too" in hint) == (ext.kernel_isa()[0] == "avx2" and vendor != "AuthenticAMD"), hint
     llm = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=2)
     assert llm.stats().platform["panel_prefetch"] == hint

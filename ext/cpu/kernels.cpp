@@ -1035,8 +1035,15 @@ static const bool kAheadNonTemporal = [] {
 }();
 
 std::string ahead_hint() {
-  return kAheadNonTemporal ? "non-temporal (an AMD CPU)"
-                           : "into L2 (steps of 2-12 rows); one-row streams 1,024 weights ahead into L1 (int8: 4,096)";
+#if defined(VKV_AVX512)
+  constexpr const char* kFar = "";
+#else
+  constexpr const char* kFar = "; fp32 and bf16 ones 2 KiB past that into L2 too";  // (kStreamFar)
+#endif
+  return kAheadNonTemporal
+             ? "non-temporal (an AMD CPU)"
+             : std::string("into L2 (steps of 2-12 rows); one-row streams 1,024 weights ahead into L1 (int8: 4,096)") +
+                   kFar;
 }
 
 template <typename TW, int MR>
@@ -1110,6 +1117,24 @@ VKV_INLINE void panel_rows(const float* x, int64_t rows, int64_t K, const TW* w,
 // a step (AVX-512) and 1,070 -> 982 (AVX2), decode 1.014x and 1.013x (6 alternations, 5 faster).
 template <typename TW>
 constexpr int64_t kStreamAhead = sizeof(TW) == 1 ? 4096 : 1024;
+// The AVX2 kernels' fp32 and bf16 streams also ask for a line into L2 2 KiB past the one they ask
+// into L1 (kStreamFar, in bytes; once a line), so more of each stream is on its way from memory than
+// L1's own misses allow. On the Intel Xeon with the AVX2 kernels, switched in one process (the
+// baseline the same code without it): one one-row `linear_panels` over 300 MB read 88.9% -> 92.0%
+// of the read probe in bf16 and 86.1% -> 94.3% in fp32 (6 alternations); decode of the bundled
+// model (256 tokens, 8 steps a call, 8 alternations) 1.024x in bf16 (7 faster) and 1.024x in fp32
+// (5 faster). The int8 pick's streams with it too: bf16 decode 1.012x, the pick 964 -> 976 us a step
+// (without: 957), so not there. Other distances before a clean baseline was kept (so only against
+// each other): 3-6 KiB in bf16 even, fp32 6-7 KiB best, 8 KiB and 12 KiB well below. The AVX-512
+// kernels, whose row of a k is twice as wide, measured 0.96x in bf16 (3-6 KiB) and 1.01-1.02x in
+// fp32 the same way: they do without.
+#if defined(VKV_AVX512)
+template <typename TW>
+constexpr int64_t kStreamFar = 0;
+#else
+template <typename TW>
+constexpr int64_t kStreamFar = sizeof(TW) == 1 ? 0 : kStreamAhead<TW> * static_cast<int64_t>(sizeof(TW)) + 2048;
+#endif
 
 template <typename TW>
 VKV_INLINE void panel_pair(const float* x, int64_t K, const TW* wa, const TW* wb, const float* bias_a,
@@ -1123,6 +1148,17 @@ VKV_INLINE void panel_pair(const float* x, int64_t K, const TW* wa, const TW* wb
       for (int64_t o = 0; o < kRowBytes; o += 64) {
         _mm_prefetch(ahead_a + o, _MM_HINT_T0);
         _mm_prefetch(ahead_b + o, _MM_HINT_T0);
+      }
+      if constexpr (kStreamFar<TW> > 0) {
+        const char* far_a = reinterpret_cast<const char*>(wa + k * kPanel) + kStreamFar<TW>;
+        const char* far_b = reinterpret_cast<const char*>(wb + k * kPanel) + kStreamFar<TW>;
+        // (a row under a line: asked for by the k whose row starts in the line's first kRowBytes)
+        const bool line_a = kRowBytes >= 64 || (reinterpret_cast<uintptr_t>(far_a) & 63) < kRowBytes;
+        const bool line_b = kRowBytes >= 64 || (reinterpret_cast<uintptr_t>(far_b) & 63) < kRowBytes;
+        for (int64_t o = 0; o < kRowBytes; o += 64) {
+          if (line_a) _mm_prefetch(far_a + o, _MM_HINT_T1);
+          if (line_b) _mm_prefetch(far_b + o, _MM_HINT_T1);
+        }
       }
     }
     const typename Vec::R xb = Vec::set1(x[k]);
@@ -1624,15 +1660,14 @@ void exact_panel(const float* x, int64_t K, const at::Tensor& panels, int64_t p,
 
 VKV_INLINE float rounded(double v, bool bf16) {  // monotone: a bound on v stays a bound on its rounding
   const float f = static_cast<float>(v);
-  if (!bf16 || f != f) return f;
-  // c10::BFloat16's rounding (nearest even; NaN stays NaN), written out so the
-  // loops over the vocabulary vectorize
+  // c10::BFloat16's rounding (nearest even; NaN stays NaN), written out and chosen without a
+  // branch so the loops over the vocabulary vectorize
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
   bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
   float r;
   std::memcpy(&r, &bits, sizeof r);
-  return r;
+  return bf16 && f == f ? r : f;
 }
 
 // One row's pick over panels [lo, hi): the largest exact logit among the tokens that may win
@@ -1650,12 +1685,17 @@ struct Pick {
 // one process on the 2-core EPYC (AVX-512), the pick 1021 -> 819 us a token in bf16 (30 pairs;
 // decode_layers 1.017x, 18 of 30 faster) and 1774 -> 1673 us in fp32 (20 pairs; 1.023x, 15 of 20).
 // A run's floor is a maximum and its pick the first maximum of its run, so the runs combine to
-// the whole row's in any split. The first pass also keeps each panel's largest upper bound, so the
-// second visits only the panels that may win (a panel's largest bound reaches the floor exactly when
-// one of its tokens' does: the same panels, the same pick), instead of testing every token's bound
-// again: in bf16 decode, timed inside the pick, the second pass 44-53 -> 9-10 us a token, the first
-// 68-75 -> 86-89; decode_layers 1.024x and 1.020x (40 and 30 alternations, 25 and 22 faster), fp32
-// 1.032x (24, 15 faster).
+// the whole row's in any split. The second pass visits only the panels that may win (a panel's
+// largest bound reaches the floor exactly when one of its tokens' does: the same panels, the same
+// pick), instead of computing every token's bound again: in bf16 decode, timed inside the pick, the
+// second pass 44-53 -> 9-10 us a token; decode_layers 1.024x and 1.020x (40 and 30 alternations, 25
+// and 22 faster), fp32 1.032x (24, 15 faster). The first pass writes each token's upper bound over
+// its approximate logit in one flat loop (the second takes a panel's largest from there): with a
+// branch in `rounded` and a loop a panel it had compiled to scalar code (perf on the Intel Xeon,
+// AVX2 kernels: vcvtss2sd and a NaN test a token); the pick stage of bf16 decode 0.982-1.033 ->
+// 0.974-0.978 ms a step (3 runs of bench_decode_stages.py each, processes alternated).
+// `logits` [rows, N] is scratch: on return a row holds its tokens' upper bounds, or its logits where
+// it was computed whole.
 void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor& pick, const at::Tensor& bounds,
                  const std::optional<at::Tensor>& scales, bool bf16, at::Tensor logits, at::Tensor best,
                  at::Tensor picked) {
@@ -1679,7 +1719,6 @@ void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor
   std::vector<float> floors(threads);
   std::vector<char> finites(threads);
   std::vector<Pick> picks(threads);
-  std::vector<float> tops(P);  // each panel's largest upper bound of a (rounded) logit, from pass 1
   for (int64_t r = 0; r < M; ++r) {
     const float* x = h.data_ptr<float>() + r * K;
     float* a = logits.data_ptr<float>() + r * N;
@@ -1689,27 +1728,22 @@ void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor
     // token j's (rounded) logit lies between these
     auto lower = [&](int64_t j) { return rounded(a[j] - norm * bound[j], bf16); };
     auto upper = [&](int64_t j) { return rounded(a[j] + norm * bound[j], bf16); };
-    // pass 1: the scales, the largest lower bound of a (rounded) logit, and each panel's largest upper bound
+    // pass 1: the scales, the largest lower bound of a (rounded) logit, and each token's upper bound
+    // written over its approximate logit
     at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t lo = P * t / threads * kPanel, hi = std::min(N, P * (t + 1) / threads * kPanel);
         if (scale)
           for (int64_t j = lo; j < hi; ++j) a[j] *= scale[j];
-        float floor = -std::numeric_limits<float>::infinity();
-        bool finite = std::isfinite(norm);
-        for (int64_t p = lo / kPanel; p * kPanel < hi; ++p) {
-          float low = -std::numeric_limits<float>::infinity(), top = low;
-#pragma omp simd reduction(max : low, top) reduction(&& : finite)
-          for (int64_t j = p * kPanel; j < std::min(hi, (p + 1) * kPanel); ++j) {
-            finite = finite && std::isfinite(a[j]);
-            low = std::max(low, lower(j));
-            top = std::max(top, upper(j));
-          }
-          floor = std::max(floor, low);
-          tops[p] = top;
+        float floor = -std::numeric_limits<float>::infinity(), bad = 0;  // bad: not 0 once a logit is not finite
+#pragma omp simd reduction(max : floor) reduction(+ : bad)
+        for (int64_t j = lo; j < hi; ++j) {
+          bad += a[j] - a[j];
+          floor = std::max(floor, lower(j));
+          a[j] = upper(j);
         }
         floors[t] = floor;
-        finites[t] = finite;
+        finites[t] = std::isfinite(norm) && bad == 0;
       }
     });
     const float floor = *std::max_element(floors.begin(), floors.end());
@@ -1721,11 +1755,14 @@ void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor
         for (int64_t t = t0; t < t1; ++t) {
           Pick& got = picks[t] = Pick{};
           for (int64_t p = P * t / threads; p < P * (t + 1) / threads && !got.nan; ++p) {
-            if (!(tops[p] >= floor)) continue;  // no token of the panel may win
             const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+            float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+            for (int64_t c = 0; c < cols; ++c) top = std::max(top, a[n0 + c]);
+            if (!(top >= floor)) continue;  // no token of the panel may win
             exact_panel(x, K, panels, p, cols, bf16, exact);
             for (int64_t c = 0; c < cols; ++c) {
-              if (!(upper(n0 + c) >= floor)) continue;
+              if (!(a[n0 + c] >= floor)) continue;
               if (exact[c] != exact[c]) got.nan = true;  // NaN: row_max's rule, from the whole row
               if (exact[c] > got.top || got.at < 0) got.top = exact[c], got.at = n0 + c;
             }
