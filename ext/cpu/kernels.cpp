@@ -1792,6 +1792,34 @@ void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor
   }
 }
 
+// Multi-step decode's next inputs, written out: each row's token embedding into x (a bf16 embedding
+// widens exactly, as the first step's did), positions and context lengths one on. As ATen ops
+// (index_select, copy_, two add_) they took 50-135 us a step in decode (the stage clock's `next
+// embedding`), where the same ops took 3-7 us in a loop of their own: after a step's weights have
+// streamed through the caches, each op's dispatch runs cold (index_select alone 2.8 -> 29 us after a
+// 16 MB parallel sum; timed inside decode_layers, index_select 79-83 us and the two add_ 67-70 us a
+// step with the AVX2 kernels in a slow hour). Builds alternated in processes (3 pairs, AVX2 kernels,
+// bf16): the stage 79-131 -> 3-4 us a step.
+void next_inputs(const at::Tensor& embed, const int64_t* token, at::Tensor& x, const at::Tensor& pos,
+                 const at::Tensor& ctx) {
+  const int64_t M = x.size(0), H = x.size(1);
+  float* out = x.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r) {
+    TORCH_CHECK(token[r] >= 0 && token[r] < embed.size(0), "a picked token past the embedding's rows");
+    if (embed.scalar_type() == at::kBFloat16) {
+      const c10::BFloat16* e = embed.data_ptr<c10::BFloat16>() + token[r] * embed.stride(0);
+      for (int64_t h = 0; h < H; ++h) out[r * H + h] = load(e[h]);
+    } else {
+      const float* e = embed.data_ptr<float>() + token[r] * embed.stride(0);
+      std::copy(e, e + H, out + r * H);
+    }
+  }
+  int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pos.numel(); ++i) ++p[i];
+  int32_t* c = ctx.data_ptr<int32_t>();
+  for (int64_t i = 0; i < ctx.numel(); ++i) ++c[i];
+}
+
 // Multi-step greedy decode (decode_layers given `tokens`, [steps, rows] int64, and the embedding):
 // after each step's logits, every row takes its greedy token (row_max: torch.max's first maximal
 // index) and, while steps remain, the next step runs on those tokens' embeddings one position on,
@@ -1829,6 +1857,11 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
                 tokens->is_contiguous(), "tokens: [steps, rows] int64 contiguous");
     TORCH_CHECK(!stop_ids || stop_ids->scalar_type() == at::kLong, "stop_ids: int64");
     TORCH_CHECK(!pick == !pick_bounds, "the pick's bf16 panels come with their bounds");
+    TORCH_CHECK((embed->scalar_type() == at::kFloat || embed->scalar_type() == at::kBFloat16) &&
+                    embed->stride(1) == 1 && x.is_contiguous() && positions.scalar_type() == at::kLong &&
+                    ctx_len.scalar_type() == at::kInt,
+                "steps: an fp32 or bf16 embedding with contiguous rows, contiguous x, int64 positions, int32 "
+                "context lengths");
     tokens->fill_(-1);
   }
   // the positions and context lengths move on each step: a copy, so the caller's stay as given
@@ -1877,12 +1910,10 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
       for (int64_t j = 0; j < num_stops && !stopped[r]; ++j) stopped[r] = token[r] == stop[j];
       all_stopped &= stopped[r] != 0;
     }
-    tokens->select(0, step).copy_(picked);
+    std::copy(token, token + M, tokens->data_ptr<int64_t>() + step * M);
     clock.lap(kPick);
     if (!finite || all_stopped || step + 1 == steps) break;
-    x.copy_(embed->index_select(0, picked));  // (a bf16 embedding widens exactly, as the first step's did)
-    pos.add_(1);
-    ctx.add_(1);
+    next_inputs(*embed, token, x, pos, ctx);
     clock.lap(kEmbed);
   }
 }
