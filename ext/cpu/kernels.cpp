@@ -1484,8 +1484,11 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
   StageClock clock;
   prefetch_context(s, k_cache, v_cache);
   clock.lap(kContext);
-  if (first) {
-    residual.copy_(x);
+  if (first) {  // residual = x, written out: as ATen's copy_ it dispatched cold each step (see next_inputs;
+                // the norms stage 189-193 -> 128-154 us a bf16 step, AVX2 kernels, builds alternated, 3 pairs)
+    TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
+                "x and residual: contiguous fp32");
+    std::copy(x.data_ptr<float>(), x.data_ptr<float>() + x.numel(), residual.data_ptr<float>());
     add_rms_norm(x, std::nullopt, input_norm, s.eps);
   } else {
     add_rms_norm(x, residual, input_norm, s.eps);
