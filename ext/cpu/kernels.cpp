@@ -1127,7 +1127,7 @@ constexpr int64_t kStreamAhead = sizeof(TW) == 1 ? 4096 : 1024;
 // (without: 957), so not there. Other distances before a clean baseline was kept (so only against
 // each other): 3-6 KiB in bf16 even, fp32 6-7 KiB best, 8 KiB and 12 KiB well below. The AVX-512
 // kernels, whose row of a k is twice as wide, measured 0.96x in bf16 (3-6 KiB) and 1.01-1.02x in
-// fp32 the same way: they do without.
+// fp32 against that first baseline (the one that favoured the change): they do without.
 #if defined(VKV_AVX512)
 template <typename TW>
 constexpr int64_t kStreamFar = 0;
@@ -1486,8 +1486,6 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
   clock.lap(kContext);
   if (first) {  // residual = x, written out: as ATen's copy_ it dispatched cold each step (see next_inputs;
                 // the norms stage 189-193 -> 128-154 us a bf16 step, AVX2 kernels, builds alternated, 3 pairs)
-    TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
-                "x and residual: contiguous fp32");
     std::copy(x.data_ptr<float>(), x.data_ptr<float>() + x.numel(), residual.data_ptr<float>());
     add_rms_norm(x, std::nullopt, input_norm, s.eps);
   } else {
@@ -1844,8 +1842,9 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
                    std::optional<at::Tensor> tokens, const std::optional<at::Tensor>& stop_ids,
                    const std::optional<at::Tensor>& pick, const std::optional<at::Tensor>& pick_bounds,
                    const std::optional<at::Tensor>& pick_scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && residual.sizes() == x.sizes(),
-              "x and residual: [rows, hidden] fp32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && residual.sizes() == x.sizes() &&
+                  residual.scalar_type() == at::kFloat && x.is_contiguous() && residual.is_contiguous(),
+              "x and residual: [rows, hidden] fp32 contiguous");  // (decode_layer copies and norms them in place)
   const size_t L = input_norms.size();
   TORCH_CHECK(L > 0 && post_norms.size() == L && qkv_weights.size() == L && qkv_biases.size() == L &&
               o_weights.size() == L && gate_up_weights.size() == L && down_weights.size() == L &&
@@ -1861,10 +1860,8 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
     TORCH_CHECK(!stop_ids || stop_ids->scalar_type() == at::kLong, "stop_ids: int64");
     TORCH_CHECK(!pick == !pick_bounds, "the pick's bf16 panels come with their bounds");
     TORCH_CHECK((embed->scalar_type() == at::kFloat || embed->scalar_type() == at::kBFloat16) &&
-                    embed->stride(1) == 1 && x.is_contiguous() && positions.scalar_type() == at::kLong &&
-                    ctx_len.scalar_type() == at::kInt,
-                "steps: an fp32 or bf16 embedding with contiguous rows, contiguous x, int64 positions, int32 "
-                "context lengths");
+                    embed->stride(1) == 1 && positions.scalar_type() == at::kLong && ctx_len.scalar_type() == at::kInt,
+                "steps: an fp32 or bf16 embedding with contiguous rows, int64 positions, int32 context lengths");
     tokens->fill_(-1);
   }
   // the positions and context lengths move on each step: a copy, so the caller's stay as given
