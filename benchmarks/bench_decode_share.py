@@ -8,7 +8,8 @@ On this project's 2-core EPYC the read bandwidth sits at one of two levels, abou
 55-62, and switches within seconds, so one run's share mixes them. Here each sample is short:
 a probe (roofline.read_gbps: a dot product of two arrays on 2 MiB pages, all threads), --tokens
 greedy tokens decoded after a 4-token prompt (less a one-token request's time: the prompt's
-prefill and the request's own costs), a probe. A sample counts when its two probes agree
+prefill and the request's own costs), a probe (as many bytes as a step streams:
+roofline.footprint_mib; --probe-mib sets another size). A sample counts when its two probes agree
 within --steady, and falls in the level of their mean (split at --split GB/s). Its share: the
 bytes a step streams over the step's time, over that mean. A step streams every projection's
 panels and the LM head's, or with multi-step decode its half-size copy (the exact pick). The
@@ -29,13 +30,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import add_level_arguments, isa_label, machine_info, positive, run_as, save  # noqa: E402
-from roofline import read_gbps  # noqa: E402
+from roofline import footprint_mib, read_gbps  # noqa: E402
 
 import ext  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 PROMPT = [1, 504, 3458, 282]
-PROBE_MIB = 128  # 2 x 64 MiB, 4x this machine's L3
 
 
 def parse_dtypes(parser: argparse.ArgumentParser, text: str) -> list[str]:
@@ -72,12 +72,12 @@ def timed(llm: LLM, params: SamplingParams) -> float:
     return time.perf_counter() - start
 
 
-def sample(llm: LLM, params: SamplingParams, tokens: int, nbytes: int) -> dict:
+def sample(llm: LLM, params: SamplingParams, tokens: int, nbytes: int, probe_mib: int) -> dict:
     """A sample: the decode steps' time, less the request's own costs (a one-token request, the
     prompt's prefill and its first token, timed right after)."""
-    before = read_gbps(PROBE_MIB, repeats=3)
+    before = read_gbps(probe_mib, repeats=3)
     step = (timed(llm, params) - timed(llm, SamplingParams(temperature=0, max_tokens=1))) / tokens
-    after = read_gbps(PROBE_MIB, repeats=3)
+    after = read_gbps(probe_mib, repeats=3)
     streamed = nbytes / step / 1e9
     return {"probe_before_gbps": before, "probe_after_gbps": after, "tok_s": 1 / step, "streamed_gbps": streamed,
             "share": streamed / ((before + after) / 2)}
@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokens", type=positive, default=64, help="tokens decoded per sample")
     p.add_argument("--num-scheduler-steps", type=positive, default=8)
     p.add_argument("--steady", type=float, default=1.1, help="a sample's larger probe over its smaller, at most")
+    p.add_argument("--probe-mib", type=positive, default=None,
+                   help="the probe's size (default: as many MiB as a step streams, roofline.footprint_mib)")
     add_level_arguments(p)
     args = p.parse_args(argv)
     dtypes = parse_dtypes(p, args.dtypes)
@@ -122,15 +124,16 @@ def main(argv: list[str] | None = None) -> dict:
         with single_stream(dtype, args.num_scheduler_steps) as llm:
             model = llm.engine.model
             nbytes = streamed_bytes(model)
+            probe_mib = args.probe_mib or footprint_mib(nbytes)
             params = SamplingParams(temperature=0, max_tokens=args.tokens + 1, ignore_eos=True)
-            sample(llm, params, args.tokens, nbytes)  # first-call costs, not kept
+            sample(llm, params, args.tokens, nbytes, probe_mib)  # first-call costs, not kept
             samples = []
             for i in range(args.samples):
-                samples.append(sample(llm, params, args.tokens, nbytes))
+                samples.append(sample(llm, params, args.tokens, nbytes, probe_mib))
                 print(f"[bench] {dtype} {i + 1}/{args.samples}: probes {samples[-1]['probe_before_gbps']:.1f} / "
                       f"{samples[-1]['probe_after_gbps']:.1f} GB/s, decode {samples[-1]['streamed_gbps']:.1f} GB/s "
                       f"({samples[-1]['share'] * 100:.1f}%)", flush=True)
-            row = {"dtype": dtype, "bytes_per_token": nbytes, "gemm_path": model.gemm_path,
+            row = {"dtype": dtype, "bytes_per_token": nbytes, "probe_mib": probe_mib, "gemm_path": model.gemm_path,
                    "levels": levels(samples, args.split, args.steady), "samples": samples}
         rows.append(row)
         for name, level in row["levels"].items():

@@ -13,7 +13,8 @@ per step the pick (last norm, the LM head's half-size copy, the exact pick) and 
 embedding. `other` is the run's wall time less those: Python between calls (scheduling, mapping
 pages, detokenizing), the calls' own costs and the prompt's prefill. The streaming stages also
 give GB/s (their bytes over their time), and the whole step its share of a read probe taken
-before and after the run (roofline.read_gbps, 256 MiB as in bench_vs_llamacpp.py). Medians of
+before and after the run (roofline.read_gbps over as many bytes as a step streams:
+roofline.footprint_mib; --probe-mib sets another size). Medians of
 --repeats runs. `--isa avx2` measures the AVX2 code paths (common.AVX2_ENV) on this machine's
 memory. Run it alone.
 """
@@ -30,12 +31,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode_share import PROMPT, parse_dtypes, single_stream, streamed_bytes  # noqa: E402
 from common import add_level_arguments, isa_label, machine_info, positive, run_as, save  # noqa: E402
-from roofline import read_gbps  # noqa: E402
+from roofline import footprint_mib, read_gbps  # noqa: E402
 
 import ext  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
-PROBE_MIB = 256
 
 
 def stage_bytes(model) -> dict[str, int]:
@@ -46,9 +46,9 @@ def stage_bytes(model) -> dict[str, int]:
     return sums | {"pick": (head.pick if head.pick is not None else head.panels).nbytes}
 
 
-def run(llm: LLM, tokens: int) -> dict:
+def run(llm: LLM, tokens: int, probe_mib: int) -> dict:
     """One timed run: the stages' microseconds summed over its steps, its wall time, the probes around it."""
-    before = read_gbps(PROBE_MIB, repeats=3)
+    before = read_gbps(probe_mib, repeats=3)
     torch.ops.vkv.decode_stage_times(True)  # (cleared)
     torch.ops.vkv.time_decode_stages(True)
     start = time.perf_counter()
@@ -59,7 +59,7 @@ def run(llm: LLM, tokens: int) -> dict:
         torch.ops.vkv.time_decode_stages(False)
     stages = dict(torch.ops.vkv.decode_stage_times(True))
     return {"wall_s": wall, "steps": stages.pop("steps"), "stage_us": stages, "probe_before_gbps": before,
-            "probe_after_gbps": read_gbps(PROBE_MIB, repeats=3)}
+            "probe_after_gbps": read_gbps(probe_mib, repeats=3)}
 
 
 def summary(runs: list[dict], nbytes: dict[str, int], streamed: int, tokens: int) -> dict:
@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=positive, default=5, help="timed runs per dtype (medians)")
     p.add_argument("--tokens", type=positive, default=256, help="tokens each run decodes")
     p.add_argument("--num-scheduler-steps", type=positive, default=8)
+    p.add_argument("--probe-mib", type=positive, default=None,
+                   help="the probe's size (default: as many MiB as a step streams, roofline.footprint_mib)")
     add_level_arguments(p)
     args = p.parse_args(argv)
     dtypes = parse_dtypes(p, args.dtypes)
@@ -94,13 +96,15 @@ def main(argv: list[str] | None = None) -> dict:
     for dtype in dtypes:
         with single_stream(dtype, args.num_scheduler_steps) as llm:
             model = llm.engine.model
-            run(llm, args.tokens)  # first-call costs, not kept
+            probe_mib = args.probe_mib or footprint_mib(streamed_bytes(model))
+            run(llm, args.tokens, probe_mib)  # first-call costs, not kept
             runs = []
             for i in range(args.repeats):
-                runs.append(run(llm, args.tokens))
+                runs.append(run(llm, args.tokens, probe_mib))
                 print(f"[bench] {dtype} {i + 1}/{args.repeats}: {args.tokens / runs[-1]['wall_s']:.1f} tok/s", flush=True)
             nbytes, streamed = stage_bytes(model), streamed_bytes(model)
-            row = {"dtype": dtype, "bytes_per_token": streamed, "stage_bytes": nbytes, "gemm_path": model.gemm_path,
+            row = {"dtype": dtype, "bytes_per_token": streamed, "probe_mib": probe_mib, "stage_bytes": nbytes,
+                   "gemm_path": model.gemm_path,
                    **summary(runs, nbytes, streamed, args.tokens), "runs": runs}
         rows.append(row)
         print(f"{dtype}: {row['wall_ms_per_token']:.2f} ms a token, {row['share_of_bound'] * 100:.1f}% of the read "
@@ -111,8 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"benchmark": "decode_stages", "machine": machine_info(),
               "command": "python benchmarks/bench_decode_stages.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "kernel_isa": ext.kernel_isa()[0], "threads": torch.get_num_threads(), "isa": isa_label(args.isa),
-              "num_scheduler_steps": args.num_scheduler_steps, "tokens": args.tokens, "probe_mib": PROBE_MIB,
-              "rows": rows}
+              "num_scheduler_steps": args.num_scheduler_steps, "tokens": args.tokens, "rows": rows}
     save(result, args.json, args.plot, plot)
     return result
 

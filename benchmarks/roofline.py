@@ -36,6 +36,15 @@ def stream_triad_gbps(mib: int = 256, repeats: int = 5) -> float:
     return 3 * n * 4 / best / 1e9
 
 
+def footprint_mib(nbytes: int) -> int:
+    """A probe's size for a decode step that streams nbytes: as many MiB (at least 64). A probe
+    smaller than the step reads from a cache the step's weights do not fit: on this project's
+    Intel Xeon (480 MiB of L3 as the VM reports it) read_gbps gave 57-59 GB/s at 64 MiB, 40-47 at
+    128, 33-40 at 256 and 33.5-36 at 512 and 1,024, within a minute. Sized to the step, the probe
+    and the step's streams meet the same caches."""
+    return max(64, -(-nbytes // (1 << 20)))
+
+
 def read_gbps(mib: int = 512, repeats: int = 5) -> float:
     """Read-only bandwidth, all threads: the dot product of two arrays far larger than the
     caches (what single-stream decode does to its weights; measured here above a sum's 30 GB/s
