@@ -17,8 +17,9 @@ bandwidth drifts by a third within minutes (decode alone measured 43-63 tok/s in
 of one build; its read bandwidth sat near 36 or near 60 GB/s, switching between the two). So a
 repeat runs each shape by both engines back to back, the one that goes first alternating from
 repeat to repeat (llama.cpp first in the first; an odd --repeats gives it one more), and measures
-the read bandwidth just before and just after each engine's run (256 MiB probes, where
-`read_gbps` reads 512 by default). A pair whose four measurements differ by more than 20% (more
+the read bandwidth just before and just after each engine's run (probes of as many bytes as the
+engine's decode streams a token, `roofline.footprint_mib`: a smaller one reads partly from a large
+L3). A pair whose four measurements differ by more than 20% (more
 than a probe's own spread; the two levels are 1.7x apart) ran on a machine that changed under
 it: each row also gives the median ratio of the steady pairs alone (`steady_ratio`,
 `steady_pairs`).
@@ -61,7 +62,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import isa_label, machine_info, run_as, save  # noqa: E402
-from roofline import read_gbps  # noqa: E402
+from roofline import footprint_mib, read_gbps  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models.loader import bundled_gguf, cache_root  # noqa: E402
@@ -78,7 +79,6 @@ AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=O
               "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
               "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 STEADY = 1.2  # a steady pair's largest bandwidth probe over its smallest, at most
-PROBE_MIB = 256  # each bandwidth probe reads 2 x 128 MiB (8x this machine's L3) in under a second
 
 
 def cmake_flags(isa: str) -> list[str]:
@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
             path = llm.engine.model.gemm_path
             pick = llm.engine.model.lm_head.pick  # multi-step decode reads the LM head's half-size copy instead
             streamed = {"vkv": per_token - (pick.nbytes if pick is not None else 0), "llamacpp": per_token}
-            runs = [one_repeat(llm, bin_dir, model, shapes, args.generated, threads, vkv_first=i % 2 == 1)
+            probe_mib = {name: footprint_mib(nbytes) for name, nbytes in streamed.items()}
+            runs = [one_repeat(llm, bin_dir, model, shapes, args.generated, threads, probe_mib, vkv_first=i % 2 == 1)
                     for i in range(args.repeats)]
         every_run += runs
         for key in shapes + ["decode"]:
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
                                             [r["bandwidth"][key] for r in runs])}
             if key == "decode":
                 row |= {"vkv_gemm_path": path, "bytes_per_token": per_token, "vkv_bytes_per_token": streamed["vkv"],
+                        "probe_mib": probe_mib,
                         "prompt": 4, "seqs": 1, "decode_alone": True,
                         **{f"{name}_share_of_bandwidth": statistics.median(
                             streamed[name] * r[name][key] / (statistics.mean(r["bandwidth"][key][name]) * 1e9)
@@ -214,20 +216,21 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def one_repeat(llm: LLM, bin_dir: Path, model: Path, shapes: list[tuple[int, int]], generated: int,
-               threads: int, vkv_first: bool) -> dict:
+               threads: int, probe_mib: dict[str, int], vkv_first: bool) -> dict:
     """Each shape, then decode alone, by both engines back to back (vkv_first: vkv, else llama.cpp,
-    goes first), the read bandwidth measured just before and after each engine's run:
+    goes first), the read bandwidth measured just before and after each engine's run (a probe of
+    as many bytes as the engine's decode streams a token, probe_mib: roofline.footprint_mib):
     {"vkv": {shape or "decode": tok/s}, "llamacpp": {...}, "bandwidth": {shape: {engine: [GB/s, GB/s]}}}."""
     out = {"vkv": {}, "llamacpp": {}, "bandwidth": {}}
     for key in shapes + ["decode"]:
         out["bandwidth"][key] = {}
         for name in (("vkv", "llamacpp") if vkv_first else ("llamacpp", "vkv")):
             time.sleep(1)  # OpenMP threads (vkv's, the bandwidth probe's) stop spinning first
-            before = read_gbps(PROBE_MIB)
+            before = read_gbps(probe_mib[name])
             time.sleep(1)
             out[name][key] = tok_s(name, key, llm, bin_dir, model, generated, threads)
             time.sleep(1)
-            out["bandwidth"][key][name] = [before, read_gbps(PROBE_MIB)]
+            out["bandwidth"][key][name] = [before, read_gbps(probe_mib[name])]
     print(f"{str(llm.engine.config.dtype).removeprefix('torch.')} repeat ({'vkv' if vkv_first else 'llama.cpp'} first): "
           + ", ".join(f"{label(k, generated)} {out['vkv'][k] / out['llamacpp'][k]:.2f}x (GB/s: vkv "
                       f"{'-'.join(f'{x:.0f}' for x in out['bandwidth'][k]['vkv'])}, llama.cpp "
