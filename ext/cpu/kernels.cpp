@@ -80,6 +80,13 @@ namespace {
 
 #define VKV_INLINE inline __attribute__((always_inline))  // the vectorized loops need these inlined
 
+// linear_panels_impl's `then`: run by each thread once its share of the panels is done (none: nothing)
+template <typename Then>
+VKV_INLINE void run_then(Then* then) {
+  if constexpr (!std::is_same_v<Then, std::nullptr_t>)
+    if (then) then->run();
+}
+
 VKV_INLINE float load(float x) { return x; }
 VKV_INLINE float load(int8_t x) { return x; }  // (the greedy pick's int8 copy of a bf16 LM head)
 VKV_INLINE float load(c10::BFloat16 x) {
@@ -1194,7 +1201,6 @@ void row_over_panels(const float* x, int64_t K, const TW* w, int64_t N, const fl
                       std::min(kPanel, N - p * kPanel), nullptr, true);
 }
 
-// then: on one row, each thread runs then->run() once its share is done (down_then's NextContext)
 template <typename TW, typename Then = std::nullptr_t>
 void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64_t N, const float* bias, float* out,
                         Then* then = nullptr) {
@@ -1202,8 +1208,7 @@ void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64
   if (M == 1) {
     at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
       row_over_panels<TW>(x, K, w, N, bias, out, lo, hi);
-      if constexpr (!std::is_same_v<Then, std::nullptr_t>)
-        if (then) then->run();
+      run_then(then);
     });
     return;
   }
@@ -1215,6 +1220,7 @@ void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64
         panel_rows<TW>(x + m0 * K, rows, K, w + p * K * kPanel, bias ? bias + n0 : nullptr, out + m0 * N + n0, N,
                        std::min(kPanel, N - n0), p + 1 < hi ? w + (p + 1) * K * kPanel : nullptr, rows <= kPanelRows);
       }
+      if (m0 + kPanelChunk >= M) run_then(then);  // (the last chunk's share)
     });
   }
 }
@@ -1223,8 +1229,9 @@ constexpr int64_t kPanel = 16;
 
 std::string ahead_hint() { return "none (the scalar build)"; }
 
-template <typename TW>
-void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64_t N, const float* bias, float* out) {
+template <typename TW, typename Then = std::nullptr_t>
+void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64_t N, const float* bias, float* out,
+                        Then* then = nullptr) {
   const int64_t P = (N + kPanel - 1) / kPanel;
   at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
     float acc[kPanel];
@@ -1240,13 +1247,17 @@ void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64
         for (int64_t c = 0; c < cols; ++c) out[m * N + n0 + c] = bias ? acc[c] + bias[n0 + c] : acc[c];
       }
     }
+    run_then(then);
   });
 }
 #endif
 
-// N (the weight's rows before padding) is out's width.
-void check_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                  const at::Tensor& out) {
+// out = x W^T, and `then` (given) run by each thread once its share of the panels is done: the
+// op linear_panels, and decode_layer's down projection with the next layer's NextContext. N (the
+// weight's rows before padding) is out's width.
+template <typename Then = std::nullptr_t>
+void linear_panels_then(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                        at::Tensor out, Then* then = nullptr) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be [rows, K] fp32 contiguous");
   TORCH_CHECK(out.dim() == 2, "out must be [rows, N]");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
@@ -1257,21 +1268,20 @@ void check_panels(const at::Tensor& x, const at::Tensor& panels, const std::opti
               "out must be [rows, N] fp32 contiguous");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == N),
               "bias must be [N] fp32");
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  if (panels.scalar_type() == at::kFloat)
+    linear_panels_impl(x.data_ptr<float>(), M, K, panels.data_ptr<float>(), N, b, out.data_ptr<float>(), then);
+  else if (panels.scalar_type() == at::kBFloat16)
+    linear_panels_impl(x.data_ptr<float>(), M, K, panels.data_ptr<c10::BFloat16>(), N, b, out.data_ptr<float>(),
+                       then);
+  else if (panels.scalar_type() == at::kChar)
+    linear_panels_impl(x.data_ptr<float>(), M, K, panels.data_ptr<int8_t>(), N, b, out.data_ptr<float>(), then);
+  else
+    TORCH_CHECK(false, "linear_panels reads fp32 or bf16 panels");
 }
 
 void linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias, at::Tensor out) {
-  check_panels(x, panels, bias, out);
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  if (panels.scalar_type() == at::kFloat)
-    linear_panels_impl<float>(x.data_ptr<float>(), M, K, panels.data_ptr<float>(), N, b, out.data_ptr<float>());
-  else if (panels.scalar_type() == at::kBFloat16)
-    linear_panels_impl<c10::BFloat16>(x.data_ptr<float>(), M, K, panels.data_ptr<c10::BFloat16>(), N, b,
-                                      out.data_ptr<float>());
-  else if (panels.scalar_type() == at::kChar)
-    linear_panels_impl<int8_t>(x.data_ptr<float>(), M, K, panels.data_ptr<int8_t>(), N, b, out.data_ptr<float>());
-  else
-    TORCH_CHECK(false, "linear_panels reads fp32 or bf16 panels");
+  linear_panels_then(x, panels, bias, out);
 }
 
 int64_t panel_width() { return kPanel; }
@@ -1376,10 +1386,10 @@ c10::Dict<std::string, double> decode_stage_times(bool reset) {
 
 // The first keys and values the layer's attention will read, asked into L2 before the layer's
 // attention (at most kContextPrefetch bytes of each cache): the step's first layer's as it starts,
-// a later layer's in the down projection of the layer before (Note [The next layer's context ...]). The step's weights have streamed through the caches
-// since the last step wrote them, so attention waited on memory for them, a miss at a time: about a
-// third of its time in decode. Prefetched here they arrive while the norm and the qkv projection
-// run. (Each key's heads must lie side by side, as in every layout; else no prefetch.) Measured on
+// a later layer's in the down projection of the layer before (Note [The next layer's context ...]).
+// The step's weights have streamed through the caches since the last step wrote them, so attention
+// waited on memory for them, a miss at a time: about a third of its time in decode. Prefetched here
+// they arrive while the norm and the qkv projection run. (Each key's heads must lie side by side, as in every layout; else no prefetch.) Measured on
 // a 2-core EPYC (AVX-512), one sequence of 4 to 260 tokens, the switch alternated in one process:
 // attention 0.86 -> 0.56 ms a step in fp32, 0.56 -> 0.39 in bf16; decode_layers 1.017x (18 of 20
 // pairs faster) and 1.013x (14 of 20). The threads split the keys: a thread's prefetches wait on
@@ -1391,7 +1401,7 @@ c10::Dict<std::string, double> decode_stage_times(bool reset) {
 constexpr int64_t kContextPrefetch = 128 << 10;
 constexpr int64_t kContextGrain = 64;  // keys a thread prefetches at least
 
-// The keys prefetch_context asks for (0 where the layout does not allow it), and keys [lo, hi) of them.
+// The keys prefetch_context asks for (0 where the layout does not allow it).
 int64_t context_keys(const DecodeStep& s, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   const at::Tensor* caches[2] = {&k_cache, &v_cache};
   for (const at::Tensor* c : caches)
@@ -1403,6 +1413,7 @@ int64_t context_keys(const DecodeStep& s, const at::Tensor& k_cache, const at::T
   return std::min(keys, kContextPrefetch / row);
 }
 
+// Keys [lo, hi) of them, into L2.
 void prefetch_keys(const DecodeStep& s, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t lo, int64_t hi) {
   const at::Tensor* caches[2] = {&k_cache, &v_cache};
   const int64_t bytes = k_cache.element_size(), row = k_cache.size(2) * k_cache.size(3) * bytes;
@@ -1435,15 +1446,15 @@ void prefetch_context(const DecodeStep& s, const at::Tensor& k_cache, const at::
 // claims of kContextGrain keys taken by each thread once its share of the panels is done (so the
 // thread done first takes most). The keys are the same: the next layer's cache rows below the step's
 // new one, which that layer's rope_store writes. Only the first layer asks at its start.
-// Implementation: NextContext (the claims), down_then (the projection with them), decode_layer.
+// Implementation: NextContext (the claims), run by linear_panels_then; decode_layer.
 // Measured (in one process, the prefetch's place switched between generations of 256 tokens, 8
 // steps a call): the context stage 132-211 -> 6-8 us a step (the first layer's), down +50-90 us,
 // attention as before (the keys stay in cache through the norm and the qkv projection); decode with
 // the AVX2 kernels 1.013x and 1.005x in bf16 (8 alternations each; 8 and 6 faster), 1.005x in fp32
 // (6; 5 faster); with the AVX-512 ones 1.009x in bf16 (6; 6 faster), 0.996x in fp32 (6; 3 faster).
 // Asked for in the gate/up projection's region as well, the keys were evicted by the down stream
-// (attention 369 -> 430 us a step). Limitations: a scalar build, or steps of several rows, ask after
-// the projection instead (the same keys, the old cost).
+// (attention 369 -> 430 us a step). Limitations: the scalar build and steps of several rows were not
+// measured; they ask the same way (each thread after its share).
 struct NextContext {
   const DecodeStep& s;
   const at::Tensor &k_cache, &v_cache;
@@ -1454,26 +1465,6 @@ struct NextContext {
       prefetch_keys(s, k_cache, v_cache, lo, std::min(keys, lo + kContextGrain));
   }
 };
-
-// out = act W^T (the down projection), and the next layer's context asked for: on one row (vector
-// builds) inside the projection's region, by each thread once its share is done.
-void down_then(const at::Tensor& act, const at::Tensor& w, at::Tensor& out, NextContext& next) {
-#if defined(VKV_VEC)
-  if (act.size(0) == 1 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16)) {
-    check_panels(act, w, std::nullopt, out);
-    const int64_t K = act.size(1), N = out.size(1);
-    if (w.scalar_type() == at::kFloat)
-      linear_panels_impl<float, NextContext>(act.data_ptr<float>(), 1, K, w.data_ptr<float>(), N, nullptr,
-                                             out.data_ptr<float>(), &next);
-    else
-      linear_panels_impl<c10::BFloat16, NextContext>(act.data_ptr<float>(), 1, K, w.data_ptr<c10::BFloat16>(), N,
-                                                     nullptr, out.data_ptr<float>(), &next);
-    return;
-  }
-#endif
-  linear_panels(act, w, std::nullopt, out);
-  prefetch_context(next.s, next.k_cache, next.v_cache);
-}
 
 // Note [The o projection's weights asked for while attention runs]
 // Rationale: a one-sequence decode step's attention is one work item (decode_parts: under 256
@@ -1584,7 +1575,7 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
   clock.lap(kGateUp);
   if (next_k_cache) {
     NextContext next{s, *next_k_cache, *next_v_cache, context_keys(s, *next_k_cache, *next_v_cache)};
-    down_then(s.act, down_weight, x, next);
+    linear_panels_then(s.act, down_weight, std::nullopt, x, &next);
   } else {
     linear_panels(s.act, down_weight, std::nullopt, x);
   }
