@@ -157,7 +157,7 @@ def test_the_decode_layers_in_one_native_call_equal_the_layer_by_layer_path(dtyp
         pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
     if dtype == "bfloat16":
         request.getfixturevalue("no_native_bf16")
-    if rows == 1:  # on two threads, attention and the o projection share a parallel region (attention_then_o)
+    if rows == 1:  # on two threads, the layers share one parallel region (layers_in_one_region)
         request.getfixturevalue("two_threads")
     llm = LLM(dtype=dtype, kv_cache_memory=16 << 20, max_num_seqs=rows)
     model = llm.engine.model
@@ -187,9 +187,10 @@ def two_threads():
 
 def test_attention_refusing_a_step_inside_the_shared_parallel_region_raises_and_hangs_nothing(two_threads,
                                                                                                monkeypatch):
-    """A one-row step on two threads runs attention on one thread while the other asks for the o
-    projection's weights, then both compute it (kernels.cpp attention_then_o). Attention's own
-    checks refusing the step there (here: a context shorter than its query) must come back as the
+    """A one-row step on two threads runs every layer in one parallel region, the threads meeting
+    at spinning barriers between stages; in each layer attention runs on one thread while the other
+    asks for the o projection's weights, then both compute it (kernels.cpp layers_in_one_region,
+    attend_then_o_part). Attention's own checks refusing the step there (here: a context shorter than its query) must come back as the
     error, with the other thread released, not left waiting: the call is made on a thread that
     must end within a minute, during a real step (its pages mapped), and the step still runs."""
     if ext.cpu_kernels() is None:

@@ -71,6 +71,7 @@ inline float vkv_reduce_add_ps(__m512 x) {  // halves added pairwise, as the nat
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -1298,34 +1299,45 @@ int64_t panel_width() { return kPanel; }
 // AVX2 kernels, bf16 1.021x at the slow level (12, 9 faster) and fp32 1.039x (12, 10 faster).
 // False where it does not apply (more rows, an intermediate size off the panel width, the scalar
 // build): the caller runs both steps.
-bool gate_up_silu(const at::Tensor& x, const at::Tensor& panels, at::Tensor& act) {
 #if defined(VKV_VEC)
-  const int64_t K = x.size(1), I = act.size(1), P = I / kPanel;
-  if (x.size(0) != 1 || I % kPanel != 0 || panels.size(0) != 2 * P || panels.size(1) != K ||
-      !(panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16))
-    return false;
+// Its columns of panels [lo, hi) of the gate (and the same of the up), on the calling thread.
+void gate_up_silu_share(const at::Tensor& x, const at::Tensor& panels, at::Tensor& act, int64_t lo, int64_t hi) {
+  const int64_t K = x.size(1), P = act.size(1) / kPanel;
   auto run = [&](auto* w) {
     using TW = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
     const float* xp = x.data_ptr<float>();
     float* out = act.data_ptr<float>();
-    at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
-      alignas(64) float gate[kPanel], up[kPanel];
-      for (int64_t p = lo; p < hi; ++p) {
-        panel_pair<TW>(xp, K, w + p * K * kPanel, w + (P + p) * K * kPanel, nullptr, nullptr, gate, up, kPanel, kPanel);
-        float* dst = out + p * kPanel;
+    alignas(64) float gate[kPanel], up[kPanel];
+    for (int64_t p = lo; p < hi; ++p) {
+      panel_pair<TW>(xp, K, w + p * K * kPanel, w + (P + p) * K * kPanel, nullptr, nullptr, gate, up, kPanel, kPanel);
+      float* dst = out + p * kPanel;
 #pragma omp simd
-        for (int64_t j = 0; j < kPanel; ++j) dst[j] = silu_times<float>(gate[j], up[j]);
-      }
-    });
+      for (int64_t j = 0; j < kPanel; ++j) dst[j] = silu_times<float>(gate[j], up[j]);
+    }
   };
   if (panels.scalar_type() == at::kFloat)
     run(panels.data_ptr<float>());
   else
     run(panels.data_ptr<c10::BFloat16>());
-  return true;
+}
+#endif
+
+bool gate_up_silu_applies(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& act) {
+#if defined(VKV_VEC)
+  const int64_t K = x.size(1), I = act.size(1), P = I / kPanel;
+  return x.size(0) == 1 && I % kPanel == 0 && panels.size(0) == 2 * P && panels.size(1) == K &&
+         (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16);
 #else
   return false;
 #endif
+}
+
+bool gate_up_silu(const at::Tensor& x, const at::Tensor& panels, at::Tensor& act) {
+  if (!gate_up_silu_applies(x, panels, act)) return false;
+#if defined(VKV_VEC)
+  at::parallel_for(0, act.size(1) / kPanel, 1, [&](int64_t lo, int64_t hi) { gate_up_silu_share(x, panels, act, lo, hi); });
+#endif
+  return true;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1456,6 +1468,8 @@ void prefetch_context(const DecodeStep& s, const at::Tensor& k_cache, const at::
 // (attention 369 -> 430 us a step). Limitations: the scalar build and steps of several rows were not
 // measured; they ask the same way (each thread after its share).
 struct NextContext {
+  NextContext(const DecodeStep& s, const at::Tensor& k_cache, const at::Tensor& v_cache)
+      : s(s), k_cache(k_cache), v_cache(v_cache), keys(context_keys(s, k_cache, v_cache)) {}
   const DecodeStep& s;
   const at::Tensor &k_cache, &v_cache;
   int64_t keys;
@@ -1488,56 +1502,83 @@ struct NextContext {
 constexpr int64_t kWarmShare = 4;  // thread 1 asks for at most (kWarmShare - 1) / kWarmShare of the panels
 constexpr int64_t kWarmGiven = 4;  // thread 0 takes 1 / kWarmGiven of the warm count in cold panels
 
-bool attention_then_o(DecodeStep& s, const at::Tensor& o_weight, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      StageClock& clock) {
+// attention_then_o's state, shared by its two threads.
+struct AttendThenO {
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> warm{-1};  // the panels thread 1 asked for, once it stops
+  std::exception_ptr failed;      // attention's error (thread 0's), rethrown by the caller
+};
+
+#if defined(VKV_VEC)
+// Thread t's part of it, in a region of two threads (`solo`: one thread runs both parts). With
+// `rope`, thread 0 stores the step's keys and values (rope_store) before attention, while thread 1
+// already asks for o's panels.
+void attend_then_o_part(int64_t t, bool solo, AttendThenO& st, DecodeStep& s, const at::Tensor& o_weight,
+                        const at::Tensor& k_cache, const at::Tensor& v_cache, StageClock& clock, bool rope) {
+  const int64_t P = o_weight.size(0), K = o_weight.size(1), N = s.h.size(1);
+  const int64_t panel_bytes = K * kPanel * o_weight.element_size();
+  const char* weights = static_cast<const char*>(o_weight.data_ptr());
+  if (t == 0) {
+    try {
+      if (rope) {
+        rope_store(s.q, s.k, s.v, s.positions, s.cos_sin, k_cache, v_cache, s.block_table, s.block_size, s.token_seq);
+        clock.lap(kRope);
+      }
+      attention(s.q, k_cache, v_cache, s.block_table, s.block_size, s.q_start, s.q_len, s.ctx_len, s.scale,
+                s.attended);
+    } catch (...) {
+      st.failed = std::current_exception();
+    }
+    st.done.store(true, std::memory_order_release);
+    clock.lap(kAttention);
+    if (solo) st.warm.store(0, std::memory_order_release);
+  } else {
+    int64_t n = 0;
+    for (int64_t p = P - 1; p >= P / kWarmShare && !st.done.load(std::memory_order_acquire); --p, ++n)
+      for (int64_t b = 0; b < panel_bytes && !st.done.load(std::memory_order_relaxed); b += 64)
+        _mm_prefetch(weights + p * panel_bytes + b, _MM_HINT_T1);
+    while (!st.done.load(std::memory_order_acquire)) _mm_pause();
+    st.warm.store(n, std::memory_order_release);
+  }
+  int64_t n;
+  while ((n = st.warm.load(std::memory_order_acquire)) < 0) _mm_pause();
+  if (st.failed) return;
+  const int64_t split = std::min(P, (P - n + 1) / 2 + n / kWarmGiven);
+  const int64_t a = t == 0 ? 0 : split, b = t == 0 ? (solo ? P : split) : P;
+  const float* x = s.attended.data_ptr<float>();
+  float* out = s.h.data_ptr<float>();
+  if (o_weight.scalar_type() == at::kFloat)
+    row_over_panels<float>(x, K, o_weight.data_ptr<float>(), N, nullptr, out, a, b);
+  else
+    row_over_panels<c10::BFloat16>(x, K, o_weight.data_ptr<c10::BFloat16>(), N, nullptr, out, a, b);
+}
+
+#endif
+
+// Whether attention_then_o applies: one row of one sequence whose attention is one work item, two
+// threads, fp32 or bf16 panels, the vector build.
+bool attend_then_o_applies(const DecodeStep& s, const at::Tensor& o_weight) {
 #if !defined(VKV_VEC)
   return false;  // (the scalar build's panels have no row_over_panels)
 #else
-  const int64_t P = o_weight.size(0), K = o_weight.size(1), N = s.h.size(1);
-  if (s.h.size(0) != 1 || s.q_start.size(0) != 1 || at::get_num_threads() != 2 || at::in_parallel_region() ||
-      decode_parts(s.ctx_len.data_ptr<int32_t>()[0], 1, 2) >= 2 ||
-      !(o_weight.scalar_type() == at::kFloat || o_weight.scalar_type() == at::kBFloat16))
-    return false;
-  const int64_t panel_bytes = K * kPanel * o_weight.element_size();
-  const char* weights = static_cast<const char*>(o_weight.data_ptr());
-  const float* x = s.attended.data_ptr<float>();
-  float* out = s.h.data_ptr<float>();
-  std::atomic<bool> done{false};
-  std::atomic<int64_t> warm{-1};  // the panels thread 1 asked for, once it stops
-  std::exception_ptr failed;
-  at::parallel_for(0, 2, 1, [&](int64_t lo, int64_t hi) {
-    if (lo == 0) {
-      try {
-        attention(s.q, k_cache, v_cache, s.block_table, s.block_size, s.q_start, s.q_len, s.ctx_len, s.scale,
-                  s.attended);
-      } catch (...) {
-        failed = std::current_exception();
-      }
-      done.store(true, std::memory_order_release);
-      clock.lap(kAttention);
-      if (hi == 2) warm.store(0, std::memory_order_release);  // (one thread ran the whole range)
-    } else {
-      int64_t n = 0;
-      for (int64_t p = P - 1; p >= P / kWarmShare && !done.load(std::memory_order_acquire); --p, ++n)
-        for (int64_t b = 0; b < panel_bytes && !done.load(std::memory_order_relaxed); b += 64)
-          _mm_prefetch(weights + p * panel_bytes + b, _MM_HINT_T1);
-      while (!done.load(std::memory_order_acquire)) _mm_pause();
-      warm.store(n, std::memory_order_release);
-    }
-    int64_t n;
-    while ((n = warm.load(std::memory_order_acquire)) < 0) _mm_pause();
-    if (failed) return;
-    const int64_t split = std::min(P, (P - n + 1) / 2 + n / kWarmGiven);
-    const int64_t a = lo == 0 ? 0 : split, b = lo == 0 ? (hi == 2 ? P : split) : P;
-    if (o_weight.scalar_type() == at::kFloat)
-      row_over_panels<float>(x, K, o_weight.data_ptr<float>(), N, nullptr, out, a, b);
-    else
-      row_over_panels<c10::BFloat16>(x, K, o_weight.data_ptr<c10::BFloat16>(), N, nullptr, out, a, b);
-  });
-  if (failed) std::rethrow_exception(failed);
-  clock.lap(kO);
-  return true;
+  return s.h.size(0) == 1 && s.q_start.size(0) == 1 && at::get_num_threads() == 2 && !at::in_parallel_region() &&
+         decode_parts(s.ctx_len.data_ptr<int32_t>()[0], 1, 2) < 2 &&
+         (o_weight.scalar_type() == at::kFloat || o_weight.scalar_type() == at::kBFloat16);
 #endif
+}
+
+bool attention_then_o(DecodeStep& s, const at::Tensor& o_weight, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      StageClock& clock) {
+  if (!attend_then_o_applies(s, o_weight)) return false;
+#if defined(VKV_VEC)
+  AttendThenO st;
+  at::parallel_for(0, 2, 1, [&](int64_t lo, int64_t hi) {
+    attend_then_o_part(lo, hi == 2 && lo == 0, st, s, o_weight, k_cache, v_cache, clock, false);
+  });
+  if (st.failed) std::rethrow_exception(st.failed);
+  clock.lap(kO);
+#endif
+  return true;
 }
 
 void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& input_norm,
@@ -1574,12 +1615,139 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
   }
   clock.lap(kGateUp);
   if (next_k_cache) {
-    NextContext next{s, *next_k_cache, *next_v_cache, context_keys(s, *next_k_cache, *next_v_cache)};
+    NextContext next(s, *next_k_cache, *next_v_cache);
     linear_panels_then(s.act, down_weight, std::nullopt, x, &next);
   } else {
     linear_panels(s.act, down_weight, std::nullopt, x);
   }
   clock.lap(kDown);
+}
+
+// Note [A one-row step's layers in one parallel region]
+// Rationale: a one-row decode step of a 30-layer model opened 120 parallel regions (qkv, attention
+// with o, gate/up, down, per layer), the norms and rope between them on one thread. On the 2-vCPU
+// Intel Xeon an empty at::parallel_for of two threads took 1.0 us, and in decode the threads of a
+// qkv or down projection began 1.3-3.3 us after the region was asked for, and it returned 2.5-3 us
+// after its last thread ended (timed per thread, AVX2 kernels, bf16): about 5 us of a 60 us
+// projection with the bus idle.
+// Approach: one region for all the layers of a step, its two threads stepping through the stages
+// together and meeting at a spinning barrier (Pair: a counter a thread; each waits for the other's
+// to reach its own) where a fork and a join were. The norms stay on thread 0; rope moves into
+// thread 0's part of the attention stage, so thread 1 asks for o's panels from that stage's start.
+// Each projection's thread takes the panels at::parallel_for gave it and computes each column as
+// before: the same bits (tests/test_cpu_paths.py holds the step to the layer-by-layer path).
+// Measured on the Xeon, the region switched in one process, 256-token decodes alternated (8 steps a
+// call): bf16 1.047x with the AVX2 kernels (8 pairs, 7 faster), 1.051x with the AVX-512 ones (6, 6);
+// fp32 1.030x (6, 6) and 1.038x (6, 5). The same tokens in every pair. (On a 2-core AMD EPYC the
+// same structure, with prefetches at the barriers, measured 0.97-1.04x: benchmarks/README.md.)
+// Implementation: layers_in_one_region, called by decode_layers each step; attend_then_o_part and
+// gate_up_silu_share are per-thread bodies that the region-a-stage path runs too. A thread that
+// throws marks the pair broken, so the other leaves at its next barrier; at::parallel_for rethrows.
+// Limitations: exactly two threads, one row of one sequence whose attention is one work item (under
+// 256 keys: decode_parts), fp32 or bf16 panels, the vector build; elsewhere decode_layer's path. Not
+// measured on more threads or on an AMD CPU, where it runs as here when the conditions hold.
+struct Pair {
+  struct alignas(64) Count {
+    std::atomic<int64_t> n{0};
+  };
+  Count count[2];
+  std::atomic<bool> broken{false};
+  bool meet(int64_t t) {  // false once the other thread has failed
+    const int64_t mine = count[t].n.load(std::memory_order_relaxed) + 1;
+    count[t].n.store(mine, std::memory_order_release);
+    while (count[1 - t].n.load(std::memory_order_acquire) < mine)
+      if (broken.load(std::memory_order_relaxed)) return false;
+      else _mm_pause();
+    return !broken.load(std::memory_order_acquire);
+  }
+};
+
+#if defined(VKV_VEC)
+// Thread t's share (of 2) of a one-row projection: the panels at::parallel_for would give it.
+void projection_share(int64_t t, const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                      at::Tensor& out) {
+  const int64_t K = x.size(1), N = out.size(1), P = panels.size(0), chunk = (P + 1) / 2;
+  const int64_t lo = std::min(P, t * chunk), hi = std::min(P, lo + chunk);
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  if (panels.scalar_type() == at::kFloat)
+    row_over_panels<float>(x.data_ptr<float>(), K, panels.data_ptr<float>(), N, b, out.data_ptr<float>(), lo, hi);
+  else
+    row_over_panels<c10::BFloat16>(x.data_ptr<float>(), K, panels.data_ptr<c10::BFloat16>(), N, b,
+                                   out.data_ptr<float>(), lo, hi);
+}
+#endif
+
+bool layers_in_one_region(DecodeStep& s, at::Tensor& x, at::Tensor& residual, at::TensorList input_norms,
+                          at::TensorList post_norms, at::TensorList qkv_weights,
+                          const c10::List<std::optional<at::Tensor>>& qkv_biases, at::TensorList o_weights,
+                          at::TensorList gate_up_weights, at::TensorList down_weights, at::TensorList k_caches,
+                          at::TensorList v_caches) {
+#if !defined(VKV_VEC)
+  return false;
+#else
+  const int64_t L = static_cast<int64_t>(input_norms.size());
+  auto panels_ok = [](const at::Tensor& w) { return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16; };
+  if (x.size(0) != 1 || !attend_then_o_applies(s, o_weights[0])) return false;
+  for (int64_t i = 0; i < L; ++i)
+    if (!panels_ok(qkv_weights[i]) || !panels_ok(o_weights[i]) || !panels_ok(down_weights[i]) ||
+        !gate_up_silu_applies(s.h, gate_up_weights[i], s.act) || o_weights[i].scalar_type() != o_weights[0].scalar_type())
+      return false;
+  std::deque<NextContext> context;  // layer i's first keys and values: layer 0's asked for as the step starts,
+  for (int64_t i = 0; i < L; ++i)   // layer i's in the down projection of layer i - 1
+    context.emplace_back(s, k_caches[i], v_caches[i]);
+  std::deque<AttendThenO> attend(L);
+  Pair pair;
+  bool solo = false;
+  at::parallel_for(0, 2, 1, [&](int64_t lo, int64_t hi) {
+    if (hi - lo == 2) {  // one thread ran the whole range: decode_layer's path instead
+      solo = true;
+      return;
+    }
+    const int64_t t = lo;
+    StageClock clock;  // thread 0's: each stage ends when both threads are done with it
+    clock.on &= t == 0;
+    try {
+      context[0].run();
+      clock.lap(kContext);
+      for (int64_t i = 0; i < L; ++i) {
+        if (t == 0) {
+          if (i == 0) {
+            std::copy(x.data_ptr<float>(), x.data_ptr<float>() + x.numel(), residual.data_ptr<float>());
+            add_rms_norm(x, std::nullopt, input_norms[i], s.eps);
+          } else {
+            add_rms_norm(x, residual, input_norms[i], s.eps);
+          }
+        }
+        if (!pair.meet(t)) return;
+        clock.lap(kNorms);
+        projection_share(t, x, qkv_weights[i], qkv_biases.get(i), s.qkv);
+        if (!pair.meet(t)) return;
+        clock.lap(kQkv);
+        attend_then_o_part(t, false, attend[i], s, o_weights[i], k_caches[i], v_caches[i], clock, true);
+        if (t == 0 && attend[i].failed) std::rethrow_exception(attend[i].failed);
+        if (!pair.meet(t)) return;
+        clock.lap(kO);
+        if (t == 0) add_rms_norm(s.h, residual, post_norms[i], s.eps);
+        if (!pair.meet(t)) return;
+        clock.lap(kNorms);
+        {
+          const int64_t P = s.act.size(1) / kPanel, chunk = (P + 1) / 2;
+          gate_up_silu_share(s.h, gate_up_weights[i], s.act, std::min(P, t * chunk), std::min(P, (t + 1) * chunk));
+        }
+        if (!pair.meet(t)) return;
+        clock.lap(kGateUp);
+        projection_share(t, s.act, down_weights[i], std::nullopt, x);
+        if (i + 1 < L) context[i + 1].run();
+        if (!pair.meet(t)) return;
+        clock.lap(kDown);
+      }
+    } catch (...) {
+      pair.broken.store(true, std::memory_order_release);
+      throw;
+    }
+  });
+  return !solo;
+#endif
 }
 
 // After the layers (decode_layers ends with it): the model's last norm and the LM head over the rows
@@ -1952,12 +2120,14 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
   const int64_t* stop = stop_ids ? stop_ids->data_ptr<int64_t>() : nullptr;
   const int64_t num_stops = stop_ids ? stop_ids->numel() : 0;
   for (int64_t step = 0; step < steps; ++step) {
-    for (size_t i = 0; i < L; ++i) {
-      const bool last = i + 1 == L;
-      decode_layer(s, x, residual, i == 0, input_norms[i], post_norms[i], qkv_weights[i], qkv_biases.get(i),
-                   o_weights[i], gate_up_weights[i], down_weights[i], k_caches[i], v_caches[i],
-                   last ? nullptr : &k_caches[i + 1], last ? nullptr : &v_caches[i + 1]);
-    }
+    if (!layers_in_one_region(s, x, residual, input_norms, post_norms, qkv_weights, qkv_biases, o_weights,
+                              gate_up_weights, down_weights, k_caches, v_caches))
+      for (size_t i = 0; i < L; ++i) {
+        const bool last = i + 1 == L;
+        decode_layer(s, x, residual, i == 0, input_norms[i], post_norms[i], qkv_weights[i], qkv_biases.get(i),
+                     o_weights[i], gate_up_weights[i], down_weights[i], k_caches[i], v_caches[i],
+                     last ? nullptr : &k_caches[i + 1], last ? nullptr : &v_caches[i + 1]);
+      }
     StageClock clock;
     if (clock.on) stage_steps.fetch_add(1, std::memory_order_relaxed);
     if (!logits) return;
