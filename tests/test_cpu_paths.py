@@ -226,6 +226,44 @@ def test_attention_refusing_a_step_inside_the_shared_parallel_region_raises_and_
     assert_pool_whole(llm)
 
 
+SHARED_CORE = """
+import os, sys, time
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, before any thread starts
+import torch
+from engine import LLM, SamplingParams
+llm = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=1, num_scheduler_steps=8)
+params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+runs = {}
+for threads in (1, 2, 1, 2):
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    tokens = llm.generate([sys.argv[1]], params, use_tqdm=False)[0].outputs[0].token_ids
+    runs.setdefault(threads, []).append((time.perf_counter() - start, tokens))
+print(repr({t: (min(s for s, _ in r), r[0][1], r[1][1]) for t, r in runs.items()}))
+"""
+
+
+def test_two_threads_on_one_core_wait_by_yielding_not_by_spinning_out_their_time_slices():
+    """A one-row step's layers share one parallel region whose two threads meet at barriers
+    (kernels.cpp layers_in_one_region). Where they share a core (more threads than cores: other
+    processes, several engines on a host), a waiting thread that only spins holds the core until
+    its time slice ends while the thread it waits for cannot run: 180 such waits a step. The waits
+    yield after 50 us (wait_until). Pinned to one core, two threads decode the same tokens as one
+    and take at most a few times as long (1.4x here; waits that only spun took 29x)."""
+    if ext.cpu_kernels() is None:
+        pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
+    import ast
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", SHARED_CORE, PROMPTS[0]], capture_output=True, text=True, timeout=240,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    (one, *one_tokens), (two, *two_tokens) = runs[1], runs[2]
+    assert one_tokens[0] == one_tokens[1] == two_tokens[0] == two_tokens[1]
+    assert two < 4 * one, f"two threads on one core took {two:.2f} s, one thread {one:.2f} s"
+
+
 def test_the_native_kernels_build_where_ci_requires_them():
     """In CI (CI=true) a native kernel build that fails fails the run: elsewhere the engine falls
     back to the torch references, says so on stderr, and the kernel tests skip with the reason."""
