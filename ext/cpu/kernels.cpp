@@ -1525,6 +1525,24 @@ void wait_until(Ready ready) {
   }
 }
 
+#if defined(VKV_VEC)
+// One row over panels [lo, hi) of fp32 or bf16 panels, on the calling thread (row_over_panels).
+void panels_range(const float* x, const at::Tensor& panels, int64_t N, const float* bias, float* out, int64_t lo,
+                  int64_t hi) {
+  const int64_t K = panels.size(1);
+  if (panels.scalar_type() == at::kFloat)
+    row_over_panels<float>(x, K, panels.data_ptr<float>(), N, bias, out, lo, hi);
+  else
+    row_over_panels<c10::BFloat16>(x, K, panels.data_ptr<c10::BFloat16>(), N, bias, out, lo, hi);
+}
+#endif
+
+// Thread t's share (of 2) of P panels: the ones at::parallel_for gives it.
+std::pair<int64_t, int64_t> share_of(int64_t t, int64_t P) {
+  const int64_t chunk = (P + 1) / 2, lo = std::min(P, t * chunk);
+  return {lo, std::min(P, lo + chunk)};
+}
+
 // attention_then_o's state, shared by its two threads.
 struct AttendThenO {
   std::atomic<bool> done{false};
@@ -1568,12 +1586,7 @@ void attend_then_o_part(int64_t t, bool solo, AttendThenO& st, DecodeStep& s, co
   if (st.failed) return;
   const int64_t split = std::min(P, (P - n + 1) / 2 + n / kWarmGiven);
   const int64_t a = t == 0 ? 0 : split, b = t == 0 ? (solo ? P : split) : P;
-  const float* x = s.attended.data_ptr<float>();
-  float* out = s.h.data_ptr<float>();
-  if (o_weight.scalar_type() == at::kFloat)
-    row_over_panels<float>(x, K, o_weight.data_ptr<float>(), N, nullptr, out, a, b);
-  else
-    row_over_panels<c10::BFloat16>(x, K, o_weight.data_ptr<c10::BFloat16>(), N, nullptr, out, a, b);
+  panels_range(s.attended.data_ptr<float>(), o_weight, N, nullptr, s.h.data_ptr<float>(), a, b);
 }
 
 #endif
@@ -1604,6 +1617,17 @@ bool attention_then_o(DecodeStep& s, const at::Tensor& o_weight, const at::Tenso
   return true;
 }
 
+// A layer's input norm: x, residual = add_rms_norm(x, residual); the first layer's has no residual.
+void input_norm_of(const DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& norm) {
+  if (first) {  // residual = x, written out: as ATen's copy_ it dispatched cold each step (see next_inputs;
+                // the norms stage 189-193 -> 128-154 us a bf16 step, AVX2 kernels, builds alternated, 3 pairs)
+    std::copy(x.data_ptr<float>(), x.data_ptr<float>() + x.numel(), residual.data_ptr<float>());
+    add_rms_norm(x, std::nullopt, norm, s.eps);
+  } else {
+    add_rms_norm(x, residual, norm, s.eps);
+  }
+}
+
 void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& input_norm,
                   const at::Tensor& post_norm, const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
                   const at::Tensor& o_weight, const at::Tensor& gate_up_weight, const at::Tensor& down_weight,
@@ -1612,13 +1636,7 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
   StageClock clock;
   if (first) prefetch_context(s, k_cache, v_cache);  // (a later layer's: asked for in the layer before's down)
   clock.lap(kContext);
-  if (first) {  // residual = x, written out: as ATen's copy_ it dispatched cold each step (see next_inputs;
-                // the norms stage 189-193 -> 128-154 us a bf16 step, AVX2 kernels, builds alternated, 3 pairs)
-    std::copy(x.data_ptr<float>(), x.data_ptr<float>() + x.numel(), residual.data_ptr<float>());
-    add_rms_norm(x, std::nullopt, input_norm, s.eps);
-  } else {
-    add_rms_norm(x, residual, input_norm, s.eps);
-  }
+  input_norm_of(s, x, residual, first, input_norm);
   clock.lap(kNorms);
   linear_panels(x, qkv_weight, qkv_bias, s.qkv);
   clock.lap(kQkv);
@@ -1670,8 +1688,9 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
 // knowing of the other process); alone, the yield measured 1.012x (in one process, 8 pairs: the
 // waits in a step are microseconds and never reach it).
 // Implementation: layers_in_one_region, called by decode_layers each step; attend_then_o_part and
-// gate_up_silu_share are per-thread bodies that the region-a-stage path runs too. A thread that
-// throws marks the pair broken, so the other leaves at its next barrier; at::parallel_for rethrows.
+// gate_up_silu_share are per-thread bodies that the region-a-stage path runs too, panels_range runs
+// a thread's share of the other projections (share_of). A thread that throws marks the pair broken,
+// so the other leaves at its next barrier; at::parallel_for rethrows.
 // Limitations: exactly two threads, one row of one sequence whose attention is one work item (under
 // 256 keys: decode_parts), fp32 or bf16 panels, the vector build; elsewhere decode_layer's path. Not
 // measured on more threads or on an AMD CPU, where it runs as here when the conditions hold.
@@ -1691,20 +1710,6 @@ struct Pair {
   }
 };
 
-#if defined(VKV_VEC)
-// Thread t's share (of 2) of a one-row projection: the panels at::parallel_for would give it.
-void projection_share(int64_t t, const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                      at::Tensor& out) {
-  const int64_t K = x.size(1), N = out.size(1), P = panels.size(0), chunk = (P + 1) / 2;
-  const int64_t lo = std::min(P, t * chunk), hi = std::min(P, lo + chunk);
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  if (panels.scalar_type() == at::kFloat)
-    row_over_panels<float>(x.data_ptr<float>(), K, panels.data_ptr<float>(), N, b, out.data_ptr<float>(), lo, hi);
-  else
-    row_over_panels<c10::BFloat16>(x.data_ptr<float>(), K, panels.data_ptr<c10::BFloat16>(), N, b,
-                                   out.data_ptr<float>(), lo, hi);
-}
-#endif
 
 bool layers_in_one_region(DecodeStep& s, at::Tensor& x, at::Tensor& residual, at::TensorList input_norms,
                           at::TensorList post_norms, at::TensorList qkv_weights,
@@ -1716,10 +1721,10 @@ bool layers_in_one_region(DecodeStep& s, at::Tensor& x, at::Tensor& residual, at
 #else
   const int64_t L = static_cast<int64_t>(input_norms.size());
   auto panels_ok = [](const at::Tensor& w) { return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16; };
-  if (x.size(0) != 1 || !attend_then_o_applies(s, o_weights[0])) return false;
+  if (!attend_then_o_applies(s, o_weights[0])) return false;  // (one row of one sequence, two threads)
   for (int64_t i = 0; i < L; ++i)
     if (!panels_ok(qkv_weights[i]) || !panels_ok(o_weights[i]) || !panels_ok(down_weights[i]) ||
-        !gate_up_silu_applies(s.h, gate_up_weights[i], s.act) || o_weights[i].scalar_type() != o_weights[0].scalar_type())
+        !gate_up_silu_applies(s.h, gate_up_weights[i], s.act))
       return false;
   std::deque<NextContext> context;  // layer i's first keys and values: layer 0's asked for as the step starts,
   for (int64_t i = 0; i < L; ++i)   // layer i's in the down projection of layer i - 1
@@ -1740,16 +1745,14 @@ bool layers_in_one_region(DecodeStep& s, at::Tensor& x, at::Tensor& residual, at
       clock.lap(kContext);
       for (int64_t i = 0; i < L; ++i) {
         if (t == 0) {
-          if (i == 0) {
-            std::copy(x.data_ptr<float>(), x.data_ptr<float>() + x.numel(), residual.data_ptr<float>());
-            add_rms_norm(x, std::nullopt, input_norms[i], s.eps);
-          } else {
-            add_rms_norm(x, residual, input_norms[i], s.eps);
-          }
+          input_norm_of(s, x, residual, i == 0, input_norms[i]);
         }
         if (!pair.meet(t)) return;
         clock.lap(kNorms);
-        projection_share(t, x, qkv_weights[i], qkv_biases.get(i), s.qkv);
+        const auto [qlo, qhi] = share_of(t, qkv_weights[i].size(0));
+        const std::optional<at::Tensor> bias = qkv_biases.get(i);
+        panels_range(x.data_ptr<float>(), qkv_weights[i], s.qkv.size(1), bias ? bias->data_ptr<float>() : nullptr,
+                     s.qkv.data_ptr<float>(), qlo, qhi);
         if (!pair.meet(t)) return;
         clock.lap(kQkv);
         attend_then_o_part(t, false, attend[i], s, o_weights[i], k_caches[i], v_caches[i], clock, true);
@@ -1759,13 +1762,12 @@ bool layers_in_one_region(DecodeStep& s, at::Tensor& x, at::Tensor& residual, at
         if (t == 0) add_rms_norm(s.h, residual, post_norms[i], s.eps);
         if (!pair.meet(t)) return;
         clock.lap(kNorms);
-        {
-          const int64_t P = s.act.size(1) / kPanel, chunk = (P + 1) / 2;
-          gate_up_silu_share(s.h, gate_up_weights[i], s.act, std::min(P, t * chunk), std::min(P, (t + 1) * chunk));
-        }
+        const auto [glo, ghi] = share_of(t, s.act.size(1) / kPanel);
+        gate_up_silu_share(s.h, gate_up_weights[i], s.act, glo, ghi);
         if (!pair.meet(t)) return;
         clock.lap(kGateUp);
-        projection_share(t, s.act, down_weights[i], std::nullopt, x);
+        const auto [dlo, dhi] = share_of(t, down_weights[i].size(0));
+        panels_range(s.act.data_ptr<float>(), down_weights[i], x.size(1), nullptr, x.data_ptr<float>(), dlo, dhi);
         if (i + 1 < L) context[i + 1].run();
         if (!pair.meet(t)) return;
         clock.lap(kDown);
