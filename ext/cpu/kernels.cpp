@@ -772,49 +772,63 @@ VKV_INLINE void put(C* dst, const T* src, int64_t D) {
   }
 }
 
+// rope_store's arithmetic over raw pointers (strides in elements): rope_store_impl fills it from
+// tensors, decode_layers' StepPlan once a call (Note [A step's plan, gathered once a call]).
+template <typename T, typename C, typename CS>
+struct RopeRows {
+  T* q;
+  T* k;
+  const T* v;
+  int64_t sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, Hq, Hkv, D;
+  const int64_t* pos;
+  const int32_t* seq;
+  const int32_t* table;
+  int64_t s_table, block_size;
+  const CS* cs;  // [positions, D]: cos of the D/2 frequencies, then sin
+  int64_t s_cs;
+  C* kc;
+  C* vc;
+  int64_t skc_b, skc_r, skc_h, svc_b, svc_r, svc_h;
+
+  // Row t: q's and k's heads rotated, k's and v's stored at the row's position in the caches.
+  void row(int64_t t) const {
+    const int64_t half = D / 2;
+    const CS* c = cs + pos[t] * s_cs;
+    const CS* s = c + half;
+    // x * cos + rotate_half(x) * sin, each product rounded to T as torch does
+    auto rotate = [c, s, half](T* __restrict x) {
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = load(x[i]), x2 = load(x[i + half]), ci = load(c[i]), si = load(s[i]);
+        store(x + i, round_to<T>(x1 * ci) + round_to<T>(-x2 * si));
+        store(x + i + half, round_to<T>(x2 * ci) + round_to<T>(x1 * si));
+      }
+    };
+    for (int64_t h = 0; h < Hq; ++h) rotate(q + t * sq_t + h * sq_h);
+    const int64_t block = table[seq[t] * s_table + pos[t] / block_size];
+    const int64_t row = pos[t] % block_size;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      T* kr = k + t * sk_t + h * sk_h;
+      rotate(kr);
+      put(kc + block * skc_b + row * skc_r + h * skc_h, kr, D);
+      put(vc + block * svc_b + row * svc_r + h * svc_h, v + t * sv_t + h * sv_h, D);
+    }
+  }
+};
+
 template <typename T, typename C, typename CS>
 void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                      const at::Tensor& cos_sin, at::Tensor& k_cache, at::Tensor& v_cache,
                      const at::Tensor& block_table, int64_t block_size, const at::Tensor& token_seq) {
-  const int64_t Tn = q.size(0), Hq = q.size(1), Hkv = k.size(1), D = q.size(2), half = D / 2;
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int32_t* seq = token_seq.data_ptr<int32_t>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const CS* cs = cos_sin.data_ptr<CS>();  // [positions, D]: cos of the D/2 frequencies, then sin
-  T* qp = q.data_ptr<T>();
-  T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  C* kc = cache_ptr<C>(k_cache);
-  C* vc = cache_ptr<C>(v_cache);
-  // strides read once: TensorBase::stride() is a call, not a load
-  const int64_t s_cs = cos_sin.stride(0), s_table = block_table.stride(0);
-  const int64_t sq_t = q.stride(0), sq_h = q.stride(1), sk_t = k.stride(0), sk_h = k.stride(1);
-  const int64_t sv_t = v.stride(0), sv_h = v.stride(1);
-  const int64_t skc_b = k_cache.stride(0), skc_r = k_cache.stride(1), skc_h = k_cache.stride(2);
-  const int64_t svc_b = v_cache.stride(0), svc_r = v_cache.stride(1), svc_h = v_cache.stride(2);
-  at::parallel_for(0, Tn, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const CS* c = cs + pos[t] * s_cs;
-      const CS* s = c + half;
-      // x * cos + rotate_half(x) * sin, each product rounded to T as torch does
-      auto rotate = [c, s, half](T* __restrict x) {
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = load(x[i]), x2 = load(x[i + half]), ci = load(c[i]), si = load(s[i]);
-          store(x + i, round_to<T>(x1 * ci) + round_to<T>(-x2 * si));
-          store(x + i + half, round_to<T>(x2 * ci) + round_to<T>(x1 * si));
-        }
-      };
-      for (int64_t h = 0; h < Hq; ++h) rotate(qp + t * sq_t + h * sq_h);
-      const int64_t block = table[seq[t] * s_table + pos[t] / block_size];
-      const int64_t row = pos[t] % block_size;
-      for (int64_t h = 0; h < Hkv; ++h) {
-        T* kr = kp + t * sk_t + h * sk_h;
-        rotate(kr);
-        put(kc + block * skc_b + row * skc_r + h * skc_h, kr, D);
-        put(vc + block * svc_b + row * svc_r + h * svc_h, vp + t * sv_t + h * sv_h, D);
-      }
-    }
+  const RopeRows<T, C, CS> rows{q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), q.stride(0), q.stride(1),
+                                k.stride(0), k.stride(1), v.stride(0), v.stride(1), q.size(1), k.size(1), q.size(2),
+                                positions.data_ptr<int64_t>(), token_seq.data_ptr<int32_t>(),
+                                block_table.data_ptr<int32_t>(), block_table.stride(0), block_size,
+                                cos_sin.data_ptr<CS>(), cos_sin.stride(0), cache_ptr<C>(k_cache),
+                                cache_ptr<C>(v_cache), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+  at::parallel_for(0, q.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rows.row(t);
   });
 }
 
@@ -1300,26 +1314,34 @@ int64_t panel_width() { return kPanel; }
 // AVX2 kernels, bf16 1.021x at the slow level (12, 9 faster) and fp32 1.039x (12, 10 faster).
 // False where it does not apply (more rows, an intermediate size off the panel width, the scalar
 // build): the caller runs both steps.
+// A projection's panels as the one-row kernels read them (raw: StepPlan gathers them once a call).
+struct PanelsRef {
+  const void* w;
+  int64_t P, K;  // panels, and rows a panel
+  bool bf16;     // else fp32
+};
+PanelsRef panels_ref(const at::Tensor& panels) {
+  return {panels.data_ptr(), panels.size(0), panels.size(1), panels.scalar_type() == at::kBFloat16};
+}
+
 #if defined(VKV_VEC)
-// Its columns of panels [lo, hi) of the gate (and the same of the up), on the calling thread.
-void gate_up_silu_share(const at::Tensor& x, const at::Tensor& panels, at::Tensor& act, int64_t lo, int64_t hi) {
-  const int64_t K = x.size(1), P = act.size(1) / kPanel;
+// Its columns of panels [lo, hi) of the gate (and the same of the up), on the calling thread: x
+// [K] fp32, act [panels.P / 2 * kPanel] fp32.
+void gate_up_silu_share(const float* x, const PanelsRef& panels, float* act, int64_t lo, int64_t hi) {
+  const int64_t K = panels.K, P = panels.P / 2;
   auto run = [&](auto* w) {
-    using TW = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
-    const float* xp = x.data_ptr<float>();
-    float* out = act.data_ptr<float>();
     alignas(64) float gate[kPanel], up[kPanel];
     for (int64_t p = lo; p < hi; ++p) {
-      panel_pair<TW>(xp, K, w + p * K * kPanel, w + (P + p) * K * kPanel, nullptr, nullptr, gate, up, kPanel, kPanel);
-      float* dst = out + p * kPanel;
+      panel_pair(x, K, w + p * K * kPanel, w + (P + p) * K * kPanel, nullptr, nullptr, gate, up, kPanel, kPanel);
+      float* dst = act + p * kPanel;
 #pragma omp simd
       for (int64_t j = 0; j < kPanel; ++j) dst[j] = silu_times<float>(gate[j], up[j]);
     }
   };
-  if (panels.scalar_type() == at::kFloat)
-    run(panels.data_ptr<float>());
+  if (panels.bf16)
+    run(static_cast<const c10::BFloat16*>(panels.w));
   else
-    run(panels.data_ptr<c10::BFloat16>());
+    run(static_cast<const float*>(panels.w));
 }
 #endif
 
@@ -1336,7 +1358,10 @@ bool gate_up_silu_applies(const at::Tensor& x, const at::Tensor& panels, const a
 bool gate_up_silu(const at::Tensor& x, const at::Tensor& panels, at::Tensor& act) {
   if (!gate_up_silu_applies(x, panels, act)) return false;
 #if defined(VKV_VEC)
-  at::parallel_for(0, act.size(1) / kPanel, 1, [&](int64_t lo, int64_t hi) { gate_up_silu_share(x, panels, act, lo, hi); });
+  const PanelsRef ref = panels_ref(panels);
+  at::parallel_for(0, act.size(1) / kPanel, 1, [&](int64_t lo, int64_t hi) {
+    gate_up_silu_share(x.data_ptr<float>(), ref, act.data_ptr<float>(), lo, hi);
+  });
 #endif
   return true;
 }
@@ -1414,40 +1439,67 @@ c10::Dict<std::string, double> decode_stage_times(bool reset) {
 constexpr int64_t kContextPrefetch = 128 << 10;
 constexpr int64_t kContextGrain = 64;  // keys a thread prefetches at least
 
-// The keys prefetch_context asks for (0 where the layout does not allow it).
-int64_t context_keys(const DecodeStep& s, const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  const at::Tensor* caches[2] = {&k_cache, &v_cache};
-  for (const at::Tensor* c : caches)
-    if (c->stride(2) != c->size(3) || c->stride(3) != 1 || c->sizes() != k_cache.sizes()) return 0;
-  const int64_t row = k_cache.size(2) * k_cache.size(3) * k_cache.element_size();  // a key's heads
-  const int32_t* ctx = s.ctx_len.data_ptr<int32_t>();
-  int64_t keys = 0;  // the step's keys, sequence after sequence, as far as the cap
-  for (int64_t b = 0; b < s.q_start.size(0); ++b) keys += ctx[b];
-  return std::min(keys, kContextPrefetch / row);
+// The step's sequences as prefetch_keys walks them (raw: gathered once a call by StepPlan).
+struct StepKeys {
+  const int32_t* ctx;  // each sequence's keys
+  const int32_t* table;
+  int64_t table_stride, block_size, seqs;
+};
+StepKeys step_keys(const DecodeStep& s) {
+  return {s.ctx_len.data_ptr<int32_t>(), s.block_table.data_ptr<int32_t>(), s.block_table.stride(0), s.block_size,
+          s.q_start.size(0)};
 }
 
-// Keys [lo, hi) of them, into L2.
-void prefetch_keys(const DecodeStep& s, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t lo, int64_t hi) {
+// A layer's two caches as prefetch_keys reads them (strides in bytes); `row`, a key's heads in
+// bytes, is 0 where the layout does not allow the prefetch (a key's heads not side by side).
+struct ContextRef {
+  const char* base[2];
+  int64_t s_block[2], s_row[2], row;
+};
+ContextRef context_ref(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  ContextRef c{};
   const at::Tensor* caches[2] = {&k_cache, &v_cache};
-  const int64_t bytes = k_cache.element_size(), row = k_cache.size(2) * k_cache.size(3) * bytes;
-  const int32_t* ctx = s.ctx_len.data_ptr<int32_t>();
-  const int32_t* table = s.block_table.data_ptr<int32_t>();
+  for (const at::Tensor* t : caches)
+    if (t->stride(2) != t->size(3) || t->stride(3) != 1 || t->sizes() != k_cache.sizes()) return c;
+  const int64_t bytes = k_cache.element_size();
+  for (int i = 0; i < 2; ++i) {
+    c.base[i] = static_cast<const char*>(caches[i]->data_ptr());
+    c.s_block[i] = caches[i]->stride(0) * bytes;
+    c.s_row[i] = caches[i]->stride(1) * bytes;
+  }
+  c.row = k_cache.size(2) * k_cache.size(3) * bytes;
+  return c;
+}
+
+// The keys prefetch_context asks for: the step's, sequence after sequence, as far as the cap.
+int64_t context_keys(const StepKeys& k, const ContextRef& c) {
+  if (c.row == 0) return 0;
+  int64_t keys = 0;
+  for (int64_t b = 0; b < k.seqs; ++b) keys += k.ctx[b];
+  return std::min(keys, kContextPrefetch / c.row);
+}
+
+// A prefetch into L2 that the compiler keeps: a loop of nothing but _mm_prefetch (a builtin without
+// side effects) may be deleted whole, and GCC deleted prefetch_keys' once its addresses came from raw
+// pointers instead of calls (attention 0.30 -> 0.51-0.56 ms a bf16 step on the Intel Xeon, the keys
+// never asked for; found by its disassembly: the claims' loop left with no prefetch in it).
+VKV_INLINE void prefetch_kept_t1(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
+
+// Keys [lo, hi) of them, into L2.
+void prefetch_keys(const StepKeys& k, const ContextRef& c, int64_t lo, int64_t hi) {
   int64_t first = 0, b = 0;  // key i is sequence b's key i - first
   for (int64_t i = lo; i < hi; ++i) {
-    while (i - first >= ctx[b]) first += ctx[b++];
-    const int64_t key = i - first;
-    for (const at::Tensor* c : caches) {
-      const char* at = static_cast<const char*>(c->data_ptr()) +
-                       (table[b * s.block_table.stride(0) + key / s.block_size] * c->stride(0) +
-                        key % s.block_size * c->stride(1)) * bytes;
-      for (int64_t o = 0; o < row; o += 64) _mm_prefetch(at + o, _MM_HINT_T1);
+    while (i - first >= k.ctx[b]) first += k.ctx[b++];
+    const int64_t key = i - first, block = k.table[b * k.table_stride + key / k.block_size];
+    for (int j = 0; j < 2; ++j) {
+      const char* at = c.base[j] + block * c.s_block[j] + key % k.block_size * c.s_row[j];
+      for (int64_t o = 0; o < c.row; o += 64) prefetch_kept_t1(at + o);
     }
   }
 }
 
-void prefetch_context(const DecodeStep& s, const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  at::parallel_for(0, context_keys(s, k_cache, v_cache), kContextGrain,
-                   [&](int64_t lo, int64_t hi) { prefetch_keys(s, k_cache, v_cache, lo, hi); });
+void prefetch_context(const StepKeys& k, const ContextRef& c) {
+  at::parallel_for(0, context_keys(k, c), kContextGrain, [&](int64_t lo, int64_t hi) { prefetch_keys(k, c, lo, hi); });
 }
 
 // Note [The next layer's context, asked for in this layer's down projection]
@@ -1469,15 +1521,15 @@ void prefetch_context(const DecodeStep& s, const at::Tensor& k_cache, const at::
 // (attention 369 -> 430 us a step). Limitations: the scalar build and steps of several rows were not
 // measured; they ask the same way (each thread after its share).
 struct NextContext {
-  NextContext(const DecodeStep& s, const at::Tensor& k_cache, const at::Tensor& v_cache)
-      : s(s), k_cache(k_cache), v_cache(v_cache), keys(context_keys(s, k_cache, v_cache)) {}
-  const DecodeStep& s;
-  const at::Tensor &k_cache, &v_cache;
+  NextContext(const StepKeys& step, const ContextRef& caches)
+      : step(step), caches(caches), keys(context_keys(step, caches)) {}
+  StepKeys step;
+  ContextRef caches;
   int64_t keys;
   std::atomic<int64_t> next{0};
   void run() {
     for (int64_t lo; (lo = next.fetch_add(kContextGrain, std::memory_order_relaxed)) < keys;)
-      prefetch_keys(s, k_cache, v_cache, lo, std::min(keys, lo + kContextGrain));
+      prefetch_keys(step, caches, lo, std::min(keys, lo + kContextGrain));
   }
 };
 
@@ -1527,13 +1579,12 @@ void wait_until(Ready ready) {
 
 #if defined(VKV_VEC)
 // One row over panels [lo, hi) of fp32 or bf16 panels, on the calling thread (row_over_panels).
-void panels_range(const float* x, const at::Tensor& panels, int64_t N, const float* bias, float* out, int64_t lo,
+void panels_range(const float* x, const PanelsRef& panels, int64_t N, const float* bias, float* out, int64_t lo,
                   int64_t hi) {
-  const int64_t K = panels.size(1);
-  if (panels.scalar_type() == at::kFloat)
-    row_over_panels<float>(x, K, panels.data_ptr<float>(), N, bias, out, lo, hi);
+  if (panels.bf16)
+    row_over_panels(x, panels.K, static_cast<const c10::BFloat16*>(panels.w), N, bias, out, lo, hi);
   else
-    row_over_panels<c10::BFloat16>(x, K, panels.data_ptr<c10::BFloat16>(), N, bias, out, lo, hi);
+    row_over_panels(x, panels.K, static_cast<const float*>(panels.w), N, bias, out, lo, hi);
 }
 #endif
 
@@ -1551,27 +1602,21 @@ struct AttendThenO {
 };
 
 #if defined(VKV_VEC)
-// Thread t's part of it, in a region of two threads (`solo`: one thread runs both parts). With
-// `rope`, thread 0 stores the step's keys and values (rope_store) before attention, while thread 1
-// already asks for o's panels.
-void attend_then_o_part(int64_t t, bool solo, AttendThenO& st, DecodeStep& s, const at::Tensor& o_weight,
-                        const at::Tensor& k_cache, const at::Tensor& v_cache, StageClock& clock, bool rope) {
-  const int64_t P = o_weight.size(0), K = o_weight.size(1), N = s.h.size(1);
-  const int64_t panel_bytes = K * kPanel * o_weight.element_size();
-  const char* weights = static_cast<const char*>(o_weight.data_ptr());
+// Thread t's part of it, in a region of two threads (`solo`: one thread runs both parts): thread 0
+// runs attend() (attention, after rope_store in the one region), while thread 1 asks for o's
+// panels; then each its share of o, attended [K] into h [N] (fp32).
+template <typename Attend>
+void attend_then_o_part(int64_t t, bool solo, AttendThenO& st, Attend attend, const PanelsRef& o,
+                        const float* attended, float* h, int64_t N) {
+  const int64_t P = o.P, panel_bytes = o.K * kPanel * (o.bf16 ? 2 : 4);
+  const char* weights = static_cast<const char*>(o.w);
   if (t == 0) {
     try {
-      if (rope) {
-        rope_store(s.q, s.k, s.v, s.positions, s.cos_sin, k_cache, v_cache, s.block_table, s.block_size, s.token_seq);
-        clock.lap(kRope);
-      }
-      attention(s.q, k_cache, v_cache, s.block_table, s.block_size, s.q_start, s.q_len, s.ctx_len, s.scale,
-                s.attended);
+      attend();
     } catch (...) {
       st.failed = std::current_exception();
     }
     st.done.store(true, std::memory_order_release);
-    clock.lap(kAttention);
     if (solo) st.warm.store(0, std::memory_order_release);
   } else {
     int64_t n = 0;
@@ -1586,7 +1631,7 @@ void attend_then_o_part(int64_t t, bool solo, AttendThenO& st, DecodeStep& s, co
   if (st.failed) return;
   const int64_t split = std::min(P, (P - n + 1) / 2 + n / kWarmGiven);
   const int64_t a = t == 0 ? 0 : split, b = t == 0 ? (solo ? P : split) : P;
-  panels_range(s.attended.data_ptr<float>(), o_weight, N, nullptr, s.h.data_ptr<float>(), a, b);
+  panels_range(attended, o, N, nullptr, h, a, b);
 }
 
 #endif
@@ -1608,8 +1653,14 @@ bool attention_then_o(DecodeStep& s, const at::Tensor& o_weight, const at::Tenso
   if (!attend_then_o_applies(s, o_weight)) return false;
 #if defined(VKV_VEC)
   AttendThenO st;
+  const PanelsRef o = panels_ref(o_weight);
+  auto attend = [&] {
+    attention(s.q, k_cache, v_cache, s.block_table, s.block_size, s.q_start, s.q_len, s.ctx_len, s.scale, s.attended);
+    clock.lap(kAttention);
+  };
   at::parallel_for(0, 2, 1, [&](int64_t lo, int64_t hi) {
-    attend_then_o_part(lo, hi == 2 && lo == 0, st, s, o_weight, k_cache, v_cache, clock, false);
+    attend_then_o_part(lo, hi == 2 && lo == 0, st, attend, o, s.attended.data_ptr<float>(), s.h.data_ptr<float>(),
+                       s.h.size(1));
   });
   if (st.failed) std::rethrow_exception(st.failed);
   clock.lap(kO);
@@ -1634,7 +1685,7 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor* next_k_cache,
                   const at::Tensor* next_v_cache) {
   StageClock clock;
-  if (first) prefetch_context(s, k_cache, v_cache);  // (a later layer's: asked for in the layer before's down)
+  if (first) prefetch_context(step_keys(s), context_ref(k_cache, v_cache));  // (a later layer's: in the down before)
   clock.lap(kContext);
   input_norm_of(s, x, residual, first, input_norm);
   clock.lap(kNorms);
@@ -1656,7 +1707,7 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
   }
   clock.lap(kGateUp);
   if (next_k_cache) {
-    NextContext next(s, *next_k_cache, *next_v_cache);
+    NextContext next(step_keys(s), context_ref(*next_k_cache, *next_v_cache));
     linear_panels_then(s.act, down_weight, std::nullopt, x, &next);
   } else {
     linear_panels(s.act, down_weight, std::nullopt, x);
@@ -1711,24 +1762,183 @@ struct Pair {
 };
 
 
-bool layers_in_one_region(DecodeStep& s, at::Tensor& x, at::Tensor& residual, at::TensorList input_norms,
-                          at::TensorList post_norms, at::TensorList qkv_weights,
-                          const c10::List<std::optional<at::Tensor>>& qkv_biases, at::TensorList o_weights,
-                          at::TensorList gate_up_weights, at::TensorList down_weights, at::TensorList k_caches,
-                          at::TensorList v_caches) {
+// Note [A step's plan, gathered once a call]
+// Rationale: between two stages of the one region a step's weights stream through every cache, so
+// each stage began by reading cold what it reads of its tensors (a TensorImpl, its storage, the
+// sizes and strides its op's checks compare) and ran its op's own code around the kernel (checks,
+// dtype dispatch, vectors, a nested parallel_for). On the Intel Xeon (AVX2 kernels, bf16 decode),
+// rope_store took 2.3 us a layer where a second call at once took 0.5 us, and attention() 13.4-14.8
+// us a layer of which its arithmetic (attend_item) was 11.5-12.2 us.
+// Approach: decode_layers gathers once a call what the region's stages read (each layer's panels,
+// norms, bias and caches; the step's buffers, positions, block table and rotary table) into one
+// plan of raw pointers, strides and sizes, and each stage calls its kernel's own body on it:
+// norm_row, RopeRows::row, attend_item, row_over_panels, gate_up_silu_share, prefetch_keys. So the
+// same bits (tests/test_cpu_paths.py holds the step to the layer-by-layer path). What the ops
+// checked every layer is checked once a call (shapes, dtypes) and once a step (the row the step
+// writes, the blocks its attention reads: check_row).
+// Measured on the Xeon, builds alternated in processes (PYTHONPATH per worktree; 256-token decodes,
+// 8 steps a call, same tokens): with the AVX2 kernels in bf16 146.5-150.5 -> 148.1-155.6 tok/s (4
+// pairs: 1.050x, 1.009x, 1.034x, 1.009x), the stages a step: norms 72-94 -> 45-52 us, rope 37-43 ->
+// 16-18, attention 328-333 -> 290-318, qkv 897-906 -> 846-891, down 1363-1416 -> 1320-1391; with the
+// AVX-512 ones bf16 1.034x and 0.990x, fp32 1.032x and 1.020x (2 pairs each).
+// Implementation: plan_of builds it (nullopt where the one region cannot run); layers_in_one_region
+// reads it; rope and attend are the plan's cache-type instances (rope_of, attend_of).
+// Limitations: the one region only (one row of one sequence, two threads, fp32 activations); the
+// layer-by-layer path and steps of several rows still call the ops on tensors.
+struct LayerPlan {
+  const float *input_norm, *post_norm, *qkv_bias;
+  PanelsRef qkv, o, gate_up, down;
+  void *k, *v;           // the caches' data
+  int64_t sk[3], sv[3];  // their strides (block, row, head), in elements
+  ContextRef context;
+};
+
+struct StepPlan {
+  std::vector<LayerPlan> layers;
+  StepKeys keys;  // (keys.ctx: the step's context length, moved on each step, as is pos)
+  const int32_t *q_start, *q_len, *token_seq;
+  const int64_t* pos;
+  const void* cos_sin;
+  int64_t s_cs, cs_rows, table_blocks, cache_blocks;
+  float *x, *residual, *qkv, *attended, *h, *act;
+  int64_t H, heads, kv_heads, D;
+  double eps, scale;
+  void (*rope)(const StepPlan&, const LayerPlan&);
+  void (*attend)(const StepPlan&, const LayerPlan&, std::vector<float>& buf, std::vector<float>& wide);
+  std::vector<float> row, buf, wide;  // thread 0's scratch
+};
+
+#if defined(VKV_VEC)
+template <typename C, typename CS>
+void rope_of(const StepPlan& p, const LayerPlan& l) {
+  const int64_t nq = p.heads * p.D, nk = p.kv_heads * p.D, w = nq + 2 * nk;  // q, k, v: views of qkv
+  const RopeRows<float, C, CS> rows{p.qkv, p.qkv + nq, p.qkv + nq + nk, w, p.D, w, p.D, w, p.D, p.heads, p.kv_heads,
+                                    p.D, p.pos, p.token_seq, p.keys.table, p.keys.table_stride, p.keys.block_size,
+                                    static_cast<const CS*>(p.cos_sin), p.s_cs, static_cast<C*>(l.k),
+                                    static_cast<C*>(l.v), l.sk[0], l.sk[1], l.sk[2], l.sv[0], l.sv[1], l.sv[2]};
+  rows.row(0);
+}
+
+// attention_impl's one work item (decode_parts: under 256 keys), as it runs it.
+template <typename C>
+void attend_of(const StepPlan& p, const LayerPlan& l, std::vector<float>& buf, std::vector<float>& wide) {
+  const Rows<C> K{static_cast<const C*>(l.k), l.sk[0], l.sk[1], l.sk[2], p.keys.table, p.keys.table_stride,
+                  p.keys.block_size};
+  const Rows<C> V{static_cast<const C*>(l.v), l.sv[0], l.sv[1], l.sv[2], p.keys.table, p.keys.table_stride,
+                  p.keys.block_size};
+  const int64_t nq = p.heads * p.D, w = nq + 2 * p.kv_heads * p.D;
+  const Item it{0, 0, 1, 0, p.keys.ctx[0], -1};
+  const int previous = blas().local_threads ? blas().local_threads(1) : 0;  // (as attention_impl)
+  attend_item<float, C>(it, p.qkv, w, p.D, K, V, p.q_start, p.q_len, p.keys.ctx, p.kv_heads, p.heads / p.kv_heads,
+                        p.D, static_cast<float>(p.scale), p.attended, nq, p.D, nullptr, buf, wide);
+  if (blas().local_threads) blas().local_threads(previous);
+}
+#endif
+
+// The plan of a step's layers (Note [A step's plan, gathered once a call]), or nullopt where the
+// one region does not run: more rows or sequences, other than two threads, panels other than fp32
+// or bf16, an intermediate size off the panel width, the scalar build.
+std::optional<StepPlan> plan_of(const DecodeStep& s, at::Tensor& x, at::Tensor& residual, at::TensorList input_norms,
+                                at::TensorList post_norms, at::TensorList qkv_weights,
+                                const c10::List<std::optional<at::Tensor>>& qkv_biases, at::TensorList o_weights,
+                                at::TensorList gate_up_weights, at::TensorList down_weights,
+                                at::TensorList k_caches, at::TensorList v_caches) {
+#if !defined(VKV_VEC)
+  return std::nullopt;
+#else
+  const int64_t L = static_cast<int64_t>(input_norms.size()), H = x.size(1);
+  if (x.size(0) != 1 || s.q_start.size(0) != 1 || s.token_seq.data_ptr<int32_t>()[0] != 0 ||
+      at::get_num_threads() != 2 || at::in_parallel_region())
+    return std::nullopt;
+  auto panels_ok = [](const at::Tensor& w) { return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16; };
+  auto norm_ok = [&](const at::Tensor& w) {
+    return w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == H;
+  };
+  const at::ScalarType cache = k_caches[0].scalar_type();
+  for (int64_t i = 0; i < L; ++i) {
+    const std::optional<at::Tensor> bias = qkv_biases.get(i);
+    if (!panels_ok(qkv_weights[i]) || !panels_ok(o_weights[i]) || !panels_ok(down_weights[i]) ||
+        !gate_up_silu_applies(s.h, gate_up_weights[i], s.act) || !norm_ok(input_norms[i]) || !norm_ok(post_norms[i]) ||
+        (bias && (bias->scalar_type() != at::kFloat || !bias->is_contiguous())) ||
+        k_caches[i].scalar_type() != cache || v_caches[i].scalar_type() != cache ||
+        k_caches[i].sizes() != v_caches[i].sizes() || k_caches[i].size(0) != k_caches[0].size(0))
+      return std::nullopt;
+    check_cache(s.q, k_caches[i], "k_cache");
+    check_cache(s.q, v_caches[i], "v_cache");
+  }
+  if (!(s.cos_sin.scalar_type() == at::kFloat || s.cos_sin.scalar_type() == at::kBFloat16) ||
+      s.cos_sin.size(1) != s.q.size(2) || s.block_table.stride(1) != 1)
+    return std::nullopt;
+  StepPlan p;
+  p.layers.reserve(L);
+  for (int64_t i = 0; i < L; ++i) {
+    const std::optional<at::Tensor> bias = qkv_biases.get(i);
+    const at::Tensor &k = k_caches[i], &v = v_caches[i];
+    p.layers.push_back({input_norms[i].data_ptr<float>(), post_norms[i].data_ptr<float>(),
+                        bias ? bias->data_ptr<float>() : nullptr, panels_ref(qkv_weights[i]), panels_ref(o_weights[i]),
+                        panels_ref(gate_up_weights[i]), panels_ref(down_weights[i]), k.data_ptr(), v.data_ptr(),
+                        {k.stride(0), k.stride(1), k.stride(2)}, {v.stride(0), v.stride(1), v.stride(2)},
+                        context_ref(k, v)});
+  }
+  p.keys = step_keys(s);
+  p.q_start = s.q_start.data_ptr<int32_t>();
+  p.q_len = s.q_len.data_ptr<int32_t>();
+  p.token_seq = s.token_seq.data_ptr<int32_t>();
+  p.pos = s.positions.data_ptr<int64_t>();
+  p.cos_sin = s.cos_sin.data_ptr();
+  p.s_cs = s.cos_sin.stride(0);
+  p.cs_rows = s.cos_sin.size(0);
+  p.table_blocks = s.block_table.size(1);
+  p.cache_blocks = k_caches[0].size(0);
+  p.x = x.data_ptr<float>();
+  p.residual = residual.data_ptr<float>();
+  p.qkv = s.qkv.data_ptr<float>();
+  p.attended = s.attended.data_ptr<float>();
+  p.h = s.h.data_ptr<float>();
+  p.act = s.act.data_ptr<float>();
+  p.H = H;
+  p.heads = s.q.size(1);
+  p.kv_heads = s.k.size(1);
+  p.D = s.q.size(2);
+  p.eps = s.eps;
+  p.scale = s.scale;
+  const bool bf16_table = s.cos_sin.scalar_type() == at::kBFloat16;
+  dispatch(at::kFloat, cache, "decode_layers", [&](auto, auto c) {
+    using C = decltype(c);
+    p.rope = bf16_table ? &rope_of<C, c10::BFloat16> : &rope_of<C, float>;
+    p.attend = &attend_of<C>;
+  });
+  p.row.resize(H);
+  return p;
+#endif
+}
+
+// The step's row and the blocks its attention reads lie inside the tables and caches (what
+// rope_store and attention checked each layer): checked where the first layer's rope and attention
+// read them, once a step.
+void check_row(const StepPlan& p) {
+  const int64_t pos = p.pos[0], ctx = p.keys.ctx[0], size = p.keys.block_size;
+  TORCH_CHECK(pos >= 0 && pos < p.cs_rows, "position ", pos, " is past the rotary table's ", p.cs_rows, " rows");
+  TORCH_CHECK(p.q_len[0] == 1 && pos < ctx, "sequence 0: its query at position ", pos, " and ", ctx,
+              " keys do not fit");
+  TORCH_CHECK(ctx <= p.table_blocks * size, "row ", ctx - 1, " is past the block table's ", p.table_blocks,
+              " blocks of ", size);
+  for (int64_t b = 0; b * size < ctx; ++b) {
+    const int32_t block = p.keys.table[b];
+    TORCH_CHECK(block >= 0 && block < p.cache_blocks, "block ", block, " is not a block of the cache (",
+                p.cache_blocks, ")");
+  }
+}
+
+bool layers_in_one_region(StepPlan& p) {
 #if !defined(VKV_VEC)
   return false;
 #else
-  const int64_t L = static_cast<int64_t>(input_norms.size());
-  auto panels_ok = [](const at::Tensor& w) { return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16; };
-  if (!attend_then_o_applies(s, o_weights[0])) return false;  // (one row of one sequence, two threads)
-  for (int64_t i = 0; i < L; ++i)
-    if (!panels_ok(qkv_weights[i]) || !panels_ok(o_weights[i]) || !panels_ok(down_weights[i]) ||
-        !gate_up_silu_applies(s.h, gate_up_weights[i], s.act))
-      return false;
+  if (decode_parts(p.keys.ctx[0], 1, 2) >= 2) return false;  // (attention past one work item)
+  const int64_t L = static_cast<int64_t>(p.layers.size());
   std::deque<NextContext> context;  // layer i's first keys and values: layer 0's asked for as the step starts,
-  for (int64_t i = 0; i < L; ++i)   // layer i's in the down projection of layer i - 1
-    context.emplace_back(s, k_caches[i], v_caches[i]);
+  for (const LayerPlan& l : p.layers)  // layer i's in the down projection of layer i - 1
+    context.emplace_back(p.keys, l.context);
   std::deque<AttendThenO> attend(L);
   Pair pair;
   bool solo = false;
@@ -1744,30 +1954,37 @@ bool layers_in_one_region(DecodeStep& s, at::Tensor& x, at::Tensor& residual, at
       context[0].run();
       clock.lap(kContext);
       for (int64_t i = 0; i < L; ++i) {
+        const LayerPlan& l = p.layers[i];
         if (t == 0) {
-          input_norm_of(s, x, residual, i == 0, input_norms[i]);
+          if (i == 0) std::copy(p.x, p.x + p.H, p.residual);  // residual = x (input_norm_of)
+          norm_row<float>(p.x, i == 0 ? nullptr : p.residual, l.input_norm, p.H, p.eps, p.row.data());
         }
         if (!pair.meet(t)) return;
         clock.lap(kNorms);
-        const auto [qlo, qhi] = share_of(t, qkv_weights[i].size(0));
-        const std::optional<at::Tensor> bias = qkv_biases.get(i);
-        panels_range(x.data_ptr<float>(), qkv_weights[i], s.qkv.size(1), bias ? bias->data_ptr<float>() : nullptr,
-                     s.qkv.data_ptr<float>(), qlo, qhi);
+        const auto [qlo, qhi] = share_of(t, l.qkv.P);
+        panels_range(p.x, l.qkv, (p.heads + 2 * p.kv_heads) * p.D, l.qkv_bias, p.qkv, qlo, qhi);
         if (!pair.meet(t)) return;
         clock.lap(kQkv);
-        attend_then_o_part(t, false, attend[i], s, o_weights[i], k_caches[i], v_caches[i], clock, true);
+        auto rope_then_attend = [&] {
+          if (i == 0) check_row(p);
+          p.rope(p, l);
+          clock.lap(kRope);
+          p.attend(p, l, p.buf, p.wide);
+          clock.lap(kAttention);
+        };
+        attend_then_o_part(t, false, attend[i], rope_then_attend, l.o, p.attended, p.h, p.H);
         if (t == 0 && attend[i].failed) std::rethrow_exception(attend[i].failed);
         if (!pair.meet(t)) return;
         clock.lap(kO);
-        if (t == 0) add_rms_norm(s.h, residual, post_norms[i], s.eps);
+        if (t == 0) norm_row<float>(p.h, p.residual, l.post_norm, p.H, p.eps, p.row.data());
         if (!pair.meet(t)) return;
         clock.lap(kNorms);
-        const auto [glo, ghi] = share_of(t, s.act.size(1) / kPanel);
-        gate_up_silu_share(s.h, gate_up_weights[i], s.act, glo, ghi);
+        const auto [glo, ghi] = share_of(t, l.gate_up.P / 2);
+        gate_up_silu_share(p.h, l.gate_up, p.act, glo, ghi);
         if (!pair.meet(t)) return;
         clock.lap(kGateUp);
-        const auto [dlo, dhi] = share_of(t, down_weights[i].size(0));
-        panels_range(s.act.data_ptr<float>(), down_weights[i], x.size(1), nullptr, x.data_ptr<float>(), dlo, dhi);
+        const auto [dlo, dhi] = share_of(t, l.down.P);
+        panels_range(p.act, l.down, p.H, nullptr, p.x, dlo, dhi);
         if (i + 1 < L) context[i + 1].run();
         if (!pair.meet(t)) return;
         clock.lap(kDown);
@@ -2150,9 +2367,10 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
     TORCH_CHECK(down_weights[i].size(1) == inter && k_caches[i].size(3) == D, "every layer has the same shapes");
   const int64_t* stop = stop_ids ? stop_ids->data_ptr<int64_t>() : nullptr;
   const int64_t num_stops = stop_ids ? stop_ids->numel() : 0;
+  std::optional<StepPlan> plan = plan_of(s, x, residual, input_norms, post_norms, qkv_weights, qkv_biases, o_weights,
+                                         gate_up_weights, down_weights, k_caches, v_caches);
   for (int64_t step = 0; step < steps; ++step) {
-    if (!layers_in_one_region(s, x, residual, input_norms, post_norms, qkv_weights, qkv_biases, o_weights,
-                              gate_up_weights, down_weights, k_caches, v_caches))
+    if (!(plan && layers_in_one_region(*plan)))
       for (size_t i = 0; i < L; ++i) {
         const bool last = i + 1 == L;
         decode_layer(s, x, residual, i == 0, input_norms[i], post_norms[i], qkv_weights[i], qkv_biases.get(i),
