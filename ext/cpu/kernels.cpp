@@ -1867,7 +1867,8 @@ std::optional<StepPlan> plan_of(const DecodeStep& s, at::Tensor& x, at::Tensor& 
     check_cache(s.q, v_caches[i], "v_cache");
   }
   if (!(s.cos_sin.scalar_type() == at::kFloat || s.cos_sin.scalar_type() == at::kBFloat16) ||
-      s.cos_sin.size(1) != s.q.size(2) || s.block_table.stride(1) != 1)
+      s.cos_sin.size(1) != s.q.size(2) || s.block_table.dim() != 2 || s.block_table.size(0) < 1 ||
+      s.block_table.stride(1) != 1)
     return std::nullopt;
   StepPlan p;
   p.layers.reserve(L);
@@ -1919,8 +1920,8 @@ std::optional<StepPlan> plan_of(const DecodeStep& s, at::Tensor& x, at::Tensor& 
 void check_row(const StepPlan& p) {
   const int64_t pos = p.pos[0], ctx = p.keys.ctx[0], size = p.keys.block_size;
   TORCH_CHECK(pos >= 0 && pos < p.cs_rows, "position ", pos, " is past the rotary table's ", p.cs_rows, " rows");
-  TORCH_CHECK(p.q_len[0] == 1 && pos < ctx, "sequence 0: its query at position ", pos, " and ", ctx,
-              " keys do not fit");
+  TORCH_CHECK(p.q_start[0] == 0 && p.q_len[0] == 1 && pos < ctx, "sequence 0: its query at position ", pos, " and ",
+              ctx, " keys do not fit one query row");
   TORCH_CHECK(ctx <= p.table_blocks * size, "row ", ctx - 1, " is past the block table's ", p.table_blocks,
               " blocks of ", size);
   for (int64_t b = 0; b * size < ctx; ++b) {
