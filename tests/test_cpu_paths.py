@@ -226,6 +226,47 @@ def test_attention_refusing_a_step_inside_the_shared_parallel_region_raises_and_
     assert_pool_whole(llm)
 
 
+
+@pytest.mark.parametrize("bad", ["block_size", "kv_heads"])
+def test_a_one_row_step_whose_shapes_do_not_fit_the_caches_is_refused_not_run_past_them(two_threads, bad):
+    """The one region reads a plan of raw pointers gathered once a call (kernels.cpp plan_of); what
+    rope_store and attention checked of each layer must still hold there: a block size past the
+    cache's rows, or a KV head count other than the cache's, would write and read past the cache.
+    Such a step must end in an error naming the mismatch, on the region's path or the one after it."""
+    if ext.cpu_kernels() is None:
+        pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
+    llm = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=1)
+    model, caught = llm.engine.model, []
+    one_call = model._one_call
+
+    def malformed(input_ids, attn):
+        args = one_call(input_ids, attn)
+        if args is None or input_ids.shape[0] != 1 or caught:
+            return args
+        bad_args = list(args)
+        if bad == "block_size":
+            bad_args[5] = args[2][0].shape[1] * 4  # 4x the cache's rows a block
+        else:  # views of the caches' first KV head alone (the model has 3; the query's 9 heads divide by 1)
+            bad_args[2] = [c[:, :, :1] for c in args[2]]
+            bad_args[3] = [c[:, :, :1] for c in args[3]]
+        try:
+            model._decode_layers(model.model.embed_tokens.forward(input_ids), tuple(bad_args), torch.arange(1),
+                                 torch.empty(1, model.lm_head.panels_n))
+            caught.append("no error")
+        except RuntimeError as e:
+            caught.append(str(e))
+        return args
+
+    model._one_call = malformed
+    try:
+        out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    finally:
+        del model._one_call
+    assert len(caught) == 1 and caught[0] != "no error", caught
+    assert ("block_size" if bad == "block_size" else "heads") in caught[0], caught
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert_pool_whole(llm)
+
 SHARED_CORE = """
 import os, sys, time
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, before any thread starts

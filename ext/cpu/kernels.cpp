@@ -1774,8 +1774,9 @@ struct Pair {
 // plan of raw pointers, strides and sizes, and each stage calls its kernel's own body on it:
 // norm_row, RopeRows::row, attend_item, row_over_panels, gate_up_silu_share, prefetch_keys. So the
 // same bits (tests/test_cpu_paths.py holds the step to the layer-by-layer path). What the ops
-// checked every layer is checked once a call (shapes, dtypes) and once a step (the row the step
-// writes, the blocks its attention reads: check_row).
+// checked every layer is checked once a call (shapes, dtypes, KV heads, block size: plan_of, which
+// leaves a step that fails them to decode_layer's path and its ops' errors) and once a step (the
+// blocks its keys lie in, before the region: check_keys; its row, inside it: check_row).
 // Measured on the Xeon, builds alternated in processes (PYTHONPATH per worktree; 256-token decodes,
 // 8 steps a call, same tokens): with the AVX2 kernels in bf16 146.5-150.5 -> 148.1-155.6 tok/s (4
 // pairs: 1.050x, 1.009x, 1.034x, 1.009x), the stages a step: norms 72-94 -> 45-52 us, rope 37-43 ->
@@ -1847,7 +1848,9 @@ std::optional<StepPlan> plan_of(const DecodeStep& s, at::Tensor& x, at::Tensor& 
   return std::nullopt;
 #else
   const int64_t L = static_cast<int64_t>(input_norms.size()), H = x.size(1);
-  if (x.size(0) != 1 || s.q_start.size(0) != 1 || s.token_seq.data_ptr<int32_t>()[0] != 0 ||
+  // one row of one sequence (its index tensors one entry each, read through raw pointers below)
+  if (x.size(0) != 1 || s.q_start.numel() != 1 || s.q_len.numel() != 1 || s.ctx_len.numel() != 1 ||
+      s.positions.numel() != 1 || s.token_seq.numel() != 1 || s.token_seq.data_ptr<int32_t>()[0] != 0 ||
       at::get_num_threads() != 2 || at::in_parallel_region())
     return std::nullopt;
   auto panels_ok = [](const at::Tensor& w) { return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16; };
@@ -1861,13 +1864,14 @@ std::optional<StepPlan> plan_of(const DecodeStep& s, at::Tensor& x, at::Tensor& 
         !gate_up_silu_applies(s.h, gate_up_weights[i], s.act) || !norm_ok(input_norms[i]) || !norm_ok(post_norms[i]) ||
         (bias && (bias->scalar_type() != at::kFloat || !bias->is_contiguous())) ||
         k_caches[i].scalar_type() != cache || v_caches[i].scalar_type() != cache ||
-        k_caches[i].sizes() != v_caches[i].sizes() || k_caches[i].size(0) != k_caches[0].size(0))
-      return std::nullopt;
+        k_caches[i].sizes() != v_caches[i].sizes() || k_caches[i].size(0) != k_caches[0].size(0) ||
+        k_caches[i].size(2) != s.k.size(1) || s.block_size < 1 || s.block_size > k_caches[i].size(1))
+      return std::nullopt;  // (kv heads and block size as rope_store and check_step held them)
     check_cache(s.q, k_caches[i], "k_cache");
     check_cache(s.q, v_caches[i], "v_cache");
   }
-  if (!(s.cos_sin.scalar_type() == at::kFloat || s.cos_sin.scalar_type() == at::kBFloat16) ||
-      s.cos_sin.size(1) != s.q.size(2) || s.block_table.dim() != 2 || s.block_table.size(0) < 1 ||
+  if (!(s.cos_sin.scalar_type() == at::kFloat || s.cos_sin.scalar_type() == at::kBFloat16) || s.k.size(1) < 1 ||
+      s.q.size(2) % 2 != 0 || s.cos_sin.size(1) != s.q.size(2) || s.block_table.dim() != 2 || s.block_table.size(0) < 1 ||
       s.block_table.stride(1) != 1)
     return std::nullopt;
   StepPlan p;
@@ -1914,14 +1918,10 @@ std::optional<StepPlan> plan_of(const DecodeStep& s, at::Tensor& x, at::Tensor& 
 #endif
 }
 
-// The step's row and the blocks its attention reads lie inside the tables and caches (what
-// rope_store and attention checked each layer): checked where the first layer's rope and attention
-// read them, once a step.
-void check_row(const StepPlan& p) {
-  const int64_t pos = p.pos[0], ctx = p.keys.ctx[0], size = p.keys.block_size;
-  TORCH_CHECK(pos >= 0 && pos < p.cs_rows, "position ", pos, " is past the rotary table's ", p.cs_rows, " rows");
-  TORCH_CHECK(p.q_start[0] == 0 && p.q_len[0] == 1 && pos < ctx, "sequence 0: its query at position ", pos, " and ",
-              ctx, " keys do not fit one query row");
+// The keys a step reads lie inside the block table and their blocks inside the caches (what
+// check_step held for attention): before the region, whose context prefetch reads the table.
+void check_keys(const StepPlan& p) {
+  const int64_t ctx = p.keys.ctx[0], size = p.keys.block_size;
   TORCH_CHECK(ctx <= p.table_blocks * size, "row ", ctx - 1, " is past the block table's ", p.table_blocks,
               " blocks of ", size);
   for (int64_t b = 0; b * size < ctx; ++b) {
@@ -1931,11 +1931,21 @@ void check_row(const StepPlan& p) {
   }
 }
 
+// The step's row lies inside the rotary table and its keys (what rope_store and attention checked
+// each layer): checked where the first layer's rope and attention read them, once a step.
+void check_row(const StepPlan& p) {
+  const int64_t pos = p.pos[0], ctx = p.keys.ctx[0];
+  TORCH_CHECK(pos >= 0 && pos < p.cs_rows, "position ", pos, " is past the rotary table's ", p.cs_rows, " rows");
+  TORCH_CHECK(p.q_start[0] == 0 && p.q_len[0] == 1 && pos < ctx, "sequence 0: its query at position ", pos, " and ",
+              ctx, " keys do not fit one query row");
+}
+
 bool layers_in_one_region(StepPlan& p) {
 #if !defined(VKV_VEC)
   return false;
 #else
   if (decode_parts(p.keys.ctx[0], 1, 2) >= 2) return false;  // (attention past one work item)
+  check_keys(p);
   const int64_t L = static_cast<int64_t>(p.layers.size());
   std::deque<NextContext> context;  // layer i's first keys and values: layer 0's asked for as the step starts,
   for (const LayerPlan& l : p.layers)  // layer i's in the down projection of layer i - 1
