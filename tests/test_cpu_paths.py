@@ -185,25 +185,21 @@ def two_threads():
     torch.set_num_threads(threads)
 
 
-def test_attention_refusing_a_step_inside_the_shared_parallel_region_raises_and_hangs_nothing(two_threads,
-                                                                                               monkeypatch):
-    """A one-row step on two threads runs every layer in one parallel region, the threads meeting
-    at spinning barriers between stages; in each layer attention runs on one thread while the other
-    asks for the o projection's weights, then both compute it (kernels.cpp layers_in_one_region,
-    attend_then_o_part). Attention's own checks refusing the step there (here: a context shorter than its query) must come back as the
-    error, with the other thread released, not left waiting: the call is made on a thread that
-    must end within a minute, during a real step (its pages mapped), and the step still runs."""
+def refusal_of_a_malformed_step(monkeypatch, mutate, max_tokens: int) -> str:
+    """What decode_layers raised when called once more, on the first one-row step of a greedy
+    generation of max_tokens tokens (its pages mapped), with mutate(args) for the step's arguments:
+    on a thread that must end within a minute ("hung" if not; "no error" if it ran). The generation
+    itself must still run and leave the pool whole."""
     if ext.cpu_kernels() is None:
         pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
     llm = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=1)
     model, outcomes = llm.engine.model, []
     one_call = model._one_call
 
-    def refused(input_ids, args):
+    def call(input_ids, args):
         torch.set_num_threads(2)  # (a new thread's own OpenMP setting)
-        bad = args[:9] + (torch.zeros_like(args[9]),) + args[10:]  # ctx_len 0 < q_len 1
         try:
-            model._decode_layers(model.model.embed_tokens.forward(input_ids), bad, torch.arange(1),
+            model._decode_layers(model.model.embed_tokens.forward(input_ids), mutate(args), torch.arange(1),
                                  torch.empty(1, model.lm_head.panels_n))
             outcomes.append("no error")
         except RuntimeError as e:
@@ -212,7 +208,7 @@ def test_attention_refusing_a_step_inside_the_shared_parallel_region_raises_and_
     def watched(input_ids, attn):
         args = one_call(input_ids, attn)
         if args is not None and input_ids.shape[0] == 1 and not outcomes:
-            caller = threading.Thread(target=refused, args=(input_ids, args), daemon=True)
+            caller = threading.Thread(target=call, args=(input_ids, args), daemon=True)
             caller.start()
             caller.join(60)
             if caller.is_alive():
@@ -220,52 +216,48 @@ def test_attention_refusing_a_step_inside_the_shared_parallel_region_raises_and_
         return args
 
     monkeypatch.setattr(model, "_one_call", watched)
-    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert len(outcomes) == 1 and "do not fit" in outcomes[0], outcomes
-    assert len(out[0].outputs[0].token_ids) == 4
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(outcomes) == 1, outcomes
+    assert len(out[0].outputs[0].token_ids) == max_tokens
     assert_pool_whole(llm)
+    return outcomes[0]
 
+
+def test_attention_refusing_a_step_inside_the_shared_parallel_region_raises_and_hangs_nothing(two_threads,
+                                                                                               monkeypatch):
+    """A one-row step on two threads runs every layer in one parallel region, the threads meeting
+    at spinning barriers between stages; in each layer attention runs on one thread while the other
+    asks for the o projection's weights, then both compute it (kernels.cpp layers_in_one_region,
+    attend_then_o_part). The step's row refused there (here: a context shorter than its query,
+    kernels.cpp check_row) must come back as the error, with the other thread released, not left
+    waiting."""
+    outcome = refusal_of_a_malformed_step(monkeypatch, lambda a: a[:9] + (torch.zeros_like(a[9]),) + a[10:], 4)
+    assert "do not fit" in outcome, outcome  # (ctx_len 0 < q_len 1)
+
+
+def _other_shapes(bad: str):
+    def mutate(args: tuple) -> tuple:
+        args = list(args)
+        if bad == "block_size":
+            args[5] = args[2][0].shape[1] * 4  # 4x the cache's rows a block
+        else:  # views of the caches' first KV head alone (the model has 3; the query's 9 heads divide by 1)
+            args[2] = [c[:, :, :1] for c in args[2]]
+            args[3] = [c[:, :, :1] for c in args[3]]
+        return tuple(args)
+    return mutate
 
 
 @pytest.mark.parametrize("bad", ["block_size", "kv_heads"])
-def test_a_one_row_step_whose_shapes_do_not_fit_the_caches_is_refused_not_run_past_them(two_threads, bad):
+def test_a_one_row_step_whose_shapes_do_not_fit_the_caches_is_refused_not_run_past_them(two_threads, monkeypatch,
+                                                                                        bad):
     """The one region reads a plan of raw pointers gathered once a call (kernels.cpp plan_of); what
     rope_store and attention checked of each layer must still hold there: a block size past the
     cache's rows, or a KV head count other than the cache's, would write and read past the cache.
     Such a step must end in an error naming the mismatch, on the region's path or the one after it."""
-    if ext.cpu_kernels() is None:
-        pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
-    llm = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=1)
-    model, caught = llm.engine.model, []
-    one_call = model._one_call
+    outcome = refusal_of_a_malformed_step(monkeypatch, _other_shapes(bad), 3)
+    assert ("block_size" if bad == "block_size" else "heads") in outcome, outcome
 
-    def malformed(input_ids, attn):
-        args = one_call(input_ids, attn)
-        if args is None or input_ids.shape[0] != 1 or caught:
-            return args
-        bad_args = list(args)
-        if bad == "block_size":
-            bad_args[5] = args[2][0].shape[1] * 4  # 4x the cache's rows a block
-        else:  # views of the caches' first KV head alone (the model has 3; the query's 9 heads divide by 1)
-            bad_args[2] = [c[:, :, :1] for c in args[2]]
-            bad_args[3] = [c[:, :, :1] for c in args[3]]
-        try:
-            model._decode_layers(model.model.embed_tokens.forward(input_ids), tuple(bad_args), torch.arange(1),
-                                 torch.empty(1, model.lm_head.panels_n))
-            caught.append("no error")
-        except RuntimeError as e:
-            caught.append(str(e))
-        return args
-
-    model._one_call = malformed
-    try:
-        out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    finally:
-        del model._one_call
-    assert len(caught) == 1 and caught[0] != "no error", caught
-    assert ("block_size" if bad == "block_size" else "heads") in caught[0], caught
-    assert len(out[0].outputs[0].token_ids) == 3
-    assert_pool_whole(llm)
 
 SHARED_CORE = """
 import os, sys, time
