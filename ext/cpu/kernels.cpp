@@ -717,14 +717,19 @@ void check_cache(const at::Tensor& q, const at::Tensor& cache, const char* name)
 // The rows a step addresses lie inside its tensors (a caller's mistake is an error, not a write
 // past a cache): O(sequences + blocks used), checked once a call of the two ops below.
 // (decode_layers, which runs their bodies for every layer, is handed the engine's own batch.)
+// Rows [0, end) of a sequence whose block-table row is `row` (`blocks` entries) lie in the table,
+// and their blocks among the cache's `cache_blocks` (raw: decode_layers' plan checks each step so).
+void check_row_blocks(const int32_t* row, int64_t blocks, int64_t block_size, int64_t end, int64_t cache_blocks) {
+  TORCH_CHECK(end <= blocks * block_size, "row ", end - 1, " is past the block table's ", blocks, " blocks of ",
+              block_size);
+  for (int64_t b = 0; b * block_size < end; ++b)
+    TORCH_CHECK(row[b] >= 0 && row[b] < cache_blocks, "block ", row[b], " is not a block of the cache (",
+                cache_blocks, ")");
+}
+
 void check_blocks(const at::Tensor& table, int64_t block_size, int64_t seq, int64_t end, const at::Tensor& cache) {
   TORCH_CHECK(seq >= 0 && seq < table.size(0), "sequence ", seq, " has no row in the block table");
-  TORCH_CHECK(end <= table.size(1) * block_size, "row ", end - 1, " is past the block table's ", table.size(1),
-              " blocks of ", block_size);
-  const int32_t* row = table.data_ptr<int32_t>() + seq * table.stride(0);
-  for (int64_t b = 0; b * block_size < end; ++b)
-    TORCH_CHECK(row[b] >= 0 && row[b] < cache.size(0), "block ", row[b], " is not a block of the cache (",
-                cache.size(0), ")");
+  check_row_blocks(table.data_ptr<int32_t>() + seq * table.stride(0), table.size(1), block_size, end, cache.size(0));
 }
 
 void check_step(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_table, int64_t block_size,
@@ -1668,15 +1673,25 @@ bool attention_then_o(DecodeStep& s, const at::Tensor& o_weight, const at::Tenso
   return true;
 }
 
-// A layer's input norm: x, residual = add_rms_norm(x, residual); the first layer's has no residual.
+// A layer's input norm of one row: x, residual = add_rms_norm(x, residual); the first layer's has no
+// residual (residual = x, written out: as ATen's copy_ it dispatched cold each step, see next_inputs;
+// the norms stage 189-193 -> 128-154 us a bf16 step, AVX2 kernels, builds alternated, 3 pairs).
+void input_norm_row(float* x, float* residual, int64_t H, bool first, const float* norm, double eps, float* row) {
+  if (first) std::copy(x, x + H, residual);
+  norm_row<float>(x, first ? nullptr : residual, norm, H, eps, row);
+}
+
+// The same over every row of x (as add_rms_norm runs its rows).
 void input_norm_of(const DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& norm) {
-  if (first) {  // residual = x, written out: as ATen's copy_ it dispatched cold each step (see next_inputs;
-                // the norms stage 189-193 -> 128-154 us a bf16 step, AVX2 kernels, builds alternated, 3 pairs)
-    std::copy(x.data_ptr<float>(), x.data_ptr<float>() + x.numel(), residual.data_ptr<float>());
-    add_rms_norm(x, std::nullopt, norm, s.eps);
-  } else {
-    add_rms_norm(x, residual, norm, s.eps);
-  }
+  const int64_t H = x.size(1);
+  TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.is_contiguous() && norm.numel() == H,
+              "a layer's norm weight must be [hidden] fp32 contiguous");
+  float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
+  const float* w = norm.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(H);
+    for (int64_t r = begin; r < end; ++r) input_norm_row(xp + r * H, rp + r * H, H, first, w, s.eps, row.data());
+  });
 }
 
 void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& input_norm,
@@ -1921,14 +1936,7 @@ std::optional<StepPlan> plan_of(const DecodeStep& s, at::Tensor& x, at::Tensor& 
 // The keys a step reads lie inside the block table and their blocks inside the caches (what
 // check_step held for attention): before the region, whose context prefetch reads the table.
 void check_keys(const StepPlan& p) {
-  const int64_t ctx = p.keys.ctx[0], size = p.keys.block_size;
-  TORCH_CHECK(ctx <= p.table_blocks * size, "row ", ctx - 1, " is past the block table's ", p.table_blocks,
-              " blocks of ", size);
-  for (int64_t b = 0; b * size < ctx; ++b) {
-    const int32_t block = p.keys.table[b];
-    TORCH_CHECK(block >= 0 && block < p.cache_blocks, "block ", block, " is not a block of the cache (",
-                p.cache_blocks, ")");
-  }
+  check_row_blocks(p.keys.table, p.table_blocks, p.keys.block_size, p.keys.ctx[0], p.cache_blocks);
 }
 
 // The step's row lies inside the rotary table and its keys (what rope_store and attention checked
@@ -1966,10 +1974,7 @@ bool layers_in_one_region(StepPlan& p) {
       clock.lap(kContext);
       for (int64_t i = 0; i < L; ++i) {
         const LayerPlan& l = p.layers[i];
-        if (t == 0) {
-          if (i == 0) std::copy(p.x, p.x + p.H, p.residual);  // residual = x (input_norm_of)
-          norm_row<float>(p.x, i == 0 ? nullptr : p.residual, l.input_norm, p.H, p.eps, p.row.data());
-        }
+        if (t == 0) input_norm_row(p.x, p.residual, p.H, i == 0, l.input_norm, p.eps, p.row.data());
         if (!pair.meet(t)) return;
         clock.lap(kNorms);
         const auto [qlo, qhi] = share_of(t, l.qkv.P);
