@@ -47,8 +47,9 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 #define VKV_AVX512 1
-// The three intrinsics used below that SIMDe 0.8 lacks, from ones it has (same results).
+// The four intrinsics used below that SIMDe 0.8 lacks, from ones it has (same results).
 #define _mm512_cvtepu8_epi32(a) _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(a))
+#define _mm512_cvtepi8_epi32(a) _mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(a))
 #define _mm512_cmplt_epi32_mask(a, b) _mm512_cmpgt_epi32_mask((b), (a))
 #define _mm512_reduce_add_ps(x) vkv_reduce_add_ps(x)
 inline float vkv_reduce_add_ps(__m512 x) {  // halves added pairwise, as the native one does
