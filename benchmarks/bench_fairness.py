@@ -26,9 +26,9 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.worker.parallel import free_port  # noqa: E402
 from engine.sched.scheduler import Scheduler  # noqa: E402
-from engine.serving.async_engine import AsyncEngine  # noqa: E402
+from engine.serving.loop.async_engine import AsyncEngine  # noqa: E402
 from engine.serving.options import ServerOptions  # noqa: E402
-from engine.serving.server import build_app  # noqa: E402
+from engine.serving.api.server import build_app  # noqa: E402
 
 BURST = {"prompt": [f"Story {i}: once upon a time" for i in range(64)], "max_tokens": 64, "ignore_eos": True,
          "temperature": 0, "user": "a"}

@@ -1,7 +1,7 @@
 """vkv's serving engine: Llama-family models over virtual KV memory (see ../vmm)."""
-from engine.sched.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from engine.request.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.llm import LLM
-from engine.worker.lora import LoRARequest
+from engine.request.lora_request import LoRARequest
 from engine.multi import MultiLLM
 from engine.request.outputs import CompletionOutput, RequestOutput
 from engine.request.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ from engine.serving.options import ServerOptions
 def cmd_generate(args: argparse.Namespace) -> None:
     from engine import LLM, SamplingParams
 
-    from engine.worker.lora import LoRARequest
+    from engine.request.lora_request import LoRARequest
 
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens)
@@ -46,19 +46,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    """One server; engine processes over one KV pool behind a front door (engine/serving/replicas.py);
-    or replicas on a Ray cluster behind Ray Serve (engine/serving/ray_serve.py)."""
+    """One server; engine processes over one KV pool behind a front door (engine/serving/dp/replicas.py);
+    or replicas on a Ray cluster behind Ray Serve (engine/serving/dp/ray_serve.py)."""
     from engine.serving.options import ServerOptions
 
     options = ServerOptions.from_cli_args(args)
     if options.data_parallel_backend == "ray":
-        from engine.serving.ray_serve import serve_on_ray
+        from engine.serving.dp.ray_serve import serve_on_ray
         serve_on_ray(args, options)
     elif options.data_parallel_size > 1:
-        from engine.serving.front_door import serve_replicas
+        from engine.serving.dp.front_door import serve_replicas
         serve_replicas(args, options)
     else:
-        from engine.serving.server import serve
+        from engine.serving.api.server import serve
         serve(args, options)
 
 

@@ -6,11 +6,11 @@ from itertools import count
 
 from tqdm import tqdm
 
-from engine.sched.beam_search import BeamSearchOutput, BeamSearchParams
+from engine.request.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.request.inputs import chat_prompt
 from engine.core.llm_engine import LLMEngine
-from engine.worker.lora import LoRARequest
+from engine.request.lora_request import LoRARequest
 from engine.request.outputs import RequestOutput
 from engine.request.sampling_params import SamplingParams
 from engine.stats import EngineStats

@@ -16,10 +16,10 @@ from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.multi import MultiLLM
-from engine.serving.async_engine import AsyncEngine, RequestCancelled, Turns
-from engine.serving.metrics import Metrics
+from engine.serving.loop.async_engine import AsyncEngine, RequestCancelled, Turns
+from engine.serving.loop.metrics import Metrics
 from engine.serving.options import ServerOptions
-from engine.serving.server import build_app
+from engine.serving.api.server import build_app
 
 OPTIONS = ServerOptions(enable_weight_updates=True)
 
@@ -122,7 +122,7 @@ def test_a_cap_lowered_after_the_check_refuses_the_request_by_name():
 
 
 def test_the_front_door_answers_deep_json_with_a_400():
-    from engine.serving.front_door import FrontDoor
+    from engine.serving.dp.front_door import FrontDoor
 
     door = FrontDoor.__new__(FrontDoor)  # the parsing path only: no replicas behind it
     door.options = ServerOptions()

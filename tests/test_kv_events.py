@@ -241,7 +241,7 @@ def test_metrics_routers_read_carry_vllms_names_and_meaning():
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from engine.serving.metrics import Metrics
+    from engine.serving.loop.metrics import Metrics
     with LLM(model=NARROW, kv_cache_memory=POOL) as llm:
         stats = llm.stats()
     busy = dataclasses.replace(stats, num_running=2, num_waiting=5, running_loras=("sql",), waiting_loras=("chat", "sql"),
@@ -316,7 +316,7 @@ def test_pool_events_refuse_what_they_cannot_do_and_leave_nothing(tmp_path, monk
     events config (the front door announces); a publisher whose port is taken fails its start
     and the replicas' pool goes with it (no owner thread, no socket file)."""
     from engine.kv.pool_events import PoolEvents
-    from engine.serving.replicas import replica_argv
+    from engine.serving.dp.replicas import replica_argv
     from vmm import HostBackend, PoolOwner, wire
     from vmm.attach import _batches
 
@@ -343,7 +343,7 @@ def test_pool_events_refuse_what_they_cannot_do_and_leave_nothing(tmp_path, monk
     from engine.config import EngineConfig
     from engine.serving.options import ServerOptions
     from engine.serving import replicas
-    from engine.serving.replicas import ReplicaSet
+    from engine.serving.dp.replicas import ReplicaSet
     taken = zmq.Context.instance().socket(zmq.PUB)
     port = taken.bind_to_random_port("tcp://127.0.0.1")
     made = []  # the replica set's pool directory

@@ -15,7 +15,7 @@ from engine.kv.tiers import HostTier, KVTiers
 from engine.models.config import ModelConfig
 from engine.sched.admission import LPM_MAX_SKIPS
 from engine.sched.scheduler import Scheduler
-from engine.serving.metrics import Metrics
+from engine.serving.loop.metrics import Metrics
 from engine.request.sequence import Sequence
 
 # Three prompts of ~260 tokens on SmolLM2's KV geometry (helpers.NARROW) with nothing in common, and a pool that holds about one of

@@ -188,9 +188,9 @@ def test_the_server_serves_adapters_by_model_name(adapters):
 
     from engine.config import EngineConfig
     from engine.core.llm_engine import LLMEngine
-    from engine.serving.async_engine import AsyncEngine
+    from engine.serving.loop.async_engine import AsyncEngine
     from engine.serving.options import ServerOptions
-    from engine.serving.server import build_app
+    from engine.serving.api.server import build_app
 
     ids, requests, refs, root = adapters
     key, auth = "k", {"Authorization": "Bearer k"}
@@ -273,7 +273,8 @@ def test_malformed_adapter_files_are_refused_by_name(tmp_path):
     from safetensors.torch import save_file
 
     from engine.models.config import ModelConfig
-    from engine.worker.lora import LoRARequest, load_adapter
+    from engine.request.lora_request import LoRARequest
+    from engine.worker.lora import load_adapter
 
     cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
                       num_kv_heads=1, head_dim=8)

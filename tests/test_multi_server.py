@@ -9,10 +9,10 @@ from helpers import serving
 
 from engine import LLM, SamplingParams
 from engine.multi import MultiLLM
-from engine.serving.async_engine import AsyncEngine, Turns
-from engine.serving.metrics import Metrics
+from engine.serving.loop.async_engine import AsyncEngine, Turns
+from engine.serving.loop.metrics import Metrics
 from engine.serving.options import ServerOptions
-from engine.serving.server import build_app, parse_kv_limit
+from engine.serving.api.server import build_app, parse_kv_limit
 from engine.top import COLUMNS, render, scrape
 
 KEY = "sk-multi"

@@ -22,10 +22,10 @@ from schemathesis import GenerationMode
 from starlette.testclient import TestClient
 
 from engine.multi import MultiLLM
-from engine.serving.async_engine import AsyncEngine, Turns
-from engine.serving.metrics import Metrics
+from engine.serving.loop.async_engine import AsyncEngine, Turns
+from engine.serving.loop.metrics import Metrics
 from engine.serving.options import ServerOptions
-from engine.serving.server import build_app
+from engine.serving.api.server import build_app
 
 # What the schema cannot say, and so a schema-valid request may be refused for (status, message).
 REFUSABLE = {

@@ -3,7 +3,7 @@ nodes on this machine (a head and a second `ray start --address`, one CPU each, 
 lands on each): a prompt's repeats land on the replica that computed its prefix (counted from
 that replica's cached tokens), greedy outputs equal one engine's, errors are the server's own,
 and a replica killed is replaced while the application keeps answering
-(engine/serving/ray_serve.py)."""
+(engine/serving/dp/ray_serve.py)."""
 import collections
 import os
 import signal
@@ -82,11 +82,12 @@ def test_under_isolate_clients_the_router_names_a_clients_pages_as_its_replica_d
     """(no cluster) With --isolate-clients, the ingress names a request's pages with its client's
     salt, as the replica's ServerState salts its prompt: the names the router computes are those
     the replica's cache holds for that client, and none of another client's."""
+    import functools
     import json
 
     from engine.kv.publisher import block_hash
-    from engine.serving.ray_serve import page_names, route_key
-    from engine.serving.state import client_salt
+    from engine.serving.dp.ray_serve import page_names, route_key
+    from engine.serving.edge import client_of, client_salt
 
     llm = LLM(model="random:smollm2-kv", kv_cache_memory=64 << 20, max_model_len=512)
     kv = llm.engine.kv
@@ -96,12 +97,14 @@ def test_under_isolate_clients_the_router_names_a_clients_pages_as_its_replica_d
                  SamplingParams(max_tokens=1), use_tqdm=False)
     held = {block_hash(n) for n in kv.prefix_cache.entries}
     body = json.dumps({"prompt": prompt, "user": "alice"}).encode()
-    mine = page_names(route_key(llm.tokenizer, len(llm.tokenizer), "/v1/completions", body, "10.0.0.7"),
+    mine = page_names(route_key(llm.tokenizer, len(llm.tokenizer), "/v1/completions", body,
+                                functools.partial(client_of, None, "10.0.0.7")),
                       kv.namespace, ends)
     assert mine and set(mine) <= held
     for who, user in (("10.0.0.8", "alice"), ("10.0.0.7", None)):  # another address; the same without user
         other = json.dumps({"prompt": prompt, **({"user": user} if user else {})}).encode()
-        assert not set(page_names(route_key(llm.tokenizer, len(llm.tokenizer), "/v1/completions", other, who),
+        assert not set(page_names(route_key(llm.tokenizer, len(llm.tokenizer), "/v1/completions", other,
+                                            functools.partial(client_of, None, who)),
                                   kv.namespace, ends)) & held
 
 
@@ -113,8 +116,8 @@ def test_requests_routed_before_the_first_stats_still_draw_their_repeats():
     import asyncio
     from types import SimpleNamespace
 
-    from engine.serving.ray_router import PrefixRouter
-    from engine.serving.ray_serve import RouteKey
+    from engine.serving.dp.ray_router import PrefixRouter
+    from engine.serving.dp.ray_serve import RouteKey
     key = RouteKey(tuple(range(100, 400)))
     for _ in range(12):  # (each start's first choice is random: a repeat that ignored it would miss half)
         router = PrefixRouter.__new__(PrefixRouter)  # (its logic alone: Ray's own state is a queue-length cache)

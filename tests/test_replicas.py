@@ -1,5 +1,5 @@
 """`vkv serve --data-parallel-size 2 --prefill-ranks 1`: two engine processes over one KV pool
-behind one front door (engine/serving/replicas.py). A prompt prefilled by one replica is decoded
+behind one front door (engine/serving/dp/replicas.py). A prompt prefilled by one replica is decoded
 by the other, which maps its pages (nothing copied, one token computed again); a prefix computed on one replica is a hit on
 the other; outputs equal one process's; bad pins are refused by name; a replica killed with
 SIGKILL is restarted and its pool references come back."""

@@ -10,11 +10,11 @@ import httpx
 import openai
 import pytest
 
-from engine.serving.async_engine import AsyncEngine
+from engine.serving.loop.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.serving.options import ServerOptions
-from engine.serving.server import build_app
+from engine.serving.api.server import build_app
 from helpers import free_port, serving
 
 KEY = "sk-test-key"
@@ -403,7 +403,7 @@ def test_structured_outputs_with_the_openai_client(client, server):
 
 def test_token_bytes_are_the_tokens_own_bytes():
     from engine.models import load_tokenizer
-    from engine.serving.token_text import TokenText
+    from engine.serving.api.token_text import TokenText
 
     tokenizer = load_tokenizer(None)
     text = "Größe: 世界 🎉 naïve"
@@ -533,7 +533,7 @@ def test_tool_calls_with_the_openai_client(client):
 
 
 def test_auto_tool_calls_are_parsed_from_hermes_blocks():
-    from engine.serving.tools import calls_in, render, tool_use
+    from engine.serving.api.tools import calls_in, render, tool_use
 
     use = tool_use([WEATHER], None, None)
     assert use.choice == "auto"
@@ -570,7 +570,7 @@ def test_echoed_offsets_and_top_logprobs_read_as_the_text_does():
     last, least likely, of tokens that read alike."""
     from engine.models import load_tokenizer
     from engine.request.outputs import CompletionOutput, TokenLogprob
-    from engine.serving.token_text import TokenText
+    from engine.serving.api.token_text import TokenText
 
     tokenizer = load_tokenizer(None)
     text = TokenText(tokenizer)

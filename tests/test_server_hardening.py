@@ -14,11 +14,11 @@ from uvicorn.protocols.http import h11_impl
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
-from engine.serving.async_engine import AsyncEngine
+from engine.serving.loop.async_engine import AsyncEngine
 from engine.serving import http
 from engine.serving.http import GuardedH11Protocol
 from engine.serving.options import ServerOptions
-from engine.serving.server import build_app
+from engine.serving.api.server import build_app
 from helpers import assert_pool_whole, serving
 
 OPTIONS = ServerOptions(max_body_bytes=4 << 20, body_timeout=1.5, max_prompts_per_request=16)

@@ -11,8 +11,8 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.worker.parallel import pool_state
-from engine.serving.async_engine import AsyncEngine
-from engine.serving.server import build_app
+from engine.serving.loop.async_engine import AsyncEngine
+from engine.serving.api.server import build_app
 from helpers import NARROW, assert_pool_whole
 
 SHARED = "You are a terse assistant. Answer in one short sentence. Question: "

@@ -160,7 +160,8 @@ def test_adapter_files_that_fail_to_read_are_refused_by_name(tmp_path, monkeypat
     failing gives a ValueError naming the adapter (a 400 on the server), never another error."""
     from safetensors.torch import save_file
 
-    from engine.worker.lora import LoRARequest, load_adapter
+    from engine.request.lora_request import LoRARequest
+    from engine.worker.lora import load_adapter
     from engine.models.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,

@@ -110,9 +110,9 @@ def test_over_http_level_2_is_behind_the_flag_and_the_weights_come_back_through_
     import httpx
 
     from engine.core.llm_engine import LLMEngine
-    from engine.serving.async_engine import AsyncEngine
+    from engine.serving.loop.async_engine import AsyncEngine
     from engine.serving.options import ServerOptions
-    from engine.serving.server import build_app
+    from engine.serving.api.server import build_app
 
     checkpoint(tmp_path / "w", seed=2)
     ask = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}

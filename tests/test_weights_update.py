@@ -170,9 +170,9 @@ def test_over_http_behind_the_key_and_the_flag(tmp_path):
 
     from engine.config import EngineConfig
     from engine.core.llm_engine import LLMEngine
-    from engine.serving.async_engine import AsyncEngine
+    from engine.serving.loop.async_engine import AsyncEngine
     from engine.serving.options import ServerOptions
-    from engine.serving.server import build_app
+    from engine.serving.api.server import build_app
 
     checkpoint(tmp_path / "old", 0)
     checkpoint(tmp_path / "new", 1)

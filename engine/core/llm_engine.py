@@ -19,11 +19,12 @@ import secrets
 import time
 
 import vmm
-from engine.sched.beam_search import BeamSearchOutput, BeamSearchParams
+from engine.request.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.kv.publisher import make_publisher
-from engine.worker.lora import LoRARegistry, LoRARequest
+from engine.request.lora_request import LoRARequest
+from engine.worker.lora import LoRARegistry
 from engine.models import load_tokenizer, weights
 from engine.models.loader import checkpoint_dir, read_checkpoint, read_config
 from engine.core.output_processor import OutputProcessor

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sched.beam_search import BeamGroup, BeamSearchOutput
+from engine.request.beam_search import BeamSearchOutput
+from engine.sched.beam_search import BeamGroup
 from engine.request.detokenizer import IncrementalDetokenizer
 from engine.request.inputs import Prompt
 from engine.request.outputs import CompletionOutput, RequestOutput, RequestOutputKind, TokenLogprob

@@ -13,10 +13,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.sched.beam_search import BeamGroup, BeamSearchParams
+from engine.request.beam_search import BeamSearchParams
+from engine.sched.beam_search import BeamGroup
 from engine.config import EngineConfig
 from engine.request.inputs import Prompt, tokenize
-from engine.worker.lora import Adapter, LoRARegistry, LoRARequest
+from engine.request.lora_request import LoRARequest
+from engine.worker.lora import Adapter, LoRARegistry
 from engine.models.config import ModelConfig
 from engine.request.sampling_params import SamplingParams
 from engine.request.sequence import Sequence

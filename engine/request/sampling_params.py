@@ -18,7 +18,7 @@ MAX_TEMPERATURE = 1e4  # logits / temperature in fp32: far beyond this every tok
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS, MAX_STOP_LENGTH, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
 # Each bounded number's range, (low, high, low excluded): checked here, and written from this one
-# table into the server's OpenAPI schema (engine/serving/protocol.py), so a client sees the bounds.
+# table into the server's OpenAPI schema (engine/serving/api/protocol.py), so a client sees the bounds.
 RANGES: dict[str, tuple[float, float | None, bool]] = {
     "n": (1, None, False), "temperature": (0, MAX_TEMPERATURE, False), "top_p": (0, 1, True),
     "top_k": (-1, None, False), "min_p": (0, 1, False), "seed": (*SEED_RANGE, False), "min_tokens": (0, None, False),

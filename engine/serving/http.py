@@ -22,7 +22,7 @@ from uvicorn.protocols.http import h11_impl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.serving.options import ServerOptions
-from engine.serving.protocol import error_body
+from engine.serving.edge import error_body
 
 
 async def send_error(send, status: int, message: str, kind: str = "invalid_request_error") -> None:

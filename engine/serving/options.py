@@ -31,10 +31,10 @@ class ServerOptions:
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
     enable_weight_updates: bool = False  # /pause_generation, /continue_generation, /update_weights_from_disk answer
     health_stall_seconds: float = 30.0  # /health is 503 when the engine thread has made no progress this long
-    data_parallel_size: int = 1  # > 1: engine processes over one KV pool behind this server (engine/serving/replicas.py)
+    data_parallel_size: int = 1  # > 1: engine processes over one KV pool behind this server (engine/serving/dp/replicas.py)
     prefill_ranks: int = 0  # of those, replicas that only prefill; the others decode (the KV handed over by mapping)
     replica_rank: int | None = None  # set by the front door for the replicas it starts
-    data_parallel_backend: str = "mp"  # "ray": the replicas on a Ray cluster behind Ray Serve (engine/serving/ray_serve.py)
+    data_parallel_backend: str = "mp"  # "ray": the replicas on a Ray cluster behind Ray Serve (engine/serving/dp/ray_serve.py)
     ray_address: str | None = None  # the Ray cluster to join (default: a local Ray of our own, stopped on exit)
     ray_router: str = "prefix"  # "prefix" (vkv's, from the pages each replica holds) | "pow2" | "ray-prefix"
 

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from engine.models.config import ModelConfig
+from engine.request.lora_request import LoRARequest
 
 # PEFT's module name -> (the model's fused projection, which part of it)
 MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes; PEFT's largest are a few KiB
@@ -52,22 +53,6 @@ TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv
            "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
            "down_proj": ("down_proj", 0)}
 KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-@dataclass(frozen=True)
-class LoRARequest:
-    """An adapter a request runs with (vLLM's names). The name identifies it to the registry;
-    the same name with another path loads that path instead."""
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
-
-    def __post_init__(self):
-        if not isinstance(self.lora_name, str) or not self.lora_name:
-            raise ValueError("LoRARequest: lora_name must be a non-empty string")
-        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise ValueError(f"LoRARequest {self.lora_name!r}: lora_int_id must be an integer >= 1 "
-                             f"(0 means the base model), got {self.lora_int_id!r}")
 
 
 @dataclass(eq=False)

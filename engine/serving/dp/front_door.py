@@ -1,5 +1,5 @@
 """The front door of `vkv serve --data-parallel-size N`: one HTTP server before N replicas over
-one KV pool (engine/serving/replicas.py, Note [Replicas over one pool], says how they route,
+one KV pool (engine/serving/dp/replicas.py, Note [Replicas over one pool], says how they route,
 hand prompts over and fail).
 
 A `FrontDoor` holds what every route reads (the replicas, the options, one HTTP client with
@@ -12,7 +12,6 @@ serves the front door until SIGTERM, then stops them.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import signal
@@ -27,16 +26,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.config import EngineConfig
 from engine.serving.http import BodyGuard, guarded_protocol
 from engine.serving.options import ServerOptions
-from engine.serving.protocol import error_body
-from engine.serving.replicas import AFFINITY_BYTES, Replica, ReplicaSet
+from engine.serving.edge import UNAUTHORIZED, client_of, key_ok, refusal, stream_tail
+from engine.serving.dp.replicas import AFFINITY_BYTES, Replica, ReplicaSet
 
 log = logging.getLogger("vkv.server")
 PREFILL_ONLY = ("max_completion_tokens", "best_of", "use_beam_search", "logprobs", "top_logprobs", "echo",
                 "stream_options", "min_tokens", "prompt_logprobs")  # left out of a request sent to prefill
-
-
-def refuse(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(error_body(message, kind, status), status_code=status)
 
 
 class ClientGone(Exception):
@@ -66,20 +61,15 @@ class FrontDoor:
     async def bug(_, exc: Exception):
         """As one server answers a bug: OpenAI's error object, naming only the exception's type."""
         log.exception("unexpected error", exc_info=exc)
-        return refuse(500, f"internal error: {type(exc).__name__}", "internal_error")
+        return refusal(500, f"internal error: {type(exc).__name__}", "internal_error")
 
     # -- who asks ---------------------------------------------------------------------------
     def authorized(self, request: Request) -> bool:
-        if self.options.api_key is None:
-            return True
-        sent = request.headers.get("authorization", "")
-        return hmac.compare_digest(sent.encode(), f"Bearer {self.options.api_key}".encode())
+        return key_ok(request.headers.get("authorization"), self.options.api_key)
 
     def client_of(self, request: Request, body: dict) -> str:
-        """As one server names a client (the key, else the address; with `user`)."""
-        who = "key" if self.options.api_key is not None else (request.client.host if request.client else "unknown")
-        user = body.get("user") if isinstance(body.get("user"), str) else None
-        return f"{who}/{user}" if user else who
+        """As one server names a client (engine/serving/edge.py)."""
+        return client_of(self.options.api_key, request.client.host if request.client else None, body.get("user"))
 
     # -- the routes -------------------------------------------------------------------------
     async def health(self):
@@ -89,22 +79,22 @@ class FrontDoor:
 
     async def models(self, request: Request):
         if not self.authorized(request):
-            return refuse(401, "invalid or missing API key", "authentication_error")
+            return refusal(401, UNAUTHORIZED, "authentication_error")
         try:
             live = self.replicas.order(None, b"", "both" if not self.options.prefill_ranks else "decode")
         except LookupError as exc:
-            return refuse(503, str(exc), "service_unavailable")
+            return refusal(503, str(exc), "service_unavailable")
         for replica in live:
             try:
                 answer = await self.client.get(replica.url + "/v1/models", headers=self.inside)
                 return Response(answer.content, answer.status_code, media_type="application/json")
             except httpx.HTTPError:
                 continue
-        return refuse(503, "no replica is up", "service_unavailable")
+        return refusal(503, "no replica is up", "service_unavailable")
 
     async def metrics(self, request: Request):
         if not self.options.metrics_public and not self.authorized(request):
-            return refuse(401, "invalid or missing API key", "authentication_error")
+            return refusal(401, UNAUTHORIZED, "authentication_error")
         lines, handed, copied = [], 0, 0
         for replica in self.replicas.replicas:
             try:
@@ -143,34 +133,34 @@ class FrontDoor:
         sent whole to the pinned replica or the first of the others' order; a replica that fails
         before the client saw anything passes it to the next."""
         if not self.authorized(request):
-            return refuse(401, "invalid or missing API key", "authentication_error")
+            return refusal(401, UNAUTHORIZED, "authentication_error")
         content = await request.body()
         try:
             body = json.loads(content)
         except (ValueError, RecursionError):  # (nested past Python's recursion limit)
-            return refuse(400, "invalid request: body: not JSON, or nested too deep")
+            return refusal(400, "invalid request: body: not JSON, or nested too deep")
         if not isinstance(body, dict):
-            return refuse(400, "invalid request: body: a JSON object is expected")
+            return refusal(400, "invalid request: body: a JSON object is expected")
         start = json.dumps(body.get("prompt", body.get("messages")), sort_keys=True)[:AFFINITY_BYTES].encode()
         who, pin = self.client_of(request, body), request.headers.get("x-data-parallel-rank")
         if self.options.prefill_ranks and pin is None:
             try:
                 await self.prefill(body, start, who)
             except LookupError as exc:
-                return refuse(503, str(exc), "service_unavailable")
+                return refusal(503, str(exc), "service_unavailable")
         try:
             order = self.replicas.order(pin, start, "decode" if self.options.prefill_ranks else "both")
         except ValueError as exc:
-            return refuse(400, str(exc))
+            return refusal(400, str(exc))
         except LookupError as exc:
-            return refuse(503, str(exc), "service_unavailable")
+            return refusal(503, str(exc), "service_unavailable")
         for replica in order:
             answer = await self.forward(request, replica, path, content, who, bool(body.get("stream")))
             if answer is not None:
                 return answer
         if pin is not None:
-            return refuse(503, f"replica {pin} is down (restarting)", "service_unavailable")
-        return refuse(503, "every replica failed this request", "service_unavailable")
+            return refusal(503, f"replica {pin} is down (restarting)", "service_unavailable")
+        return refusal(503, "every replica failed this request", "service_unavailable")
 
     async def forward(self, request: Request, replica: Replica, path: str, content: bytes, who: str,
                       stream: bool) -> Response | None:
@@ -230,8 +220,7 @@ class FrontDoor:
             async for chunk in chunks:
                 yield chunk
         except httpx.HTTPError:
-            failure = error_body(f"replica {replica.rank} failed during the stream", "service_unavailable", 503)
-            yield f"data: {json.dumps(failure)}\n\ndata: [DONE]\n\n".encode()
+            yield stream_tail(f"replica {replica.rank} failed during the stream")
         finally:
             replica.in_flight -= 1
             await upstream.aclose()

@@ -6,10 +6,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from engine.serving.protocol import ChatCompletionRequest, NamedToolChoice, envelope, new_id, usage
-from engine.serving.state import HTTPError, ServerState, authorize, state_of
-from engine.serving.streams import collect, stream, tool_stream
-from engine.serving.tools import calls_in, guide, render, tool_use
+from engine.serving.api.protocol import ChatCompletionRequest, NamedToolChoice, envelope, new_id, usage
+from engine.serving.api.state import HTTPError, ServerState, authorize, state_of
+from engine.serving.api.streams import collect, stream, tool_stream
+from engine.serving.api.tools import calls_in, guide, render, tool_use
 
 router = APIRouter(dependencies=[Depends(authorize)])
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Query
 
-from engine.serving.protocol import KVLimitRequest, PauseRequest, UpdateWeightsRequest, parse_limit
-from engine.serving.state import HTTPError, ServerState, authorize, state_of
+from engine.serving.api.protocol import KVLimitRequest, PauseRequest, UpdateWeightsRequest, parse_limit
+from engine.serving.api.state import HTTPError, ServerState, authorize, state_of
 
 router = APIRouter(dependencies=[Depends(authorize)])
 ONE_MODEL = "this server has one model: it has the whole KV pool"

@@ -1,5 +1,5 @@
 """What handlers send to an AsyncEngine's loop thread (typed commands), and the engine's one
-lifecycle state, which the loop thread alone writes (engine/serving/async_engine.py)."""
+lifecycle state, which the loop thread alone writes (engine/serving/loop/async_engine.py)."""
 from __future__ import annotations
 
 import asyncio

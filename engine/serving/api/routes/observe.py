@@ -4,7 +4,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from engine.serving.state import ServerState, error, state_of
+from engine.serving.api.state import ServerState, state_of
+from engine.serving.edge import refusal
 
 router = APIRouter()
 
@@ -13,10 +14,10 @@ router = APIRouter()
 async def health(state: ServerState = Depends(state_of)):
     dead = next((e.dead for e in state.engines.values() if e.dead), None)
     if dead:
-        return error(503, str(dead), "engine_dead")
+        return refusal(503, str(dead), "engine_dead")
     stalled = next((why for e in state.engines.values() if (why := e.stalled())), None)
     if stalled:
-        return error(503, stalled, "engine_stalled")
+        return refusal(503, stalled, "engine_stalled")
     return {"status": "ok"}
 
 

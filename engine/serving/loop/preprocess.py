@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import copy
 
-from engine.sched.beam_search import BeamSearchParams
+from engine.request.beam_search import BeamSearchParams
 from engine.request.inputs import Prompt, chat_prompt, tokenize
 from engine.core.llm_engine import LLMEngine
-from engine.worker.lora import LoRARequest
+from engine.request.lora_request import LoRARequest
 from engine.core.processor import EngineRequest
 from engine.request.sampling_params import SamplingParams
-from engine.serving.workers import FairWorkers
+from engine.serving.loop.workers import FairWorkers
 
 THREADS = 2  # fast tokenizers release the GIL: two clients' prompts tokenize at once
 

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from engine.sched.beam_search import BeamSearchParams
+from engine.request.beam_search import BeamSearchParams
 from engine.request.outputs import RequestOutput
 from engine.request.sampling_params import RANGES, SamplingParams
 from engine.request.structured import StructuredOutputsParams
@@ -258,7 +258,7 @@ class _Message(BaseModel):
     """A chat message, one class per role as OpenAI's schema has them, so the OpenAPI schema says
     which fields each role takes. Participant names and non-text parts are refused: the model
     and its chat template have no place for them. Tool results (role "tool") and an assistant's
-    earlier tool calls are written into the conversation by engine/serving/tools.py."""
+    earlier tool calls are written into the conversation by engine/serving/api/tools.py."""
     model_config = ConfigDict(extra="forbid")
 
     def to_dict(self, i: int) -> dict:
@@ -375,8 +375,3 @@ def usage(outputs: list[RequestOutput]) -> dict:
 def envelope(kind: str, request_id: str, model: str, choices: list, extra: dict | None = None) -> dict:
     return {"id": request_id, "object": kind, "created": int(time.time()), "model": model,
             "choices": choices, **(extra or {})}
-
-
-def error_body(message: str, kind: str = "invalid_request_error", code: int | str | None = None,
-               param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

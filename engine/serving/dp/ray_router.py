@@ -1,4 +1,4 @@
-"""vkv's Ray Serve request router (Note [Replicas on Ray Serve] in engine/serving/ray_serve.py):
+"""vkv's Ray Serve request router (Note [Replicas on Ray Serve] in engine/serving/dp/ray_serve.py):
 each request to the replica holding the most of its leading pages, else the less busy of two.
 A module of its own because Ray imports a router class by its path, and Ray is optional."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections import deque
 
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
-from engine.serving.ray_serve import BUSIER, EXPECT_SECONDS, MAX_REPORTED, RouteKey, page_names
+from engine.serving.dp.ray_serve import BUSIER, EXPECT_SECONDS, MAX_REPORTED, RouteKey, page_names
 
 MAX_UNNAMED = 1024  # requests remembered before the names are known, at most (the newest)
 

@@ -1,7 +1,7 @@
 """How a generation request's answer leaves the server: whole (`collect`), as server-sent events
 (`stream`), or, when it may call tools, as one event per choice once it is done
-(`tool_stream`); a failed stream ends with an error event (`error_event`) and [DONE]. The
-completion and chat routes (engine/serving/routes/) call these with the engine requests they
+(`tool_stream`); a failed stream ends with an error event and [DONE] (`error_tail`). The
+completion and chat routes (engine/serving/api/routes/) call these with the engine requests they
 prepared; nothing here knows a route."""
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from fastapi import Request
 
 from engine.request.outputs import RequestOutput
 from engine.core.processor import EngineRequest
-from engine.serving.async_engine import AsyncEngine, EngineDeadError, RequestCancelled
-from engine.serving.protocol import envelope, error_body, usage
-from engine.serving.state import HTTPError
+from engine.serving.loop.async_engine import AsyncEngine, EngineDeadError, RequestCancelled
+from engine.serving.api.protocol import envelope, usage
+from engine.serving.api.state import HTTPError
+from engine.serving.edge import stream_tail
 
 
 async def tool_stream(engine: AsyncEngine, rid: str, requests: list[EngineRequest], body, model: str,
@@ -30,8 +31,7 @@ async def tool_stream(engine: AsyncEngine, rid: str, requests: list[EngineReques
         if outs.error:
             raise RuntimeError(outs.error)
     except Exception as exc:
-        yield error_event(exc)
-        yield "data: [DONE]\n\n"
+        yield error_tail(exc)
         return
     for c in outs.outputs:
         said, reason = message(c)
@@ -45,13 +45,13 @@ async def tool_stream(engine: AsyncEngine, rid: str, requests: list[EngineReques
     yield "data: [DONE]\n\n"
 
 
-def error_event(failure: Exception) -> str:
-    """The server-sent event that ends a failed stream: 503 if the engine died or the server
-    is stopping, 400 if the request failed of its own doing, else 500."""
+def error_tail(failure: Exception) -> str:
+    """The end of a failed stream (edge.stream_tail): 503 if the engine died or the server is
+    stopping, 400 if the request failed of its own doing, else 500."""
     status, message = (503 if isinstance(failure, (EngineDeadError, RequestCancelled)) else 500), str(failure)
     if status == 500 and clients_own(message):
         status, message = 400, clients_own(message)
-    return f"data: {json.dumps(error_body(message, type(failure).__name__, status))}\n\n"
+    return stream_tail(message, type(failure).__name__, status).decode()
 
 
 def clients_own(failure: str) -> str | None:
@@ -114,8 +114,8 @@ async def stream(engine: AsyncEngine, rid: str, requests: list[EngineRequest], b
                 continue
             failure = out if isinstance(out, Exception) else (out.error and RuntimeError(out.error))
             if failure:
-                yield error_event(failure)
-                break
+                yield error_tail(failure)
+                return
             choices = []
             cached[i] = max(cached.get(i, 0), getattr(out, "num_cached_tokens", 0))
             for c in out.outputs:
@@ -130,13 +130,12 @@ async def stream(engine: AsyncEngine, rid: str, requests: list[EngineRequest], b
                     ended.add(key)
             if choices:
                 yield f"data: {json.dumps(envelope(kind, rid, model, choices))}\n\n"
-        else:
-            if body.stream_options and body.stream_options.include_usage:
-                prompt = sum(len(r.prompt.token_ids) for r in requests)
-                counts = {"prompt_tokens": prompt, "completion_tokens": sum(sent.values()),
-                          "total_tokens": prompt + sum(sent.values()),
-                          "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
-                yield f"data: {json.dumps(envelope(kind, rid, model, [], {'usage': counts}))}\n\n"
+        if body.stream_options and body.stream_options.include_usage:
+            prompt = sum(len(r.prompt.token_ids) for r in requests)
+            counts = {"prompt_tokens": prompt, "completion_tokens": sum(sent.values()),
+                      "total_tokens": prompt + sum(sent.values()),
+                      "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+            yield f"data: {json.dumps(envelope(kind, rid, model, [], {'usage': counts}))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         for task in tasks:

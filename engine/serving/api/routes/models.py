@@ -6,8 +6,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 
-from engine.serving.protocol import LoadLoRARequest, UnloadLoRARequest
-from engine.serving.state import HTTPError, ServerState, authorize, state_of
+from engine.serving.api.protocol import LoadLoRARequest, UnloadLoRARequest
+from engine.serving.api.state import HTTPError, ServerState, authorize, state_of
 
 router = APIRouter(dependencies=[Depends(authorize)])
 

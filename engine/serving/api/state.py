@@ -1,5 +1,5 @@
 """What every route of the server reads: one `ServerState`, built once by `build_app` and kept as
-`app.state.vkv`; the routes (engine/serving/routes/) take it with `Depends(state_of)`.
+`app.state.vkv`; the routes (engine/serving/api/routes/) take it with `Depends(state_of)`.
 
 Who writes what: `build_app` makes the state; nothing writes it afterwards. Adapters live in the
 engines' own registries (`AsyncEngine.adapters`), written by the engine's side, so the state
@@ -14,30 +14,21 @@ that open the RL and adapter routes (`weight_updates`, `runtime_lora`). A refusa
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from engine.request.inputs import Prompt, check_cache_salt
-from engine.worker.lora import LoRARequest
+from engine.request.lora_request import LoRARequest
 from engine.multi import MultiLLM
 from engine.request.outputs import RequestOutputKind
 from engine.core.processor import EngineRequest
 from engine.request.sampling_params import SamplingParams
-from engine.serving.async_engine import SLEEPING, AsyncEngine
+from engine.serving.loop.async_engine import SLEEPING, AsyncEngine
 from engine.serving.options import ServerOptions
-from engine.serving.protocol import error_body
-from engine.serving.token_text import TokenText
+from engine.serving.edge import UNAUTHORIZED, client_of, client_salt, key_ok
+from engine.serving.api.token_text import TokenText
 from engine.request.structured import StructuredOutputsParams
-
-
-def client_salt(client: str) -> str:
-    """--isolate-clients: the cache_salt of a client's requests that give none (ServerState.client_of
-    says who the client is; the Ray router names pages with it too)."""
-    return "client:" + hashlib.sha256(client.encode()).hexdigest()
 
 
 class HTTPError(Exception):
@@ -45,10 +36,6 @@ class HTTPError(Exception):
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
         self.status, self.message, self.kind = status, message, kind
-
-
-def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(error_body(message, kind, status), status_code=status)
 
 
 def state_of(request: Request) -> ServerState:
@@ -107,15 +94,11 @@ class ServerState:
         front door (which checked the client and holds the replica's key) takes its word."""
         if self.options.replica_rank is not None and (forwarded := request.headers.get("x-vkv-client")):
             return forwarded
-        who = "key" if self.options.api_key is not None else (request.client.host if request.client else "unknown")
-        return f"{who}/{body.user}" if body.user else who
+        return client_of(self.options.api_key, request.client.host if request.client else None, body.user)
 
     def authorize(self, request: Request) -> None:
-        if self.options.api_key is None:
-            return
-        sent = request.headers.get("authorization", "")
-        if not hmac.compare_digest(sent.encode(), f"Bearer {self.options.api_key}".encode()):
-            raise HTTPError(401, "invalid or missing API key", "authentication_error")
+        if not key_ok(request.headers.get("authorization"), self.options.api_key):
+            raise HTTPError(401, UNAUTHORIZED, "authentication_error")
 
     # -- a generation request ---------------------------------------------------------------
     def check(self, engine: AsyncEngine, body, best_of: int | None = None) -> None:

@@ -8,7 +8,7 @@ routed to the "wrong" replica pays the whole prefill. Over one physical pool (vm
 page any replica computed is mapped by every other in place, so routing only balances load.
 
 Approach. This process owns the pool (a `vmm.PoolOwner` on a thread) and starts N replicas
-(here: `ReplicaSet`; its HTTP side, the front door, is engine/serving/front_door.py),
+(here: `ReplicaSet`; its HTTP side, the front door, is engine/serving/dp/front_door.py),
 each a whole `vkv serve` (so each request is checked, limited and answered exactly as by one
 server) on a loopback port with `--kv-pool` and a key of its own that only this process knows;
 the cores are split between them, and each is titled `vkv: rank R` for `ps`. The front door

@@ -19,7 +19,7 @@ and checked on a worker thread (the engine's adapter registry is thread-safe) so
 never stalls a step.
 
 Tokenization, chat templating and request checks (grammars compiled) run on worker threads,
-each with its own tokenizer, the clients served in turn (engine/serving/preprocess.py).
+each with its own tokenizer, the clients served in turn (engine/serving/loop/preprocess.py).
 
 Several models over one pool (engine/multi.py): each model has its AsyncEngine and loop
 thread, and every loop does its engine work only while holding the models' shared `Turns`, a
@@ -37,17 +37,17 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.sched.beam_search import BeamSearchOutput
+from engine.request.beam_search import BeamSearchOutput
 from engine.core.llm_engine import EngineSleeping, LLMEngine
-from engine.worker.lora import LoRARequest
+from engine.request.lora_request import LoRARequest
 from engine.request.outputs import RequestOutput, RequestOutputKind
 from engine.multi import idle_long_enough
 from engine.core.processor import EngineRequest
-from engine.serving.commands import (Abort, Add, Cancel, Command, EngineDeadError, Lifecycle, Phase, RequestCancelled,
+from engine.serving.loop.commands import (Abort, Add, Cancel, Command, EngineDeadError, Lifecycle, Phase, RequestCancelled,
                                      Pause, Resume, Sleep, Snapshot, Stop, UpdateWeights, Wake)
-from engine.serving.metrics import Metrics
-from engine.serving.preprocess import Preprocessor
-from engine.serving.workers import Turns
+from engine.serving.loop.metrics import Metrics
+from engine.serving.loop.preprocess import Preprocessor
+from engine.serving.loop.workers import Turns
 from engine.stats import EngineStats
 
 log = logging.getLogger("vkv.server")

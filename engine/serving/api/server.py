@@ -14,10 +14,10 @@ stops accepting, lets requests in flight finish for `--shutdown-timeout` seconds
 streams still running with an error event and [DONE], then stops the engine and frees its
 memory.
 
-Where things are: the routes, a router per family, in engine/serving/routes/ (generation,
+Where things are: the routes, a router per family, in engine/serving/api/routes/ (generation,
 models and adapters, admin, health and metrics); what they all read, one `ServerState`, and a
-request's checks in engine/serving/state.py; how an answer leaves (whole, streamed, tool
-calls) in engine/serving/streams.py. Here: the app (`build_app`: the state, the body guard,
+request's checks in engine/serving/api/state.py; how an answer leaves (whole, streamed, tool
+calls) in engine/serving/api/streams.py. Here: the app (`build_app`: the state, the body guard,
 every failure as OpenAI's error object, the routers), and `vkv serve` on uvicorn.
 """
 from __future__ import annotations
@@ -37,13 +37,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.multi import MultiLLM
-from engine.serving.async_engine import AsyncEngine, EngineDeadError, RequestCancelled, Turns
+from engine.serving.loop.async_engine import AsyncEngine, EngineDeadError, RequestCancelled, Turns
 from engine.serving.http import BodyGuard, guarded_protocol
-from engine.serving.metrics import Metrics
+from engine.serving.loop.metrics import Metrics
 from engine.serving.options import ServerOptions
-from engine.serving.protocol import parse_limit
-from engine.serving.routes import ROUTERS
-from engine.serving.state import HTTPError, ServerState, error
+from engine.serving.api.protocol import parse_limit
+from engine.serving.api.routes import ROUTERS
+from engine.serving.api.state import HTTPError, ServerState
+from engine.serving.edge import refusal
 
 log = logging.getLogger("vkv.server")
 
@@ -81,8 +82,8 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
     """The app over one engine (served as model_name) or several ({name: engine}, the models of
     `group`, which share its KV pool); of `options` it reads the API key and the limits.
     adapters: {LoRA adapter name: path} over the (first) model, loaded here; a request's
-    `model` names a model or an adapter. The routes are engine/serving/routes/, over one
-    ServerState (engine/serving/state.py)."""
+    `model` names a model or an adapter. The routes are engine/serving/api/routes/, over one
+    ServerState (engine/serving/api/state.py)."""
     engines = engines if isinstance(engines, dict) else {model_name: engines}
     state = ServerState(engines, options, group)
     if adapters and not engines[state.default].lora_enabled:
@@ -114,15 +115,15 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
 
 
 async def _http_error(_, exc: HTTPError):
-    return error(exc.status, exc.message, exc.kind)
+    return refusal(exc.status, exc.message, exc.kind)
 
 
 async def _dead(_, exc: EngineDeadError):
-    return error(503, str(exc), "engine_dead")
+    return refusal(503, str(exc), "engine_dead")
 
 
 async def _cancelled(_, exc: RequestCancelled):
-    return error(503, str(exc), "service_unavailable")
+    return refusal(503, str(exc), "service_unavailable")
 
 
 async def _invalid(_, exc: RequestValidationError):
@@ -133,17 +134,17 @@ async def _invalid(_, exc: RequestValidationError):
     labels = {"str", "int", "float", "bool", "dict", "list", "none", "body"}
     where = ".".join(str(p) for p in first.get("loc", ())
                      if isinstance(p, int) or (p not in labels and str(p).isidentifier()))
-    return error(400, f"invalid request: {where or 'body'}: {first.get('msg', 'malformed body')}")
+    return refusal(400, f"invalid request: {where or 'body'}: {first.get('msg', 'malformed body')}")
 
 
 async def _starlette(_, exc: StarletteHTTPException):
     kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-    return error(exc.status_code, str(exc.detail), kind)
+    return refusal(exc.status_code, str(exc.detail), kind)
 
 
 async def _bug(_, exc: Exception):
     log.exception("unexpected error", exc_info=exc)
-    return error(500, f"internal error: {type(exc).__name__}", "internal_error")
+    return refusal(500, f"internal error: {type(exc).__name__}", "internal_error")
 
 
 # Every failure as OpenAI's error object: a refusal by its status, a dead engine or a stopping

@@ -17,7 +17,7 @@ Approach.
                 prompt once (engine/request/inputs.py, as the replica will) so the router can name its
                 pages; a replica that dies before answering is replaced by another, once.
   VKVReplica    N replicas, each placed by Ray with its share of the cluster's CPUs: vkv's own
-                app (engine/serving/server.py make_app) over its engine, called in process, so
+                app (engine/serving/api/server.py make_app) over its engine, called in process, so
                 every route, check, limit and error is the one-machine server's. Its routing
                 stats (Ray polls them every STATS_PERIOD s) say which pages it holds (the pool's
                 prefix cache and its tiers, by name), how it names them (namespace, page
@@ -47,17 +47,20 @@ cross no machine.
 # to FastAPI as they are, and FastAPI cannot resolve strings from Ray's module)
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from engine.kv.prefix_cache import chain_hash, root_name
 from engine.kv.publisher import block_hash
+from engine.serving.edge import client_of, client_salt, refusal, stream_tail
 from engine.serving.http import body_once
 from engine.serving.options import ServerOptions
 
@@ -84,22 +87,20 @@ class RouteKey:
     cache_salt: str | None = None
 
 
-def route_key(tokenizer, vocab_size: int, path: str, body: bytes, who: str | None = None) -> RouteKey:
+def route_key(tokenizer, vocab_size: int, path: str, body: bytes,
+              client: Callable[[object], str] | None = None) -> RouteKey:
     """The prompt's tokens as the replica will make them (engine/request/inputs.py), or an empty
-    key. who: with --isolate-clients, the client as the replica's ServerState.client_of says it
-    without the user field ("key", or the peer's address): a request without a cache_salt is
-    named with its client's salt, as the replica names it, so no client's routing depends on
-    another's prompts."""
+    key. client: with --isolate-clients, who asks given the body's `user` (edge.client_of, the
+    rule the replica follows): a request without a cache_salt is named with its client's salt,
+    as the replica names it, so no client's routing depends on another's prompts."""
     from engine.request.inputs import chat_prompt, tokenize
-    from engine.serving.state import client_salt
     try:
         request = json.loads(body) if body else None
         if not isinstance(request, dict):
             return RouteKey()
         salt = request.get("cache_salt") if isinstance(request.get("cache_salt"), str) else None
-        if salt is None and who is not None:
-            user = request.get("user")
-            salt = client_salt(f"{who}/{user}" if isinstance(user, str) and user else who)
+        if salt is None and client is not None:
+            salt = client_salt(client(request.get("user")))
         if path.endswith("/chat/completions"):
             prompt = chat_prompt(tokenizer, request["messages"], request.get("tools"))
         elif path.endswith("/completions"):
@@ -133,7 +134,7 @@ class VKVReplica:
     """vkv's server app over one engine, in this Ray actor."""
 
     def __init__(self, args):
-        from engine.serving.server import make_app
+        from engine.serving.api.server import make_app
         self.rank = 0
         try:  # its place among the replicas: its KV events' rank and port offset, X-VKV-Replica
             from ray import serve
@@ -219,11 +220,11 @@ class VKVReplica:
             engine.shutdown()
 
 
-# -- the router (engine/serving/ray_router.py) ---------------------------------------------
+# -- the router (engine/serving/dp/ray_router.py) ---------------------------------------------
 def router_config(choice: str):
     from ray.serve.config import RequestRouterConfig
     if choice == "prefix":
-        cls = "engine.serving.ray_router:PrefixRouter"
+        cls = "engine.serving.dp.ray_router:PrefixRouter"
     elif choice == "pow2":
         cls = "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter"
     else:
@@ -241,7 +242,6 @@ def ingress_class(options: ServerOptions, model: str | None):
     from ray import serve
 
     from engine.models import load_tokenizer
-    from engine.serving.protocol import error_body
 
     api = FastAPI(title="vkv on Ray Serve", docs_url=None, redoc_url=None)
 
@@ -258,15 +258,13 @@ def ingress_class(options: ServerOptions, model: str | None):
             async for chunk in request.stream():
                 body += chunk
                 if len(body) > options.max_body_bytes:
-                    return JSONResponse(error_body(f"the request body is over {options.max_body_bytes} bytes",
-                                                   code=413), status_code=413)
+                    return refusal(413, f"request body exceeds {options.max_body_bytes} bytes")
             path = "/" + path
             if path in ONE_ENGINE_ROUTES:
-                return JSONResponse(error_body(f"{path} changes one engine, and behind Ray Serve it would reach one "
-                                               f"replica of {options.data_parallel_size}: not served here", code=400),
-                                    status_code=400)
+                return refusal(400, f"{path} changes one engine, and behind Ray Serve it would reach one replica of "
+                                    f"{options.data_parallel_size}: not served here")
             client = request.client.host if request.client else ""
-            who = ("key" if options.api_key is not None else client) if options.isolate_clients else None
+            who = functools.partial(client_of, options.api_key, client) if options.isolate_clients else None
             key = await asyncio.to_thread(route_key, self.tokenizer, self.vocab_size, path, body, who) \
                 if request.method == "POST" else RouteKey()
             headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host",)]
@@ -279,8 +277,7 @@ def ingress_class(options: ServerOptions, model: str | None):
                     log.warning("vkv: a replica failed before answering (%s)%s", exc,
                                 ": sending the request to another" if attempt < RETRIES else "")
             else:
-                return JSONResponse(error_body("no replica could answer the request; try again",
-                                               "service_unavailable", 503), status_code=503)
+                return refusal(503, "no replica could answer the request; try again", "service_unavailable")
             streaming = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in head["headers"])
 
             async def rest():
@@ -290,9 +287,7 @@ def ingress_class(options: ServerOptions, model: str | None):
                 except Exception as exc:  # the replica died mid-answer: said, never silently cut
                     log.warning("vkv: a replica failed during an answer: %s", exc)
                     if streaming:
-                        failure = error_body("the replica serving this request failed during the stream",
-                                             "service_unavailable", 503)
-                        yield f"data: {json.dumps(failure)}\n\ndata: [DONE]\n\n".encode()
+                        yield stream_tail("the replica serving this request failed during the stream")
 
             kept = {k: v for k, v in head["headers"] if k.lower().encode() not in HOP_BY_HOP}
             return StreamingResponse(rest(), status_code=head["status"], headers=kept)

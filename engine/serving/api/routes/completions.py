@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from engine.serving.protocol import CompletionRequest, envelope, new_id, usage
-from engine.serving.state import HTTPError, ServerState, authorize, state_of
-from engine.serving.streams import collect, stream
+from engine.serving.api.protocol import CompletionRequest, envelope, new_id, usage
+from engine.serving.api.state import HTTPError, ServerState, authorize, state_of
+from engine.serving.api.streams import collect, stream
 
 router = APIRouter(dependencies=[Depends(authorize)])
 
