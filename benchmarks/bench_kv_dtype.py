@@ -43,6 +43,7 @@ from sharegpt import load_conversations, sample_requests  # noqa: E402
 import engine.worker.attention_step  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models import load_tokenizer  # noqa: E402
+from engine.request.outputs import top_of  # noqa: E402
 
 FORMATS = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3-scaled-simulated", "int8-simulated", "auto-sdpa")
 SIMULATED = ("fp8_e4m3-scaled-simulated", "int8-simulated")
@@ -109,7 +110,8 @@ def forced(llm: LLM, sequences: list[list[int]], first: list[int]) -> list[list[
     scored = []
     for i in range(0, len(sequences), 4):
         outs = llm.generate(sequences[i:i + 4], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-        scored += [[(r.logprob, r.top[0][0]) for r in o.prompt_logprobs[start:]] for o, start in zip(outs, first[i:i + 4])]
+        scored += [[(r[t].logprob, top_of(r, 1)[0][0]) for t, r in zip(o.prompt_token_ids[start:], o.prompt_logprobs[start:])]
+                   for o, start in zip(outs, first[i:i + 4])]
     return scored
 
 
@@ -121,7 +123,7 @@ def teacher_forced_agreement(got: list[list[tuple[float, int]]], want: list[list
 
 def perplexity(llm: LLM, texts: list[list[int]]) -> float:
     outs = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    logprobs = [r.logprob for o in outs for r in o.prompt_logprobs[1:]]
+    logprobs = [r[t].logprob for o in outs for t, r in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
     return math.exp(-sum(logprobs) / len(logprobs))
 
 

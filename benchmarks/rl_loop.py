@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.train()
         gaps, loss, rewards = [], 0.0, []
         for prompt, out in zip(prompts, outs):
-            group = [(c.token_ids, [lp.logprob for lp in c.logprobs], sum(ch.isdigit() for ch in c.text) / max(1, len(c.text)))
+            group = [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], sum(ch.isdigit() for ch in c.text) / max(1, len(c.text)))
                      for c in out.outputs]
             mean = sum(g[2] for g in group) / len(group)
             for tokens, sampled, reward in group:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine import SamplingParams
+from engine.request.outputs import LogprobsOnePosition, top_of
 
 MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10,
                  torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
@@ -74,6 +75,22 @@ class Scored:
     top: int
     gap: float
 
+    @classmethod
+    def of(cls, token: int, entries: LogprobsOnePosition) -> Scored:
+        """A position's logprobs (vLLM's dict, asked with 2 top tokens) as a Scored."""
+        (first, best), (_, second) = top_of(entries, 2)
+        return cls(entries[token].logprob, first, best - second)
+
+
+def scored_completion(c) -> list[Scored]:
+    """A completion's positions (logprobs=2) as Scored."""
+    return [Scored.of(t, entries) for t, entries in zip(c.token_ids, c.logprobs)]
+
+
+def prompt_scores(out) -> list[float]:
+    """Each prompt token's logprob given the ones before (prompt_logprobs), from the second."""
+    return [entries[t].logprob for t, entries in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+
 
 @dataclass
 class Agreement:
@@ -104,8 +121,8 @@ def teacher_forced(llm, sequences: list[list[int]], first: list[int] | int) -> l
     outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
     scored = []
     for out, start in zip(outs, firsts):
-        rows = [out.prompt_logprobs[i] for i in range(start, len(out.prompt_token_ids))]
-        scored.append([Scored(r.logprob, r.top[0][0], r.top[0][1] - r.top[1][1]) for r in rows])
+        scored.append([Scored.of(out.prompt_token_ids[i], out.prompt_logprobs[i])
+                       for i in range(start, len(out.prompt_token_ids))])
     return scored
 
 
@@ -135,7 +152,7 @@ def assert_close(got: list[list[Scored]], want: list[list[Scored]], tol: Toleran
 def greedy_with_gaps(llm, prompts, params: SamplingParams, **kwargs) -> list[tuple[list[int], list[float]]]:
     """Each prompt's greedy tokens and, per token, the gap between the top two logprobs."""
     outs = llm.generate(prompts, replace(params, logprobs=2), use_tqdm=False, **kwargs)
-    return [(o.outputs[0].token_ids, [lp.top[0][1] - lp.top[1][1] for lp in o.outputs[0].logprobs]) for o in outs]
+    return [(o.outputs[0].token_ids, [s.gap for s in scored_completion(o.outputs[0])]) for o in outs]
 
 
 def assert_agree_until_a_near_tie(got: list[list[int]], want: list[tuple[list[int], list[float]]],

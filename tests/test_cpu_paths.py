@@ -13,8 +13,9 @@ from engine.models import ops
 from engine import LLM, SamplingParams
 from engine.models.linear import FEW_ROWS, Linear
 from helpers import assert_pool_whole
-from lossy import (Scored, Tolerance, assert_agree_until_a_near_tie, assert_close, continuations, greedy_with_gaps,
-                   teacher_forced)
+from engine.request.outputs import top_of
+from lossy import (Tolerance, assert_agree_until_a_near_tie, assert_close, continuations, greedy_with_gaps,
+                   scored_completion, teacher_forced)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "A list of prime numbers: 2, 3, 5,"]
@@ -136,8 +137,7 @@ def test_native_bf16_runs_onednn_for_batches_and_bf16_panels_in_fp32_for_decode(
     assert all(m.packed is not None and m.panels.dtype == torch.bfloat16 for m in linears)
     params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=2)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)  # decode steps of 3 rows and fewer
-    got = [[Scored(lp.logprob, lp.top[0][0], lp.top[0][1] - lp.top[1][1]) for lp in o.outputs[0].logprobs]
-           for o in outs]
+    got = [scored_completion(o.outputs[0]) for o in outs]
     fp32 = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
     want = teacher_forced(fp32, [o.prompt_token_ids + o.outputs[0].token_ids for o in outs],
                           [len(o.prompt_token_ids) for o in outs])
@@ -166,7 +166,7 @@ def test_the_decode_layers_in_one_native_call_equal_the_layer_by_layer_path(dtyp
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(rows)]  # at once: steps of that many rows
 
     def run():
-        return [[(lp.token_id, lp.logprob, lp.top) for lp in o.outputs[0].logprobs]
+        return [[(t, lp[t].logprob, top_of(lp, 2)) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                 for o in llm.generate(prompts, params, use_tqdm=False)]
 
     fused = run()

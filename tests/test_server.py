@@ -16,6 +16,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.serving.options import ServerOptions
 from engine.serving.api.server import build_app
 from helpers import free_port, serving
+from lossy import prompt_scores
 
 KEY = "sk-test-key"
 MODEL = "smollm2"
@@ -357,7 +358,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client):
         want = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
     n = len(want.prompt_token_ids)
     assert len(lp.tokens) == n + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert lp.token_logprobs[1:n] == pytest.approx([r.logprob for r in want.prompt_logprobs[1:]], abs=1e-4)
+    assert lp.token_logprobs[1:n] == pytest.approx(prompt_scores(want), abs=1e-4)
     assert all(len(top) == 1 for top in lp.top_logprobs[1:])
     assert text.startswith(prompt) and "".join(lp.tokens[:n]) == prompt
     assert lp.text_offset == sorted(lp.text_offset) and text[lp.text_offset[n]:].startswith(lp.tokens[n])
@@ -569,16 +570,16 @@ def test_echoed_offsets_and_top_logprobs_read_as_the_text_does():
     text (not monotonic for an emoji prompt, 9 where ' is' begins at 3), and top_logprobs kept the
     last, least likely, of tokens that read alike."""
     from engine.models import load_tokenizer
-    from engine.request.outputs import CompletionOutput, TokenLogprob
+    from engine.request.outputs import CompletionOutput, Logprob
     from engine.serving.api.token_text import TokenText
 
     tokenizer = load_tokenizer(None)
     text = TokenText(tokenizer)
     prompt = tokenizer.encode("🎉🎉🎉 is", add_special_tokens=False)
     empty = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    offsets = text.echoed_logprobs([None] * len(prompt), prompt, empty, 6)["text_offset"]
+    offsets = text.echoed_logprobs([None] * len(prompt), prompt, empty, 6, 1)["text_offset"]
     assert offsets == sorted(offsets) and offsets[-1] == 3  # ' is' starts after the three emoji
     partial = [t for t in range(200, 260) if tokenizer.decode([t]) == "\ufffd"][:2]
-    c = CompletionOutput(0, "x", [partial[0]], None, [TokenLogprob(partial[0], -0.1, [(partial[0], -0.1),
-                                                                                       (partial[1], -3.0)], 0)])
-    assert text.completion_logprobs(c)["top_logprobs"] == [{"\ufffd": -0.1}]
+    c = CompletionOutput(0, "x", [partial[0]], logprobs=[{partial[0]: Logprob(-0.1, 1), partial[1]: Logprob(-3.0, 2)}],
+                         text_offsets=[0])
+    assert text.completion_logprobs(c, 2)["top_logprobs"] == [{"\ufffd": -0.1}]

@@ -14,6 +14,7 @@ from engine.worker.parallel import pool_state
 from engine.serving.loop.async_engine import AsyncEngine
 from engine.serving.api.server import build_app
 from helpers import NARROW, assert_pool_whole
+from lossy import prompt_scores
 
 SHARED = "You are a terse assistant. Answer in one short sentence. Question: "
 PROMPTS = [SHARED + q for q in ("What is the capital of France?", "Why is the sky blue?", "What is rain?")]
@@ -85,7 +86,7 @@ def test_two_ranks_swap_and_sleep_in_lockstep():
     scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)  # admitted without the cached prefix
     one = LLM(**config | {"kv_cache_memory": 1 << 20})
     want = tokens(one.generate(prompts, greedy, use_tqdm=False))
-    want_scores = [r.logprob for r in one.generate(prompts[0], scored, use_tqdm=False)[0].prompt_logprobs[1:]]
+    want_scores = prompt_scores(one.generate(prompts[0], scored, use_tqdm=False)[0])
     one.engine.close()
     two = LLM(tensor_parallel_size=2, preemption_mode="swap", swap_space=0.01, **config)
     try:
@@ -97,7 +98,7 @@ def test_two_ranks_swap_and_sleep_in_lockstep():
         assert_in_lockstep(two)
         two.wake_up()
         assert tokens(two.generate(prompts[:1], greedy, use_tqdm=False)) == want[:1]
-        got = [r.logprob for r in two.generate(prompts[0], scored, use_tqdm=False)[0].prompt_logprobs[1:]]
+        got = prompt_scores(two.generate(prompts[0], scored, use_tqdm=False)[0])
         assert got == pytest.approx(want_scores, abs=1e-4)
         assert_pool_whole(two)
         assert_in_lockstep(two)

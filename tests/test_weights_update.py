@@ -217,7 +217,7 @@ def test_sampled_tokens_logprobs_agree_with_a_transformers_trainer_before_and_af
         with torch.no_grad():
             logits = trainer(ids).logits[0, len(prompt) - 1:-1].float()
         theirs = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt):, None])[:, 0]
-        ours = torch.tensor([lp.logprob for lp in out.logprobs])
+        ours = torch.tensor([lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)])
         return (ours - theirs).abs().max().item()
 
     with LLM(kv_cache_memory=64 << 20) as llm:

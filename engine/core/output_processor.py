@@ -18,7 +18,8 @@ from engine.request.beam_search import BeamSearchOutput
 from engine.sched.beam_search import BeamGroup
 from engine.request.detokenizer import IncrementalDetokenizer
 from engine.request.inputs import Prompt
-from engine.request.outputs import CompletionOutput, RequestOutput, RequestOutputKind, TokenLogprob
+from engine.request.outputs import (CompletionOutput, LogprobsOnePosition, RequestOutput, RequestOutputKind,
+                                    position)
 from engine.sample.sampler import Sampled
 from engine.request.sampling_params import SamplingParams
 from engine.sched.step import SeqOutput
@@ -30,11 +31,13 @@ class Completion:
     """One of a request's completions, as its outputs show it."""
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[LogprobsOnePosition] = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)  # where each logprobs position's token starts
     cum_logprob: float = 0.0
     shown: int = 0  # characters of the detokenizer's text that outputs may show
     sent: tuple[int, int, int] = (0, 0, 0)  # DELTA: characters, tokens and logprobs already in outputs
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it
 
 
 @dataclass
@@ -45,7 +48,7 @@ class RequestState:
     completions: list[Completion]
     beam: BeamGroup | None = None
     error: str | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (prompt_logprobs); the first None
+    prompt_logprobs: list[LogprobsOnePosition | None] | None = None  # per prompt token (prompt_logprobs); the first None
     prompt_logprobs_sent: bool = False  # DELTA: they go out once, in the first output after the prompt
     num_cached_tokens: int = 0  # prompt tokens found cached when its first sequence was admitted
 
@@ -60,6 +63,15 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_ids: tuple[int, ...] = ()):
         self.tokenizer, self.eos_ids = tokenizer, eos_ids
         self.requests: dict[str, RequestState] = {}
+        self.decoded: dict[int, str] = {}  # a token's text alone (Logprob.decoded_token), by id
+
+    def decode(self, token_id: int) -> str:
+        if (text := self.decoded.get(token_id)) is None:
+            text = self.decoded[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def logprobs(self, s: Sampled) -> LogprobsOnePosition:
+        return position(s.token_id, s.logprob, s.rank, s.top, self.decode)
 
     def add(self, request_id: str, prompt: Prompt, params: SamplingParams, beam: BeamGroup | None = None) -> None:
         completions = [Completion(IncrementalDetokenizer(self.tokenizer, prompt.token_ids, params.skip_special_tokens))
@@ -71,12 +83,12 @@ class OutputProcessor:
         """prompt_logprobs a step scored (engine/core/engine_core.py): per sequence, the position of its first
         scored prompt token and the scores. A sequence computing its prompt again after a
         preemption writes the same values."""
-        for seq, position, scored in scores:
+        for seq, first, scored in scores:
             state = self.requests.get(seq.request_id)
             if state is None or state.prompt_logprobs is None:
                 continue
-            for i, s in enumerate(scored, position):
-                state.prompt_logprobs[i] = TokenLogprob(s.token_id, s.logprob, s.top)
+            for i, s in enumerate(scored, first):
+                state.prompt_logprobs[i] = self.logprobs(s)
 
     def abort(self, request_id: str) -> bool:
         return self.requests.pop(request_id, None) is not None
@@ -134,28 +146,30 @@ class OutputProcessor:
             before = len(c.detokenizer.text)
             self._add_token(c, s)
             text = c.detokenizer.text  # a stop string ending before `before` would have stopped it already
-            stops = [at for at in (text.find(stop, max(0, before - len(stop) + 1)) for stop in p.stop) if at >= 0] \
+            stops = [(at, stop) for stop in p.stop if (at := text.find(stop, max(0, before - len(stop) + 1))) >= 0] \
                 if len(c.token_ids) >= p.min_tokens else []  # as vLLM: no stop string before min_tokens
             if stops:
-                c.shown, c.finish_reason = min(stops), "stop"
+                (c.shown, c.stop_reason), c.finish_reason = min(stops, key=lambda found: found[0]), "stop"
                 return o.finish_reason is None
             if ends:
                 if not by_token:  # (a character cut short at the end shows as its tokens decode)
                     c.detokenizer.flush()
                 c.shown, c.finish_reason = (before if by_token else len(c.detokenizer.text)), o.finish_reason
+                if by_token and s.token_id in p.stop_token_ids:  # (EOS: None, as vLLM's)
+                    c.stop_reason = s.token_id
             else:
                 c.shown = max(c.shown, len(text) - (max(map(len, p.stop), default=1) - 1))
         if not o.new and o.finish_reason:  # finished with no token (an abort, a drop)
             c.finish_reason = o.finish_reason
         return False
 
-    @staticmethod
-    def _add_token(c: Completion, s: Sampled) -> None:
+    def _add_token(self, c: Completion, s: Sampled) -> None:
         c.token_ids.append(s.token_id)
         if s.logprob is not None:
             c.cum_logprob += s.logprob
         if s.top is not None:
-            c.logprobs.append(TokenLogprob(s.token_id, s.logprob, s.top, len(c.detokenizer.text)))
+            c.logprobs.append(self.logprobs(s))
+            c.text_offsets.append(len(c.detokenizer.text))
         c.detokenizer.add(s.token_id)
 
     def _output(self, state: RequestState) -> RequestOutput:
@@ -167,20 +181,22 @@ class OutputProcessor:
         logprobs, delta = p.logprobs is not None, p.output_kind is RequestOutputKind.DELTA
         outputs = []
         for rank, (index, c) in enumerate(ranked):
-            text, tokens, records = c.detokenizer.text[:c.shown], c.token_ids, c.logprobs
+            text, tokens, records, offsets = c.detokenizer.text[:c.shown], c.token_ids, c.logprobs, c.text_offsets
             if delta:
                 chars, count, logged = c.sent
                 c.sent = (max(chars, len(text)), len(tokens), len(records))
-                text, tokens, records = text[chars:], tokens[count:], records[logged:]
-            outputs.append(CompletionOutput(rank if choosing else index, text, list(tokens), c.finish_reason,
-                                            list(records) if logprobs else None,
-                                            c.cum_logprob if logprobs or p.best_of else None))
+                text, tokens, records, offsets = text[chars:], tokens[count:], records[logged:], offsets[logged:]
+            outputs.append(CompletionOutput(
+                rank if choosing else index, text, list(tokens),
+                cumulative_logprob=c.cum_logprob if logprobs or p.best_of else None,
+                logprobs=list(records) if logprobs else None, finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason, text_offsets=list(offsets) if logprobs else None))
         prompt_logprobs = state.prompt_logprobs
         if prompt_logprobs is not None and delta:
             prompt_logprobs, state.prompt_logprobs_sent = (None if state.prompt_logprobs_sent else prompt_logprobs), True
-        return RequestOutput(state.request_id, state.prompt.text, state.prompt.token_ids, outputs,
-                             state.finished, state.error, list(prompt_logprobs) if prompt_logprobs else None,
-                             state.num_cached_tokens)
+        return RequestOutput(state.request_id, state.prompt.text, state.prompt.token_ids,
+                             list(prompt_logprobs) if prompt_logprobs else None, outputs, state.finished,
+                             state.error, state.num_cached_tokens)
 
     def _beam_output(self, state: RequestState) -> BeamSearchOutput:
         start, prompt_text = len(state.prompt.token_ids), state.prompt.text

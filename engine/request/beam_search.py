@@ -50,7 +50,8 @@ class BeamSearchOutput:
     def to_request_output(self) -> RequestOutput:
         """The beams as completions of generated tokens only, as vLLM's server returns them."""
         start = len(self.prompt_token_ids)
-        outputs = [CompletionOutput(i, s.completion_text, s.tokens[start:], s.finish_reason,
-                                    cumulative_logprob=s.cum_logprob)
+        outputs = [CompletionOutput(i, s.completion_text, s.tokens[start:], cumulative_logprob=s.cum_logprob,
+                                    finish_reason=s.finish_reason)
                    for i, s in enumerate(self.sequences)]
-        return RequestOutput(self.request_id, None, self.prompt_token_ids, outputs, True, self.error)
+        return RequestOutput(self.request_id, None, self.prompt_token_ids, outputs=outputs, finished=True,
+                             error=self.error)

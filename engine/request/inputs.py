@@ -35,7 +35,7 @@ def tokenize(tokenizer, vocab_size: int, prompt) -> Prompt:
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty")
-        _check_text(prompt)
+        check_text(prompt)
         return Prompt(tokenizer.encode(prompt), prompt)
     if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                         for t in prompt):
@@ -54,26 +54,32 @@ def check_cache_salt(salt) -> str | None:
     if not isinstance(salt, str) or not salt:
         raise ValueError("cache_salt must be a non-empty string")
     try:
-        _check_text(salt)
+        check_text(salt)
     except ValueError as exc:
         raise ValueError(f"cache_salt: {exc}") from None
     return salt
 
 
-def chat_prompt(tokenizer, messages: list[dict], tools: list | None = None) -> Prompt:
+def chat_prompt(tokenizer, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, add_special_tokens: bool = False) -> Prompt:
     """One conversation through the model's chat template, ready for the assistant's turn
-    (`tools`: handed to a template that takes them)."""
+    (`tools`: handed to a template that takes them). The rest as vLLM's /tokenize takes them:
+    the assistant's turn opened or not, the last message left open to be continued, and the
+    tokenizer's special tokens added around the template's text (which has its own)."""
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     for message in messages:
-        _check_text(message.get("content") or "")
+        check_text(message.get("content") or "")
     try:
         extra = {"tools": tools} if tools else {}
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             continue_final_message=continue_final_message, **extra)
     except Exception as exc:  # templates raise their own errors for conversations they refuse
         raise ValueError(f"cannot apply the chat template: {exc}") from exc
-    return Prompt(tokenizer.encode(text, add_special_tokens=False), text)
+    return Prompt(tokenizer.encode(text, add_special_tokens=add_special_tokens), text)
 
 
-def _check_text(text: str) -> None:
+def check_text(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:

@@ -31,6 +31,7 @@ class Sampled:
     token_id: int
     logprob: float | None = None  # of the chosen token under the raw distribution
     top: list[tuple[int, float]] | None = None  # the k most likely tokens, best first
+    rank: int | None = None  # the chosen token's among the vocabulary, from 1 (ties count against it, as vLLM's)
 
 
 def sample(logits: torch.Tensor, seqs: Seq[Sequence], eos_ids: tuple[int, ...],
@@ -146,10 +147,12 @@ def score(logits: torch.Tensor, tokens: list[int], k: int) -> list[Sampled]:
     """Given tokens under their rows' raw distributions, each with its row's k most likely
     tokens (prompt_logprobs: row i is the model's guess at tokens[i])."""
     lp = logits.float().log_softmax(-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])
+    ranks = (lp >= chosen).sum(-1).tolist()
     top = torch.topk(lp, k) if k else None
     tops = zip(top.indices.tolist(), top.values.tolist()) if top is not None else ([] for _ in tokens)
-    return [Sampled(t, c, list(zip(*ranked)) if k else []) for t, c, ranked in zip(tokens, chosen, tops)]
+    return [Sampled(t, c, list(zip(*ranked)) if k else [], r)
+            for t, c, ranked, r in zip(tokens, chosen[:, 0].tolist(), tops, ranks)]
 
 
 def _with_logprobs(logits: torch.Tensor, tokens: list[int], seqs) -> list[Sampled]:
@@ -164,4 +167,5 @@ def _with_logprobs(logits: torch.Tensor, tokens: list[int], seqs) -> list[Sample
         if seqs[row].params.logprobs is not None:
             top = torch.topk(lp, k) if k else None
             out[row].top = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+            out[row].rank = int((lp >= lp[tokens[row]]).sum())
     return out

@@ -347,16 +347,49 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None
 
     def conversation(self) -> list[dict]:
-        """The messages for the chat template; ValueError naming what is refused, such as a tool
-        result that answers no earlier call (OpenAI's 400)."""
-        called = set()
-        for i, m in enumerate(self.messages):
-            if isinstance(m, AssistantMessage):
-                called |= {c.get("id") for c in m.tool_calls or [] if isinstance(c, dict)}
-            elif isinstance(m, ToolMessage) and m.tool_call_id not in called:
-                raise ValueError(f"messages[{i}]: tool_call_id {m.tool_call_id!r} answers no tool call of an "
-                                 f"earlier assistant message")
-        return [m.to_dict(i) for i, m in enumerate(self.messages)]
+        return conversation_of(self.messages)
+
+
+def conversation_of(messages: list[_Message]) -> list[dict]:
+    """The messages for the chat template; ValueError naming what is refused, such as a tool
+    result that answers no earlier call (OpenAI's 400)."""
+    called = set()
+    for i, m in enumerate(messages):
+        if isinstance(m, AssistantMessage):
+            called |= {c.get("id") for c in m.tool_calls or [] if isinstance(c, dict)}
+        elif isinstance(m, ToolMessage) and m.tool_call_id not in called:
+            raise ValueError(f"messages[{i}]: tool_call_id {m.tool_call_id!r} answers no tool call of an "
+                             f"earlier assistant message")
+    return [m.to_dict(i) for i, m in enumerate(messages)]
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a prompt (vLLM's fields)."""
+    model_config = STRICT
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with a conversation, through the chat template (vLLM's fields; a template of
+    the client's own, its kwargs and multimodal options are refused by name)."""
+    model_config = STRICT
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    tools: list[dict] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's)."""
+    model_config = STRICT
+    model: str | None = None
+    tokens: list[typing.Annotated[int, Field(ge=0)]]
 
 
 # -- responses -----------------------------------------------------------------------------

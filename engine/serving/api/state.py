@@ -94,7 +94,8 @@ class ServerState:
         front door (which checked the client and holds the replica's key) takes its word."""
         if self.options.replica_rank is not None and (forwarded := request.headers.get("x-vkv-client")):
             return forwarded
-        return client_of(self.options.api_key, request.client.host if request.client else None, body.user)
+        return client_of(self.options.api_key, request.client.host if request.client else None,
+                         getattr(body, "user", None))
 
     def authorize(self, request: Request) -> None:
         if not key_ok(request.headers.get("authorization"), self.options.api_key):

@@ -3,7 +3,7 @@ or byte-fallback token is its own bytes, not U+FFFD), and each API's logprobs fo
 from __future__ import annotations
 
 from engine.request.detokenizer import IncrementalDetokenizer
-from engine.request.outputs import CompletionOutput
+from engine.request.outputs import CompletionOutput, LogprobsOnePosition, top_of
 
 
 class TokenText:
@@ -30,15 +30,15 @@ class TokenText:
             self._bytes[token_id] = raw
         return list(self._bytes[token_id])
 
-    def completion_logprobs(self, c: CompletionOutput, start: int = 0, offset: int = 0) -> dict | None:
-        """The completions API's form, for tokens from `start`; text offsets shifted by `offset`."""
+    def completion_logprobs(self, c: CompletionOutput, k: int) -> dict | None:
+        """The completions API's form, each position's k most likely tokens."""
         if c.logprobs is None:
             return None
-        records = c.logprobs[start:]
-        return {"tokens": [self.text(r.token_id) for r in records],
-                "token_logprobs": [r.logprob for r in records],
-                "top_logprobs": [self.top(r.top) for r in records],
-                "text_offset": [offset + r.text_offset for r in records]}
+        chosen = [next(iter(entries)) for entries in c.logprobs]  # (each position's own token comes first)
+        return {"tokens": [self.text(t) for t in chosen],
+                "token_logprobs": [entries[t].logprob for t, entries in zip(chosen, c.logprobs)],
+                "top_logprobs": [self.top(top_of(entries, k)) for entries in c.logprobs],
+                "text_offset": list(c.text_offsets or [])}
 
     def top(self, pairs) -> dict[str, float]:
         """{text: logprob}, most likely first; tokens of the same text (byte tokens that each
@@ -48,7 +48,8 @@ class TokenText:
             top.setdefault(self.text(t), v)
         return top
 
-    def echoed_logprobs(self, scored: list, prompt_ids: list[int], completion: dict, shift: int) -> dict:
+    def echoed_logprobs(self, scored: list[LogprobsOnePosition | None], prompt_ids: list[int], completion: dict,
+                        shift: int, k: int) -> dict:
         """The completions API's logprobs with echo: the prompt's tokens (the first has no
         logprob, as OpenAI's), then the completion's, whose text offsets move past the prompt's
         `shift` characters. A prompt token's offset is where its text starts among theirs."""
@@ -58,17 +59,22 @@ class TokenText:
             offsets.append(len(reader.text))
             reader.add(t)
         return {"tokens": texts + completion["tokens"],
-                "token_logprobs": [r.logprob if r else None for r in scored] + completion["token_logprobs"],
-                "top_logprobs": [self.top(r.top) if r else None for r in scored] + completion["top_logprobs"],
+                "token_logprobs": [r[t].logprob if r else None for r, t in zip(scored, prompt_ids)]
+                + completion["token_logprobs"],
+                "top_logprobs": [self.top(top_of(r, k)) if r else None for r in scored] + completion["top_logprobs"],
                 "text_offset": offsets + [shift + o for o in completion["text_offset"]]}
 
-    def chat_logprobs(self, c: CompletionOutput, start: int = 0) -> dict | None:
+    def chat_logprobs(self, c: CompletionOutput, k: int) -> dict | None:
         """The chat API's form: per token, its top_logprobs are exactly the k most likely."""
         if c.logprobs is None:
             return None
         entry = lambda t, v: {"token": self.text(t), "logprob": v, "bytes": self.bytes(t)}
-        return {"content": [{**entry(r.token_id, r.logprob), "top_logprobs": [entry(t, v) for t, v in r.top]}
-                            for r in c.logprobs[start:]]}
+        content = []
+        for entries in c.logprobs:
+            chosen = next(iter(entries))  # (each position's own token comes first)
+            content.append({**entry(chosen, entries[chosen].logprob),
+                            "top_logprobs": [entry(t, v) for t, v in top_of(entries, k)]})
+        return {"content": content}
 
 
 def _is_byte_level(tokenizer) -> bool:

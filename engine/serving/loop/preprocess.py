@@ -15,7 +15,7 @@ import asyncio
 import copy
 
 from engine.request.beam_search import BeamSearchParams
-from engine.request.inputs import Prompt, chat_prompt, tokenize
+from engine.request.inputs import Prompt, chat_prompt, check_text, tokenize
 from engine.core.llm_engine import LLMEngine
 from engine.request.lora_request import LoRARequest
 from engine.core.processor import EngineRequest
@@ -37,9 +37,29 @@ class Preprocessor:
         self._check_size(prompt.get("prompt") if isinstance(prompt, dict) else prompt)
         return await self._run(client, tokenize, self.engine.model_config.vocab_size, prompt)
 
-    async def chat_prompt(self, messages: list[dict], client: str = "", tools: list | None = None) -> Prompt:
+    async def chat_prompt(self, messages: list[dict], client: str = "", tools: list | None = None,
+                          **template) -> Prompt:
+        """The conversation through the chat template (engine/request/inputs.py chat_prompt's
+        `template` options: vLLM's /tokenize sets them)."""
         self._check_size("".join(m["content"] for m in messages if isinstance(m.get("content"), str)))
-        return await self._run(client, chat_prompt, messages, tools)
+        return await self._run(client, lambda tokenizer: chat_prompt(tokenizer, messages, tools, **template))
+
+    async def encode(self, text: str, client: str = "", add_special_tokens: bool = True) -> list[int]:
+        """A text's token ids, whatever its length (/tokenize counts a text's tokens; the
+        request's body bound keeps it bounded)."""
+        check_text(text)
+        return await self._run(client, lambda tokenizer: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def decode(self, token_ids: list[int], client: str = "") -> str:
+        """The ids' text; ValueError for an id outside the vocabulary."""
+        vocab = self.engine.model_config.vocab_size
+        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < vocab:
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        return await self._run(client, lambda tokenizer: tokenizer.decode(token_ids))
+
+    def pieces(self, token_ids: list[int]) -> list[str]:
+        """Each id's piece of the vocabulary as the tokenizer stores it (vLLM's token_strs)."""
+        return self.tokenizer.convert_ids_to_tokens(token_ids)
 
     @property
     def template_takes_tools(self) -> bool:

@@ -43,6 +43,7 @@ async def chat(body: ChatCompletionRequest, request: Request, state: ServerState
         raise HTTPError(400, "give max_completion_tokens or max_tokens (its older name), not both with other values")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    chat_logprobs = lambda c: tokens.chat_logprobs(c, logprobs or 0)
     rid = new_id("chatcmpl")
     requests = await state.prepare(engine, rid, client, [prompt], body, max_tokens, logprobs, structured=forced,
                                    deltas=body.stream and not use.offered, lora=lora)
@@ -60,10 +61,10 @@ async def chat(body: ChatCompletionRequest, request: Request, state: ServerState
 
     def delta(_, c, first: bool) -> dict:
         return {"index": c.index, "delta": ({"role": "assistant"} if first else {}) | {"content": c.text},
-                "logprobs": tokens.chat_logprobs(c), "finish_reason": c.finish_reason}
+                "logprobs": chat_logprobs(c), "finish_reason": c.finish_reason}
 
     if body.stream and use.offered:  # calls are known at the end: one chunk per choice, then [DONE]
-        return StreamingResponse(tool_stream(engine, rid, requests, body, model_name, message, tokens.chat_logprobs),
+        return StreamingResponse(tool_stream(engine, rid, requests, body, model_name, message, chat_logprobs),
                                  media_type="text/event-stream")
     if body.stream:
         chunks = stream(engine, rid, requests, body, "chat.completion.chunk", model_name, delta)
@@ -72,6 +73,6 @@ async def chat(body: ChatCompletionRequest, request: Request, state: ServerState
     choices = []
     for c in outs[0].outputs:
         said, reason = message(c)
-        choices.append({"index": c.index, "message": said, "logprobs": tokens.chat_logprobs(c),
+        choices.append({"index": c.index, "message": said, "logprobs": chat_logprobs(c),
                         "finish_reason": reason})
     return envelope("chat.completion", rid, model_name, choices, {"usage": usage(outs)})

@@ -37,7 +37,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
 
     def choice(i: int, c, first: bool = True) -> dict:
         return {"index": i * body.n + c.index, "text": (echoes[i] if first else "") + c.text,
-                "logprobs": tokens.completion_logprobs(c), "finish_reason": c.finish_reason}
+                "logprobs": tokens.completion_logprobs(c, body.logprobs or 0), "finish_reason": c.finish_reason}
 
     if body.stream:
         chunks = stream(engine, rid, requests, body, "text_completion", model_name, choice)
@@ -47,5 +47,5 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
     if scored:  # the echoed prompt's tokens first, then the completion's (text offsets after the prompt)
         for ch, (i, o) in zip(choices, ((i, o) for i, o in enumerate(outs) for _ in o.outputs)):
             ch["logprobs"] = tokens.echoed_logprobs(o.prompt_logprobs, o.prompt_token_ids, ch["logprobs"],
-                                                    len(echoes[i]))
+                                                    len(echoes[i]), body.logprobs)
     return envelope("text_completion", rid, model_name, choices, {"usage": usage(outs)})
