@@ -70,17 +70,17 @@ def replay(cfg: ModelConfig, name: str, trace, budget: int, horizon: int, max_se
     for step in range(horizon):
         while pending and pending[0][0] <= step:
             _, req = pending.pop(0)
-            scheduler.add(Sequence(str(step), 0, list(req.prompt_ids),
+            scheduler.queues.add(Sequence(str(step), 0, list(req.prompt_ids),
                                    SamplingParams(max_tokens=req.output_len, ignore_eos=True), step))
         out = scheduler.schedule()
         results = {seq: [Sampled(0)] for seq, n in out.scheduled if seq.num_computed_tokens + n >= len(seq)}
         finished += sum(o.finish_reason is not None for o in scheduler.update_from_output(out, results))
-        used = sum(s.num_computed_tokens for s in scheduler.running) * cfg.kv_bytes_per_token(2)
+        used = sum(s.num_computed_tokens for s in scheduler.queues.running) * cfg.kv_bytes_per_token(2)
         stats = kv.stats()
         active = stats.pages_in_use * kv.layout.page_size
         allocated = active + stats.pages_idle * kv.layout.page_size
-        samples.append((used, allocated, active, len(scheduler.running)))
-        if not pending and not scheduler.has_unfinished():
+        samples.append((used, allocated, active, len(scheduler.queues.running)))
+        if not pending and not scheduler.queues.has_unfinished():
             break
     kv.audit()
     kv.close()

@@ -32,13 +32,13 @@ def resume_once(llm: LLM, prompt: list[int], mode: str) -> dict:
     engine.scheduler.preemption_mode = mode
     engine.scheduler.swap_min_tokens = 1
     engine.add_request("r", prompt, PARAMS)
-    seq = engine.scheduler.waiting[0]
+    seq = engine.scheduler.queues.waiting[0]
     while seq.num_output_tokens < 2:
         engine.step()
     start = time.perf_counter()
     engine.scheduler.preempt(seq)
     swap_out = time.perf_counter() - start
-    assert (mode == "swap") == (seq in engine.scheduler.swapped), mode
+    assert (mode == "swap") == (seq in engine.scheduler.queues.swapped), mode
     before = seq.num_output_tokens
     start = time.perf_counter()
     while seq.num_output_tokens == before:

@@ -127,7 +127,7 @@ class MultiLLM:
         before = (share.floor, share.cap) if share is not None else None
         self.shared.set_limits(model, pages_of(floor, total, page), pages_of(cap, total, page))
         for name, engine in self.engines.items():  # no request in flight may be left needing more than it can get
-            most, s = self.shared.tenants[name].most_pages, engine.scheduler
+            most, s = self.shared.tenants[name].most_pages, engine.scheduler.queues
             for seq in (*s.waiting, *s.running, *s.swapped):
                 need = engine.processor.pages_needed(len(seq) - seq.num_output_tokens + (seq.params.max_tokens or 0))
                 if need > most:

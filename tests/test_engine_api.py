@@ -257,7 +257,7 @@ def test_a_client_with_nothing_running_gets_a_seat_from_the_one_holding_them_all
         done = {}
         for _ in range(3):
             done |= {o.request_id: o for o in engine.step() if o.finished}
-        assert [s.group for s in engine.scheduler.running] == ["A"] * 4
+        assert [s.group for s in engine.scheduler.queues.running] == ["A"] * 4
         engine.add_request("b", [9] * 20, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), group="B")
         steps, first = 0, None
         while engine.has_unfinished():
@@ -307,7 +307,7 @@ def test_a_sequence_scheduled_past_its_tokens_fails_its_request_alone(corrupt, c
         for request_id, prompt in prompts.items():
             engine.add_request(request_id, prompt, greedy)
         done = {o.request_id: o for o in engine.step() if o.finished}
-        victim = next(s for s in engine.scheduler.running if s.request_id == "victim")
+        victim = next(s for s in engine.scheduler.queues.running if s.request_id == "victim")
         victim.num_computed_tokens = len(victim) + corrupt
         for _ in range(20):
             done |= {o.request_id: o for o in engine.step() if o.finished}

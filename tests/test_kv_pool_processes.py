@@ -87,7 +87,7 @@ def test_pages_taken_by_another_process_between_check_and_alloc_leave_the_step_u
     try:
         seq = Sequence("s", 0, list(range(1, 51)), SamplingParams(max_tokens=1), 0.0)  # one page per region: 60
         kv.admit(seq)
-        kv.make_room = lambda need: True  # it saw room ...
+        kv._make_room = lambda need: True  # it saw room ...
         taken = other.alloc_many(64 - 30)  # ... which the other process took first: 30 left, 60 needed
         assert kv.ensure_mapped(seq, 50) is False
         kv.audit()
@@ -134,7 +134,7 @@ def test_a_swap_in_whose_room_another_process_took_part_way_goes_on_later_with_i
         assert kv.swap_out(seq)
         pages = len(layout.swapped_pages(seq))
         assert pages >= 2
-        room = kv.make_room
+        room = kv._make_room
         taken = []
 
         def racing(need):  # room seen, then all but one page's worth taken by the other process
@@ -142,11 +142,11 @@ def test_a_swap_in_whose_room_another_process_took_part_way_goes_on_later_with_i
             taken.extend(other.alloc_many(mine.num_free - layout.num_regions))
             return ok
 
-        kv.make_room = racing
+        kv._make_room = racing
         assert kv.swap_in(seq, 111) is False
         assert 0 < len(layout.swapped_pages(seq)) < pages
         kv.audit()
-        del kv.make_room
+        del kv._make_room
         other.drop_many(taken)
         assert kv.swap_in(seq, 111) is True
         assert seq.kv.swapped is None

@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import vmm
 from engine.kv.manager import KVManager
+from engine.kv.memory import KVMemory
 from engine.kv.paged import PagedLayout
 from engine.kv.disk_tier import DiskTier
 from engine.kv.tiers import HostTier, KVTiers
@@ -96,31 +97,31 @@ class TrafficMachine(RuleBasedStateMachine):
           tail=st.lists(st.integers(0, 63), min_size=1, max_size=12), out=st.integers(1, 16),
           n=st.integers(1, 3), salt=st.sampled_from([None, None, "a", "b"]))
     def arrive(self, prefix, tail, out, n, salt):
-        if self.kv.pages_for(len(prefix) + len(tail) + out) > self.kv.pool.num_pages:
+        if self.kv.capacity.pages_for(len(prefix) + len(tail) + out) > self.kv.capacity.total:
             return  # the engine refuses such a request at submission
         params = SamplingParams(max_tokens=out, ignore_eos=True)
         seq, *siblings = [Sequence(str(self.next_id), i, prefix + tail, params, 0.0, cache_salt=salt) for i in range(n)]
         seq.siblings = siblings  # they fork from it when its prompt is computed, or queue
         self.next_id += 1
-        self.sched.add(seq)
+        self.sched.queues.add(seq)
         self.live += [seq, *siblings]
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def abort(self, data):
         seq = data.draw(st.sampled_from(self.live))
-        self.sched.finish(seq, "abort")
+        self.sched.queues.finish(seq, "abort")
         for s in [seq, *seq.siblings]:  # siblings not forked yet go with it
             if s in self.live:
                 self.live.remove(s)
 
-    @precondition(lambda self: not self.sched.has_unfinished())
+    @precondition(lambda self: not self.sched.queues.has_unfinished())
     @rule()
     def sleep_and_wake(self):
-        self.kv.sleep()
-        assert self.kv.asleep
+        KVMemory(self.kv).sleep()
+        assert KVMemory(self.kv).asleep
         self.kv.audit()
-        self.kv.wake_up()
+        KVMemory(self.kv).wake_up()
         assert self.kv.pool.num_free == self.kv.pool.num_pages
         event("slept")
 
@@ -162,7 +163,7 @@ class TrafficMachine(RuleBasedStateMachine):
         if not hasattr(self, "kv"):
             return
         self.kv.audit()
-        for seq in self.sched.running:
+        for seq in self.sched.queues.running:
             count = seq.num_computed_tokens
             if not count:
                 continue
@@ -183,8 +184,8 @@ class TrafficMachine(RuleBasedStateMachine):
                                ("tier restore", sum(t.tokens_restored for t in stats.tiers))]:
             event(f"{name}: {'yes' if happened else 'no'}")
         for seq in list(self.live):
-            self.sched.finish(seq, "abort")
-        assert not self.sched.running and not self.sched.waiting and not self.sched.swapped
+            self.sched.queues.finish(seq, "abort")
+        assert not self.sched.queues.running and not self.sched.queues.waiting and not self.sched.queues.swapped
         if self.kv.prefix_cache:
             self.kv.prefix_cache.clear()
         if isinstance(self.layout, VirtualLayout):

@@ -210,14 +210,14 @@ def test_lpm_admits_the_longest_cached_prefix_first_and_starves_nobody():
 
     def order(policy: str, later: int) -> list[str]:
         sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=64, policy=policy)
-        sched.add(Sequence("cold", 0, [60, 61, 62, 63, 59], params, 0.0))
+        sched.queues.add(Sequence("cold", 0, [60, 61, 62, 63, 59], params, 0.0))
         for i in range(later):  # arrive later, each with the warm prefix cached
-            sched.add(Sequence(f"hot{i}", 0, list(range(1, 17)) + [40 + i], params, 1.0))
+            sched.queues.add(Sequence(f"hot{i}", 0, list(range(1, 17)) + [40 + i], params, 1.0))
         admitted = []
-        while sched.has_unfinished():
+        while sched.queues.has_unfinished():
             ((seq, _),) = sched.schedule().scheduled
             admitted.append(seq.request_id)
-            sched.finish(seq, "length")
+            sched.queues.finish(seq, "length")
         return admitted
 
     assert order("fcfs", 3) == ["cold", "hot0", "hot1", "hot2"]

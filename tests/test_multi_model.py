@@ -8,11 +8,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import vmm
 from engine import LLM, SamplingParams
 from engine.kv.manager import KVManager
+from engine.kv.memory import KVMemory
 from engine.kv.virtual import VirtualLayout
 from engine.models.config import ModelConfig
 from engine.multi import MultiLLM
 from engine.sample.sampler import Sampled
 from engine.sched.scheduler import Scheduler
+from engine.sched.tenant import SchedulerTenant
 from engine.request.sequence import Sequence
 from helpers import NARROW
 
@@ -194,13 +196,15 @@ class SharedTraffic(RuleBasedStateMachine):
     @initialize(models=st.integers(2, 3), pages=st.integers(16, 40), layout=st.sampled_from(["interleaved", "per_layer"]))
     def setup(self, models, pages, layout):
         self.shared = vmm.SharedPool(vmm.PagePool(vmm.HostBackend(4096), pages))
-        self.kvs, self.scheds, self.live = [], [], []
+        self.kvs, self.scheds, self.tenants, self.live = [], [], [], []
         for m in range(models):
             share = self.shared.tenant(str(m))
             kv = KVManager(VirtualLayout(CFGS[m % 2], layout, 4, 48, torch.float32, share.backend, share.num_pages,
                                          pool=share), prefix_caching=True)
             self.kvs.append(kv)
-            self.scheds.append(Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=32))  # registers as the tenant
+            self.scheds.append(Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=32))
+            self.tenants.append(SchedulerTenant(self.scheds[-1]))  # (the share holds it weakly)
+            share.register(self.tenants[-1])
             self.live.append([])
         self.next_id, self.cap_over, self.floor_raised = 0, {}, False
 
@@ -208,16 +212,16 @@ class SharedTraffic(RuleBasedStateMachine):
           copies=st.integers(1, 4))
     def arrive(self, data, tail, out, copies):
         m = data.draw(st.integers(0, len(self.kvs) - 1))
-        if self.kvs[m].pages_for(len(tail) + 5 + out) > self.shared.tenants[str(m)].cap:
+        if self.kvs[m].capacity.pages_for(len(tail) + 5 + out) > self.shared.tenants[str(m)].cap:
             return  # the engine refuses such a request at submission
-        if self.kvs[m].asleep:  # asleep, its floor was others' to use: on waking it may be owed
-            self.kvs[m].wake_up()
+        if KVMemory(self.kvs[m]).asleep:  # asleep, its floor was others' to use: on waking it may be owed
+            KVMemory(self.kvs[m]).wake_up()
             self.floor_raised |= self.shared.tenants[str(m)].floor > 0
         for i in range(copies):  # a burst on one model
             seq = Sequence(str(self.next_id), 0, [1, 2, 3, 4, i] + tail, SamplingParams(max_tokens=out, ignore_eos=True),
                            0.0)
             self.next_id += 1
-            self.scheds[m].add(seq)
+            self.scheds[m].queues.add(seq)
             self.live[m].append(seq)
 
     @precondition(lambda self: any(self.live))
@@ -225,7 +229,7 @@ class SharedTraffic(RuleBasedStateMachine):
     def abort(self, data):
         m = data.draw(st.sampled_from([i for i, live in enumerate(self.live) if live]))
         seq = data.draw(st.sampled_from(self.live[m]))
-        self.scheds[m].finish(seq, "abort")
+        self.scheds[m].queues.finish(seq, "abort")
         self.live[m].remove(seq)
 
     @rule(data=st.data(), floor=st.floats(0, 0.5), cap=st.floats(0.3, 1.0))
@@ -233,7 +237,7 @@ class SharedTraffic(RuleBasedStateMachine):
         m = data.draw(st.integers(0, len(self.kvs) - 1))
         total = self.shared.pool.num_pages
         floor, cap = int(floor * total), max(int(cap * total), int(floor * total))
-        need = max((self.kvs[m].pages_for(len(s) + s.params.max_tokens) for s in self.live[m]), default=0)
+        need = max((self.kvs[m].capacity.pages_for(len(s) + s.params.max_tokens) for s in self.live[m]), default=0)
         try:
             self.shared.set_limits(str(m), floor, max(cap, need))
         except ValueError as exc:  # refused by name: floors over the pool, or (a sequence needs more) a cap over it
@@ -242,14 +246,14 @@ class SharedTraffic(RuleBasedStateMachine):
         share = self.shared.tenants[str(m)]
         self.floor_raised |= share.floor > share.used  # pages others already hold may be owed to it
         if share.used > share.cap:
-            self.kvs[m].give_back(share.used - share.cap)
+            share.tenant.free_spare(share.used - share.cap)
         self.cap_over[m] = max(0, share.used - share.cap)  # what running sequences keep for now
 
     @rule(data=st.data())
     def sleep(self, data):
         m = data.draw(st.integers(0, len(self.kvs) - 1))
-        if not self.scheds[m].has_unfinished() and not self.kvs[m].asleep:
-            self.kvs[m].sleep()
+        if not self.scheds[m].queues.has_unfinished() and not KVMemory(self.kvs[m]).asleep:
+            KVMemory(self.kvs[m]).sleep()
             assert self.shared.tenants[str(m)].used == 0
             event("a model slept")
 
@@ -284,9 +288,9 @@ class SharedTraffic(RuleBasedStateMachine):
         event(f"preempted: {any(s.num_preemptions for s in self.scheds)}")
         for m, sched in enumerate(self.scheds):
             for seq in list(self.live[m]):
-                sched.finish(seq, "abort")
+                sched.queues.finish(seq, "abort")
             kv = self.kvs[m]
-            if not kv.asleep:
+            if not KVMemory(kv).asleep:
                 kv.prefix_cache.clear()
                 kv.reclaim(kv.pool.num_pages)
             kv.audit()

@@ -194,7 +194,7 @@ def test_a_prompt_that_fits_alone_runs_when_its_cached_prefix_would_cost_a_page_
     prompt = random.Random(7).sample(range(100, 5000), 200)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with LLM(enable_prefix_caching=False, **opts) as llm:
-        assert llm.engine.kv.pages_for(200) <= 200 < llm.engine.kv.pages_for(200) + 2 * 30  # the case: tight
+        assert llm.engine.kv.capacity.pages_for(200) <= 200 < llm.engine.kv.capacity.pages_for(200) + 2 * 30  # the case: tight
         expected = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     with LLM(**opts) as llm:
         llm.generate([prompt[:86]], params, use_tqdm=False)  # caches the first page

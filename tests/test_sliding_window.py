@@ -72,7 +72,7 @@ def test_greedy_matches_transformers_over_several_windows(mistral_dir, prompt, r
     window_pages = len(kv.layout.page_range(0, WINDOW)) * kv.layout.num_regions
     chunk_pages = len(kv.layout.page_range(0, 16)) * kv.layout.num_regions  # one step writes up to 16 tokens
     assert llm.stats().kv.peak_pages_mapped <= window_pages + chunk_pages + kv.layout.num_regions, llm.stats().kv
-    assert llm.stats().kv.peak_pages_mapped < kv.pages_for(len(prompt) + MAX_NEW)
+    assert llm.stats().kv.peak_pages_mapped < kv.capacity.pages_for(len(prompt) + MAX_NEW)
     assert_pool_whole(llm)
 
 

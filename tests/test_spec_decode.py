@@ -51,7 +51,7 @@ def test_greedy_output_is_identical_with_speculation(layout):
     roomy = LLM(kv_layout=layout, kv_cache_memory=128 << 20)
     want = [o.outputs[0].token_ids for o in roomy.generate(PROMPTS, greedy, use_tqdm=False)]
     kv = roomy.engine.kv
-    need = [kv.pages_for(len(roomy.tokenizer.encode(p)) + 48) for p in PROMPTS]
+    need = [kv.capacity.pages_for(len(roomy.tokenizer.encode(p)) + 48) for p in PROMPTS]
     tight = dict(kv_layout=layout, kv_cache_memory=int(0.6 * sum(need)) * kv.layout.page_size, max_num_seqs=4)
     spec = LLM(**tight, speculative_config=SPEC)  # prefix caching is on by default
     got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy, use_tqdm=False)]

@@ -197,7 +197,7 @@ def test_random_sleeps_wakes_and_updates_keep_the_invariants(two_checkpoints, op
             assert greedy(llm) == expected[loaded]
         assert held_bytes(pages) == (0 if pages.asleep else pages.range.nbytes)
         assert [t.data_ptr() for t in tensors] == addresses
-        if not llm.engine.kv.asleep:
+        if not llm.engine.kv_memory.asleep:
             assert_pool_whole(llm)
 
 

@@ -139,7 +139,7 @@ def test_pause_retract_recomputes_under_the_new_weights_and_abort_ends_requests(
             for out in engine.step():
                 early = out.outputs[0].token_ids
         engine.pause_generation("retract")
-        assert engine.step() == [] and engine.scheduler.running == []  # retracted: nothing runs, nothing held
+        assert engine.step() == [] and engine.scheduler.queues.running == []  # retracted: nothing runs, nothing held
         engine.update_weights_from_tensor(new)
         engine.continue_generation()
         final = None

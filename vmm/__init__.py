@@ -51,10 +51,10 @@ from vmm.errors import (AlreadyMapped, BackendUnavailable, DoubleFree, Invariant
                         VmmError)
 from vmm.attach import AttachedPool
 from vmm.host import HostBackend
-from vmm.pool import PageAllocator, PagePool, PoolStats
+from vmm.pool import PageAllocator, PagePool, Pool, PoolStats
 from vmm.reservation import Reservation
 from vmm.owner import PoolOwner
-from vmm.share import PoolShare, SharedPool
+from vmm.share import PoolShare, SharedPool, Tenant
 from vmm.swap import SlotStore, SwapSpace
 
 
@@ -69,6 +69,6 @@ def make_backend(name: str, page_size: int | None = None, device: int = 0, share
 
 
 __all__ = ["Backend", "HostBackend", "CudaBackend", "cuda_unavailable_reason", "make_backend",
-           "PageAllocator", "PagePool", "PoolOwner", "AttachedPool", "PoolStats", "Reservation", "SharedPool", "PoolShare", "SlotStore", "SwapSpace", "VmmError", "BackendUnavailable",
+           "PageAllocator", "PagePool", "Pool", "Tenant", "PoolOwner", "AttachedPool", "PoolStats", "Reservation", "SharedPool", "PoolShare", "SlotStore", "SwapSpace", "VmmError", "BackendUnavailable",
            "PoolExhausted", "DoubleFree", "NotMapped", "AlreadyMapped", "OutOfRange",
            "UnmappedAccess", "ReservationReleased", "InvariantViolation", "PartialUnmap"]

@@ -123,7 +123,7 @@ class PoolOwner:
         self.directory: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # name -> pages, least recently used first
         self.name_of: dict[int, bytes] = {}
         self.evictions = self.recovered = 0  # directory entries evicted; pages released for dead processes
-        self.idle = 0  # cached pages no process references: what an alloc may evict
+        self.unreferenced = 0  # cached pages no process references: what an alloc may evict
         self.announce = announce
         self.changes: deque[tuple] = deque()  # ("stored", name, meta) / ("removed", name), oldest first
         self.announced: set[bytes] = set()  # names logged as stored and not yet as removed
@@ -318,7 +318,7 @@ class PoolOwner:
     def _alloc(self, client: int, n: int) -> list[int]:
         if not 1 <= n <= self.pool.num_pages:
             raise ValueError(f"alloc n must be in [1, {self.pool.num_pages}], got {n}")
-        if self.pool.num_free + self.idle < n:  # eviction could not make the room: none of it
+        if self.pool.num_free + self.unreferenced < n:  # eviction could not make the room: none of it
             return []
         if self.pool.num_free < n:
             self._evict(n)
@@ -335,15 +335,15 @@ class PoolOwner:
         self._release(client, page)
 
     def _add(self, page: int, holder: int) -> None:
-        """One more holder of page (the one place holders grow, so `idle` stays true)."""
-        self.idle -= self.holders[page] == {DIRECTORY}
+        """One more holder of page (the one place holders grow, so `unreferenced` stays true)."""
+        self.unreferenced -= self.holders[page] == {DIRECTORY}
         self.holders[page].add(holder)
 
     def _release(self, holder: int, page: int) -> None:
         """One holder less (the one place holders shrink); the last one frees the page."""
-        self.idle -= self.holders[page] == {DIRECTORY}
+        self.unreferenced -= self.holders[page] == {DIRECTORY}
         self.holders[page].discard(holder)
-        self.idle += self.holders[page] == {DIRECTORY}
+        self.unreferenced += self.holders[page] == {DIRECTORY}
         self.pool.drop(page)
 
     def _publish(self, client: int, name: bytes, pages: tuple[int, ...], meta: dict | None = None) -> bool:
@@ -435,8 +435,8 @@ class PoolOwner:
             return self._stats()
 
     def _stats(self) -> dict:
-        return {"free": self.pool.num_free, "total": self.pool.num_pages, "cached": self.idle,
-                "obtainable": self.pool.num_free + self.idle,
+        return {"free": self.pool.num_free, "total": self.pool.num_pages, "cached": self.unreferenced,
+                "obtainable": self.pool.num_free + self.unreferenced,
                 "named": len(self.directory), "processes": len(self.held), "evictions": self.evictions,
                 "recovered": self.recovered,
                 "held": {str(self.pids.get(c, c)): len(p) for c, p in self.held.items()}}
@@ -451,9 +451,9 @@ class PoolOwner:
     def _audit(self, claims: dict[int, set[int]] | None = None) -> None:
         expected = {page: len(h) for page, h in enumerate(self.holders) if h}
         self.pool.check(expected)
-        idle = sum(1 for holders in self.holders if holders == {DIRECTORY})
-        if idle != self.idle:
-            raise InvariantViolation(f"{idle} cached pages no process references, counted {self.idle}")
+        unreferenced = sum(1 for holders in self.holders if holders == {DIRECTORY})
+        if unreferenced != self.unreferenced:
+            raise InvariantViolation(f"{unreferenced} cached pages no process references, counted {self.unreferenced}")
         for client, pages in self.held.items():
             for page in pages:
                 if client not in self.holders[page]:

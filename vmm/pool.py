@@ -3,6 +3,10 @@
 A page is either free (in `free_ids`, reference count 0) or referenced. Its reference count is
 the number of mappings of it plus the explicit holds on it (`alloc` and `hold` each take one).
 Free pages wait in a FIFO deque, so alloc and the last drop are O(1).
+
+Three classes are pools to reservations and KV caches, declared by the `Pool` protocol below:
+`PagePool` (the pages themselves), `PoolShare` (one tenant's part of a pool several models draw
+from, vmm/share.py) and `AttachedPool` (a pool another process owns, vmm/attach.py).
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import weakref
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from vmm.backend import Backend
 from vmm.errors import DoubleFree, InvariantViolation, OutOfRange, PoolExhausted
@@ -25,6 +30,36 @@ class PoolStats:
     shared: int
     peak_in_use: int
     asleep: bool = False  # every physical page given back: none in use, none free
+
+
+class Pool(Protocol):
+    """What reservations and KV caches use of a pool, whichever of the three it is."""
+    page_size: int
+    backend: Backend
+    handles: list  # the backend's handle of each page, by id
+    ref_counts: list[int]  # (a sequence) each page's references, by id
+    lock: threading.RLock  # taken by every call that changes the pool or its mappings
+
+    @property
+    def num_pages(self) -> int: ...
+    @property
+    def most_pages(self) -> int: ...  # the most this user can ever hold (a share's cap, less others' floors)
+    @property
+    def num_free(self) -> int: ...  # obtainable now without reclaiming anything
+    def alloc(self) -> int: ...
+    def alloc_many(self, n: int) -> list[int]: ...
+    def hold(self, page: int) -> None: ...
+    def drop(self, page: int) -> bool: ...  # True when that was the last reference
+    def drop_many(self, pages) -> None: ...
+    def own_refs(self, page: int) -> int: ...  # references this process holds
+    def borrow(self, need: int) -> None: ...  # ask whoever shares the pool for room (no-op alone)
+    def borrowable(self) -> int: ...
+    def stats(self) -> PoolStats: ...
+    def check(self, expected: Mapping[int, int]) -> None: ...
+    def audit(self, reservations: Iterable, held: Mapping[int, int] = ...) -> None: ...
+    def release_memory(self) -> None: ...
+    def restore_memory(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class PageAllocator:

@@ -13,8 +13,8 @@ reference counts) but owns only the pages it allocated. A share never holds more
 cap, and never takes the pages other tenants' floors keep for them: what a tenant can take now
 is min(cap - used, free - the others' unmet floors). When a tenant is short, `borrow` asks the
 others to give back pages they hold but no running sequence needs (the owner of each share
-registers itself as the share's `Tenant`: an engine's Scheduler, whose KV cache gives its idle
-pages first, then its prefix cache's): first the tenants above their fair share (the pool / the number of tenants, or the
+registers a `Tenant` for the share: an engine's scheduler's (engine/sched/tenant.py), whose
+KV cache frees its idle pages first, then its prefix cache's): first the tenants above their fair share (the pool / the number of tenants, or the
 floor if higher), the most above it first, then any tenant above its floor. A tenant at or
 below its floor gives nothing.
 
@@ -24,7 +24,7 @@ usage is the size of its owned set and `audit` checks each tenant's pages agains
 mappings and holds, and the group that every referenced page has exactly one owner.
 
 When that is not enough and the short tenant is below its fair share, the tenants above theirs
-preempt running sequences (`Tenant.give_up`: their own scheduler's rule, swap or recompute) until
+preempt running sequences (`Tenant.preempt_for`: their own scheduler's rule, swap or recompute) until
 they are down to their fair share: a burst on one model cannot keep another from its share.
 
 Limitations. A tenant above its fair share is never preempted for one that is also above
@@ -45,15 +45,15 @@ from vmm.pool import PagePool, PoolStats, expected_refs
 
 class Tenant(Protocol):
     """What the user of a share does for the group when another tenant is short: a declared
-    interface (an engine's Scheduler implements it and registers itself), not callbacks."""
+    interface (engine/sched/tenant.py implements it for an engine), not callbacks."""
 
     def spare_pages(self) -> int:
-        """Pages it could give back now without stopping anything (idle, then cached)."""
+        """Pages it could free now without stopping anything (idle, then cached)."""
 
-    def give_back(self, pages: int) -> None:
-        """Give back up to that many of its spare pages."""
+    def free_spare(self, pages: int) -> None:
+        """Free up to that many of its spare pages."""
 
-    def give_up(self, pages: int) -> None:
+    def preempt_for(self, pages: int) -> None:
         """Preempt running sequences (its own rule) until that many more pages are free."""
 
 
@@ -61,10 +61,10 @@ class _NoTenant:
     def spare_pages(self) -> int:
         return 0
 
-    def give_back(self, pages: int) -> None:
+    def free_spare(self, pages: int) -> None:
         pass
 
-    def give_up(self, pages: int) -> None:
+    def preempt_for(self, pages: int) -> None:
         pass
 
 
@@ -274,14 +274,14 @@ class SharedPool:
             if short() <= 0:
                 return
             if giver.used > giver.floor:
-                giver.tenant.give_back(min(short(), giver.used - giver.floor))
+                giver.tenant.free_spare(min(short(), giver.used - giver.floor))
         if share.used >= self.fair_share(share):
             return
         for giver in above_fair:
             if short() <= 0:
                 return
             if giver.used > self.fair_share(giver):
-                giver.tenant.give_up(min(short(), giver.used - self.fair_share(giver)))
+                giver.tenant.preempt_for(min(short(), giver.used - self.fair_share(giver)))
 
     def borrowable(self, share: PoolShare) -> int:
         """Pages the others would give `share` now: their spare ones above their floors, and,

@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import vmm
+
 from engine.config import EngineConfig
 from engine.kv.manager import KVManager
 from engine.worker.map_ahead import MapAhead
@@ -27,6 +29,7 @@ from engine.core import multi_step
 from engine.core.sample_step import StepSample, sample_step
 from engine.sample.sampler import Sampled, SamplingError, score
 from engine.sched.scheduler import Scheduler
+from engine.sched.tenant import SchedulerTenant
 from engine.sched.step import Scheduled, SchedulerOutput, SeqOutput
 from engine.request.sequence import Sequence
 from engine.sample.spec_decode import NgramProposer, SpeculativeConfig
@@ -51,6 +54,9 @@ class EngineCore:
         self.scheduler = Scheduler(kv, c.max_num_seqs, c.max_num_batched_tokens, policy=c.scheduling_policy,
                                    preemption_mode=c.preemption_mode, eos_ids=eos_ids, max_model_len=max_model_len,
                                    max_loras=c.max_loras if c.enable_lora else None)
+        self.tenant = SchedulerTenant(self.scheduler)  # over a pool several models share, the others ask it
+        if isinstance(kv.pool, vmm.PoolShare):  # for pages (the share holds it weakly: this object keeps it)
+            kv.pool.register(self.tenant)
         self.runner = ModelRunner(model, kv, attention, max_model_len, c.device, c.compute_dtype, workers)
         spec = c.speculative_config
         self.proposer = NgramProposer(SpeculativeConfig.from_dict(spec)) if spec else None
@@ -58,23 +64,23 @@ class EngineCore:
         self.max_steps = c.num_scheduler_steps
 
     def add(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
+        self.scheduler.queues.add(seq)
 
     def abort(self, request_id: str) -> None:
-        self._forget(self.scheduler.finish_request(request_id, "abort"))
+        self._forget(self.scheduler.queues.finish_request(request_id, "abort"))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.queues.has_unfinished()
 
     def step(self, token_budget: int | None = None) -> CoreOutput | None:
         """One forward pass over what the scheduler picks (at most token_budget tokens); None
         when nothing was scheduled."""
-        drafts = self.proposer.propose_all(self.scheduler.running, self.max_model_len) if self.proposer else None
+        drafts = self.proposer.propose_all(self.scheduler.queues.running, self.max_model_len) if self.proposer else None
         out = self.scheduler.schedule(token_budget, drafts)
         if not out:
             return None
         steps, stops = multi_step.plan(out, self.max_steps, self.max_model_len, self.eos_ids,
-                                       bool(self.scheduler.waiting or self.scheduler.swapped))
+                                       bool(self.scheduler.queues.waiting or self.scheduler.queues.swapped))
         if steps > 1 and self.runner.runs_steps(len(out.scheduled)):
             self.scheduler.look_ahead(out, steps)
         # (with nothing scheduled, only requests failed while scheduling: nothing runs)
@@ -118,7 +124,7 @@ class EngineCore:
         """After output processing: the sequences a stop string ended, the requests whose
         processing raised."""
         for seq in stopped:
-            self.scheduler.finish(seq, "stop")
+            self.scheduler.queues.finish(seq, "stop")
         gone = list(stopped)
         for request_id in failed:
             gone += [o.seq for o in self.scheduler.fail_request(request_id, "failed in output processing")]

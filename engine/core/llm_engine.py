@@ -55,12 +55,13 @@ class LLMEngine:
         self.config = c = config
         rank, self.workers = start_ranks(c, loaded[0] if loaded else None, pool)
         self.rank, self.model_config, self.max_model_len = rank, rank.model_config, rank.max_model_len
-        self.model, self.attention, self.kv = rank.model, rank.attention, rank.kv
+        self.model, self.attention, self.kv, self.kv_memory = rank.model, rank.attention, rank.kv, rank.memory
         self.tokenizer = loaded[1] if loaded else load_tokenizer(c.model)
         self.eos_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.kv_events = make_publisher(c.kv_events_config, c.data_parallel_rank)  # vLLM's KV events, or None
-        if self.workers:
+        if self.workers:  # the other ranks replay what changes the KV cache (engine/worker/parallel.py)
             self.kv = RecordedKV(self.kv)
+            self.kv_memory = RecordedKV(self.kv_memory, "memory", self.kv.ops)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.core = EngineCore(c, self.kv, self.model, self.attention, self.max_model_len, self.eos_ids,
                                self.grammars, self.workers)
@@ -68,7 +69,7 @@ class LLMEngine:
         self.loras = LoRARegistry(self.model_config, c.max_lora_rank, c.max_cpu_loras or c.max_loras, c.device,
                                   c.compute_dtype) if c.enable_lora else None
         self.processor = InputProcessor(c, self.model_config, self.max_model_len, self.tokenizer, self.eos_ids,
-                                        self.grammars, self.kv.pages_for, self.kv.pool, self.loras)
+                                        self.grammars, self.kv.capacity, self.loras)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_ids)
         self.closed = False
         self.paused = False  # pause_generation: no step runs until continue_generation
@@ -160,8 +161,8 @@ class LLMEngine:
         if self.has_unfinished():
             raise RuntimeError(f"cannot sleep with {len(self.output_processor.requests)} requests in flight: "
                                f"finish or abort them")
-        if not self.kv.asleep:
-            self.kv.sleep()
+        if not self.kv_memory.asleep:
+            self.kv_memory.sleep()
             self.sync_workers()
             self.publish_kv_events()
         if level == 2:
@@ -183,7 +184,7 @@ class LLMEngine:
         if "weights" in tags and self.model.pages is not None:
             self.model.pages.restore()
         if "kv_cache" in tags:
-            self.kv.wake_up()
+            self.kv_memory.wake_up()
             self.sync_workers()
 
     def reload_weights(self) -> None:
@@ -202,7 +203,7 @@ class LLMEngine:
         for request_id in aborted:
             self.abort(request_id)
         if mode == "retract":
-            self.scheduler.retract_all()
+            self.scheduler.queues.retract_all()
         self.paused = True
         return aborted
 
@@ -224,7 +225,7 @@ class LLMEngine:
             raise EngineSleeping("the weights sleep (level 2): wake_up(tags=['weights']) before writing new ones")
         empty = self.model.pages is not None and self.model.pages.empty
         update = weights.checked(self.model, named_tensors, whole=empty)
-        if self.kv.active_sequences():
+        if self.kv_memory.busy:
             raise RuntimeError("requests in flight hold KV computed with the current weights: "
                                "pause_generation('retract') or ('abort') first")
         weights.apply(self.model, update)
@@ -232,7 +233,8 @@ class LLMEngine:
             self.model.pages.filled()
         # a fresh name, not one derived from the old alone: two runs (or two processes over one
         # pool) updating the same start to different weights must not find each other's KV
-        self.kv.forget_prefixes(hashlib.sha256(self.kv.namespace + b"vkv/weights-update" + secrets.token_bytes(32)).digest())
+        renamed = hashlib.sha256(self.kv.namespace + b"vkv/weights-update" + secrets.token_bytes(32)).digest()
+        self.kv_memory.forget_prefixes(renamed)
         self.publish_kv_events()
         log.info("vkv: weights updated in place (%d tensors, version %d)", len(update), self.weights_version)
 
@@ -284,7 +286,7 @@ class LLMEngine:
     @property
     def is_sleeping(self) -> bool:
         """The KV cache or the weights (level 2) are asleep."""
-        return self.kv.asleep or (self.model.pages is not None and self.model.pages.asleep)
+        return self.kv_memory.asleep or (self.model.pages is not None and self.model.pages.asleep)
 
     # -- the loop -------------------------------------------------------------------------
     def step(self, token_budget: int | None = None) -> list[RequestOutput | BeamSearchOutput]:
@@ -307,7 +309,7 @@ class LLMEngine:
     # -- numbers --------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         kv, ahead = self.kv.stats(), self.core.map_ahead
-        running, waiting = self.scheduler.running, [*self.scheduler.waiting, *self.scheduler.swapped]
+        running, waiting = self.scheduler.queues.running, [*self.scheduler.queues.waiting, *self.scheduler.queues.swapped]
         adapters = lambda seqs: tuple(sorted({s.lora.name for s in seqs if s.lora is not None}))
         token_bytes = sum(s.num_computed_tokens for s in running) * self.kv.layout.token_bytes
         mapped_bytes = (kv.pages_in_use + kv.pages_idle) * kv.page_size

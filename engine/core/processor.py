@@ -8,7 +8,6 @@ an `EngineRequest`, the engine adds without checking again.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -16,6 +15,7 @@ import torch
 from engine.request.beam_search import BeamSearchParams
 from engine.sched.beam_search import BeamGroup
 from engine.config import EngineConfig
+from engine.kv.capacity import KVCapacity
 from engine.request.inputs import Prompt, tokenize
 from engine.request.lora_request import LoRARequest
 from engine.worker.lora import Adapter, LoRARegistry
@@ -40,13 +40,13 @@ class EngineRequest:
 
 class InputProcessor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tokenizer,
-                 eos_ids: tuple[int, ...], grammars: Grammars, pages_for: Callable[[int], int], pool,
+                 eos_ids: tuple[int, ...], grammars: Grammars, capacity: KVCapacity,
                  loras: LoRARegistry | None = None):
-        """pages_for: KV pages a sequence of n tokens needs; pool: the KV pool (its num_pages);
-        loras: the LoRA adapters in memory (None: LoRA is off)."""
+        """capacity: the KV cache's room (the pages a sequence needs, the most this model can
+        hold); loras: the LoRA adapters in memory (None: LoRA is off)."""
         self.config, self.model_config, self.max_model_len = config, model_config, max_model_len
         self.tokenizer, self.eos_ids, self.grammars = tokenizer, eos_ids, grammars
-        self.pages_for, self.pool, self.loras = pages_for, pool, loras
+        self.capacity, self.loras = capacity, loras
 
     def process(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams,
                 group: str | None = None, priority: int = 0, lora_request: LoRARequest | None = None) -> EngineRequest:
@@ -91,21 +91,21 @@ class InputProcessor:
         total = len(request.prompt.token_ids) + params.max_tokens
         width = params.beam_width if isinstance(params, BeamSearchParams) else 1
         pages = width * self.pages_needed(total)
-        most = self.pool.most_pages
+        most = self.capacity.most
         if pages > most:
-            shared = " (this model's cap, less the other models' floors)" if most < self.pool.num_pages else ""
+            shared = " (this model's cap, less the other models' floors)" if most < self.capacity.total else ""
             raise ValueError(f"{total} tokens{f' for {width} beams' if width > 1 else ''} need {pages} KV pages, "
                              f"more than the whole KV budget of {most} pages{shared}")
 
     def pages_needed(self, total: int) -> int:
         """The most pages a sequence of `total` tokens maps at once (a sliding window's pages are
         let go as it grows)."""
-        window = self.model_config.sliding_window
+        window, pages_for = self.model_config.sliding_window, self.capacity.pages_for
         if not window:
-            return self.pages_for(total)
+            return pages_for(total)
         # the live rows (a window and a step's chunk) start anywhere in a page: one page more
         # a region than the rows alone fill (a review's reproducer looped for ever on that page)
-        return min(self.pages_for(total), self.pages_for(window + self.config.max_num_batched_tokens) + self.pages_for(1))
+        return min(pages_for(total), pages_for(window + self.config.max_num_batched_tokens) + pages_for(1))
 
     def adapter(self, request: LoRARequest | None) -> Adapter | None:
         """The adapter a request names, loaded and checked (engine/worker/lora.py); ValueError by name."""

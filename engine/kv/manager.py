@@ -4,7 +4,8 @@ by prefix hash, and no sequence ever writes into a page someone else references.
 It decides; a layout (engine/kv/layout.py: the virtual slots of engine/kv/virtual.py, the block
 table of engine/kv/paged.py) says where pages are. It is built whole, over its layout, with the
 prefix cache on or off, the namespace pages are named in, the sliding window and the KV tiers
-(engine/kv/build.py), and nothing is attached afterwards. Its verbs, each with one meaning:
+(engine/kv/build.py), and nothing is attached afterwards. Its ten verbs are the scheduler's,
+each with one meaning:
 
   can_allocate   is there a place for n more sequences?
   admit          give the sequence a place, map the longest cached prefix, then restore the
@@ -23,13 +24,14 @@ prefix cache on or off, the namespace pages are named in, the sliding window and
                  to the swap tier and the pages back to the pool (a layout that `swaps`)
   swap_in        fresh pages at the same places, the bytes copied back: computed again
   release        the sequence is done or preempted; its place and references go
-  reclaim        free pages nobody running needs (idle places, then cached entries)
-  num_free_pages / free_pages / num_pages / pages_for / cached_prefix   what the scheduler
-                 sizes its decisions by (free after reclaiming; free now; the pool; a sequence's need)
-  join_pool / spare_pages / give_back   a tenant of a pool several models share (vmm.Tenant:
-                 the scheduler registers through join_pool and answers through these)
-  sleep / wake_up / forget_prefixes / close     the engine's: memory away and back, new weights, the end
-  stats / audit  numbers, and the check that every page's count is who holds it
+  reclaim        free pages nobody running needs (idle places, then cached entries), until a
+                 number are free
+  cached_prefix  (reads) how much of a waiting sequence's prompt admit would find
+
+Beside them: `capacity` (engine/kv/capacity.py), what the scheduler sizes its decisions by;
+`stats` and `audit`, numbers and the check that every page's count is who holds it. The engine's
+own duties over the same cache (sleep, wake up, new weights, the end) are engine/kv/memory.py's;
+a tenant's duties in a pool several models share are engine/sched/tenant.py's.
 
     tokens   0 ........................ computed ........ end ........ len(seq)
     pages    [ cached / shared ][ private ][ mapped by ensure_mapped ]
@@ -46,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from engine.kv.capacity import KVCapacity
 from engine.kv.events import KVEventLog
 from engine.kv.layout import KVHandle, KVLayout
 from engine.kv.lookup import Lookup, make_room, reclaim
@@ -54,7 +57,6 @@ from engine.kv.tiers import KVTiers
 from engine.request.sequence import Sequence
 from engine.stats import KVStats
 from vmm import PoolExhausted
-from vmm.share import PoolShare, Tenant
 
 
 class Offload:
@@ -87,6 +89,7 @@ class KVManager:
         self.offload = Offload(layout, tiers) if tiers else None
         self.prefix_cache = PrefixCache(self.pool, self.events, self.offload) if prefix_caching else None
         self.lookup = Lookup(layout, self.prefix_cache, tiers, namespace, window)
+        self.capacity = KVCapacity(layout, self.prefix_cache)
         self.handles: set[KVHandle] = set()  # every seq.kv given out and not yet released
         self.map_seconds = 0.0
         self.cow_copies = 0
@@ -96,51 +99,13 @@ class KVManager:
     def namespace(self) -> bytes:
         return self.lookup.namespace
 
-    # -- room -------------------------------------------------------------------------------
-    def join_pool(self, tenant: Tenant) -> None:
-        """Over a share of a pool several models draw from (vmm/share.py): `tenant` (the
-        scheduler) is who the others ask for pages. Elsewhere nothing to do."""
-        if isinstance(self.pool, PoolShare):
-            self.pool.register(tenant)
-
-    @property
-    def num_pages(self) -> int:
-        """The pool's pages (this model's share's, over a shared pool)."""
-        return self.pool.num_pages
-
-    @property
-    def free_pages(self) -> int:
-        """Pages free now, without reclaiming anything."""
-        return self.pool.num_free
-
-    def can_allocate(self, n: int = 1) -> bool:
-        return self.layout.can_allocate(n)
-
-    def pages_for(self, num_tokens: int) -> int:
-        """Pages, over all regions, that a sequence of num_tokens maps."""
-        return self.layout.pages_for(num_tokens)
-
-    @property
-    def num_free_pages(self) -> int:
-        """Pages obtainable now without preempting anyone (a lower bound)."""
-        return self.pool.num_free + self.spare_pages() + self.pool.borrowable()
-
     def reclaim(self, want_free: int) -> None:
         """Free pages that no running sequence needs until want_free are free (lookup.reclaim)."""
         reclaim(self.layout, self.prefix_cache, want_free)
 
-    def make_room(self, need: int) -> bool:
+    def _make_room(self, need: int) -> bool:
         """Are `need` pool pages free, after reclaiming (lookup.make_room)?"""
         return make_room(self.layout, self.prefix_cache, need)
-
-    def spare_pages(self) -> int:
-        """Pages held that no running sequence needs: idle, then cached alone (what give_back frees)."""
-        cached = self.prefix_cache.evictable_pages() if self.prefix_cache else 0
-        return self.layout.reclaimable_pages() + cached
-
-    def give_back(self, pages: int) -> None:
-        """Free up to `pages` of the spare ones, for another tenant of a shared pool."""
-        self.reclaim(self.pool.num_free + pages)
 
     # -- the sequence life cycle (the scheduler's calls) -----------------------------------
     def admit(self, seq: Sequence, cached: bool = True) -> int:
@@ -174,7 +139,7 @@ class KVManager:
         need = (len(missing) + len(shared)) * self.layout.num_regions
         if not need:
             return True
-        if not self.make_room(need):
+        if not self._make_room(need):
             return False
         start = time.perf_counter()
         try:  # over a pool other processes share, the room seen may be taken before the alloc
@@ -263,16 +228,12 @@ class KVManager:
         seq.kv = self.layout.place(seq)
         self.handles.add(seq.kv)
 
-    # -- swapping: a capability of the layout (`swaps`); the block table preempts by recompute
-    @property
-    def swaps(self) -> bool:
-        return self.layout.swaps
-
+    # -- swapping: a capability of the layout (capacity.swaps); the block table preempts by recompute
     def swap_out(self, seq: Sequence) -> bool:
         """Move seq's private pages to the swap tier; False, nothing done, if the tier is full.
         A page the prefix cache holds stays there, evictable, and comes back without a copy if
         it is still cached at swap-in."""
-        if not self.layout.swap_out(seq, self.held_by_cache()):
+        if not self.layout.swap_out(seq, self._held_by_cache()):
             return False
         self.swap_outs += 1
         return True
@@ -283,7 +244,7 @@ class KVManager:
         process took the room first, part done (the next call goes on from there)."""
         saved = self.layout.swapped_pages(seq)
         missing, shared = self._plan_mapping(seq, num_tokens)
-        if not self.make_room((len(saved.keys() | missing) + len(shared)) * self.layout.num_regions + keep_free):
+        if not self._make_room((len(saved.keys() | missing) + len(shared)) * self.layout.num_regions + keep_free):
             return False
         start, handle = time.perf_counter(), seq.kv
         cache = self.prefix_cache.entries if self.prefix_cache else {}
@@ -297,41 +258,9 @@ class KVManager:
         self.swap_ins += 1
         return self.ensure_mapped(seq, num_tokens)  # False on the same race: swapped in, the rest next try
 
-    # -- the engine's: memory away and back, new weights, the end ----------------------------
-    def forget_prefixes(self, namespace: bytes) -> None:
-        """New weights: every cached entry goes (not to the tiers: its KV is the old weights')
-        and pages are named in `namespace` from now on, so nothing computed before is found
-        again, here, in a tier or in a pool other processes share. No sequence may hold KV."""
-        if self.handles:
-            raise RuntimeError(f"{len(self.handles)} sequences still hold KV")
-        if self.prefix_cache:
-            self.prefix_cache.clear(offload=False)
-        self.lookup.namespace = namespace
-
-    def sleep(self) -> None:
-        """Give every physical page back (the prefix cache is emptied); the places kernels read
-        (`k_caches`, `v_caches`) stay the same objects. No sequence may hold KV: the engine
-        finishes or refuses requests first."""
-        if self.handles:
-            raise RuntimeError(f"{len(self.handles)} sequences still hold KV")
-        if self.prefix_cache:
-            self.prefix_cache.clear()  # to the tiers, if any: they come back after wake_up
-        self.layout.unmap_all()
-
-    def wake_up(self) -> None:
-        self.layout.wake_up()
-
-    @property
-    def asleep(self) -> bool:
-        return self.layout.asleep
-
-    def active_sequences(self) -> int:
-        """Sequences holding a place (running or swapped out)."""
-        return len(self.handles)
-
     def close(self) -> None:
-        """The cached entries go to the tiers, which finish their writes (so a restarted engine
-        finds them on disk); then every page and range goes back."""
+        """The end: the cached entries go to the tiers, which finish their writes (so a restarted
+        engine finds them on disk); then every page and range goes back."""
         if self.offload:
             self.offload.flushing = True
         if self.prefix_cache:
@@ -341,16 +270,16 @@ class KVManager:
         self.layout.close()
 
     # -- checks and numbers -----------------------------------------------------------------
-    def held_by_cache(self) -> dict[int, int]:
+    def _held_by_cache(self) -> dict[int, int]:
         return self.prefix_cache.held() if self.prefix_cache else {}
 
     def audit(self) -> None:
         """Raise if any page's reference count disagrees with who holds it."""
-        self.layout.audit(self.handles, self.held_by_cache())
+        self.layout.audit(self.handles, self._held_by_cache())
 
     def stats(self) -> KVStats:
         pool, c, lookup = self.pool.stats(), self.prefix_cache, self.lookup
-        held = self.held_by_cache()
+        held = self._held_by_cache()
         idle = self.layout.pages_idle(held)
         cached = sum(1 for p in held if self.pool.own_refs(p) == 1)
         swap_out, swap_in = self.layout.swap_bytes

@@ -33,6 +33,15 @@ class Continuation:
     parent: Sequence
     token_id: int
     cum_logprob: float
+    branch: bool = False  # the parent is continued by an earlier continuation too: a child forks for this one
+
+
+def gang(seq: Sequence, running: list[Sequence]) -> list[Sequence]:
+    """The running sequences that leave with seq when it is preempted: itself, and its beam
+    search's other beams (they cannot advance without it)."""
+    if seq.beam is None:
+        return [seq]
+    return [s for s in running if s is seq or s.beam is seq.beam]
 
 
 class BeamGroup:
@@ -55,6 +64,11 @@ class BeamGroup:
     def take(self, beams: list[Sequence], continuations: list[Continuation]) -> None:
         """The beams now live, one per continuation of the last `advance`."""
         self.live = {beam: c.cum_logprob for beam, c in zip(beams, continuations)}
+
+    def unchosen(self, continuations: list[Continuation]) -> list[Sequence]:
+        """The live beams no continuation continues: dropped."""
+        chosen = {id(c.parent) for c in continuations}
+        return [beam for beam in self.live if id(beam) not in chosen]
 
     def fail(self) -> None:
         """The search ended in an error: no beam lives on."""
@@ -88,6 +102,10 @@ class BeamGroup:
         self.finished = sorted(self.finished + ended, key=lambda h: h.score, reverse=True)[:width]
         self._check_improvement(continuations, beams[0].num_output_tokens + 1)
         self.logprobs.clear()
+        seen = set()
+        for c in continuations:
+            c.branch = id(c.parent) in seen
+            seen.add(id(c.parent))
         return continuations if self.can_improve else []
 
     def _finish_reason(self, c: Continuation) -> str | None:

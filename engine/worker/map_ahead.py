@@ -50,7 +50,7 @@ class MapAhead:
     def _map(self, plan: list) -> float:
         start = time.perf_counter()
         for seq, end in plan:
-            if self.kv.free_pages <= self.keep_free:
+            if self.kv.capacity.free_now <= self.keep_free:
                 break
             limit = seq.num_prompt_tokens + seq.params.max_tokens  # it never grows past this
             self.kv.map_ahead(seq, end, min(end + self.tokens, limit), self.keep_free)

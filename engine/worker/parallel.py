@@ -93,47 +93,53 @@ class SeqState:
 
 
 # -- the operations: a call of one of the KV cache's verbs that change state ----------------
-# The verbs the workers replay, in one list: a new state-changing verb of the KV cache joins here.
-MUTATING = ("admit", "ensure_mapped", "map_ahead", "commit", "fork", "release", "swap_out", "swap_in", "reclaim",
-            "sleep", "wake_up")
+# The verbs the workers replay, per object (the KV manager, the engine's KVMemory), in one table:
+# a new state-changing verb of either joins here.
+MUTATING = {"kv": ("admit", "ensure_mapped", "map_ahead", "commit", "fork", "release", "swap_out", "swap_in",
+                   "reclaim"),
+            "memory": ("sleep", "wake_up")}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class KVOp:
     """One call of a MUTATING verb as rank 0 made it, its sequences as snapshots (SeqState),
     for each worker to make on its own cache."""
+    target: str  # "kv" or "memory" (MUTATING)
     verb: str
     args: tuple
     kwargs: dict
 
-    def apply(self, kv, seqs: dict[int, SeqState]):
+    def apply(self, parts: Rank, seqs: dict[int, SeqState]):
         args = [a.live(seqs) if isinstance(a, SeqState) else a for a in self.args]
-        result = getattr(kv, self.verb)(*args, **self.kwargs)
+        result = getattr(getattr(parts, self.target), self.verb)(*args, **self.kwargs)
         if self.verb == "release":  # the worker forgets the sequence with its handle
             seqs.pop(self.args[0].seq_id, None)
         return result
 
 
 class RecordedKV:
-    """Rank 0's KV cache: the MUTATING verbs are logged as KVOps for the workers (calls the
-    cache makes inside them are not: the workers' caches make them too); the rest reads through."""
+    """Rank 0's KV manager (target "kv") or KVMemory ("memory"): the MUTATING verbs are logged
+    as KVOps for the workers, both objects into one log (`ops`, shared) in the order they were
+    made (calls the cache makes inside them are not: the workers' caches make them too); the
+    rest reads through."""
 
-    def __init__(self, kv):
-        self._kv, self.ops = kv, []
+    def __init__(self, obj, target: str = "kv", ops: list | None = None):
+        self._obj, self._target, self.ops = obj, target, ops if ops is not None else []
 
     def __getattr__(self, name):
-        attr = getattr(self._kv, name)
-        if name not in MUTATING:
+        attr = getattr(self._obj, name)
+        if name not in MUTATING[self._target]:
             return attr
 
         def recorded(*args, **kwargs):
             snapshot = tuple(SeqState.of(a) if isinstance(a, Sequence) else a for a in args)
-            self.ops.append(KVOp(name, snapshot, kwargs))
+            self.ops.append(KVOp(self._target, name, snapshot, kwargs))
             return attr(*args, **kwargs)
         return recorded
 
     def take_ops(self) -> list:
-        ops, self.ops = self.ops, []
+        ops = list(self.ops)
+        self.ops.clear()
         return ops
 
 
@@ -330,7 +336,7 @@ def worker_main(config: EngineConfig, rank: int, world: int, init: str) -> None:
                 dist.gather_object(pool_state(parts.kv), None, dst=0)
                 continue
             for op in ops:
-                op.apply(parts.kv, seqs)
+                op.apply(parts, seqs)
             if step is not None:
                 runner.forward(*step)
     finally:

@@ -16,6 +16,7 @@ from engine.worker.attention import AttentionBackend, pick_attention
 from engine.config import EngineConfig
 from engine.kv.build import make_kv_cache
 from engine.kv.manager import KVManager
+from engine.kv.memory import KVMemory
 from engine.worker.model_runner import activation_peak
 from engine.models import load_config, load_model
 from engine.models.config import ModelConfig
@@ -28,6 +29,7 @@ class Rank:
     model: object
     attention: AttentionBackend
     kv: KVManager
+    memory: KVMemory  # the engine's side of the same cache: sleep, wake up, new weights
 
     def platform(self, c: EngineConfig) -> dict[str, str]:
         """Which paths run on this machine, and why: arithmetic, GEMMs, attention, kernel ISA."""
@@ -69,4 +71,4 @@ def build_rank(c: EngineConfig, rank: int = 0, model=None, pool: vmm.PoolShare |
         peak = activation_peak(model, c.max_num_batched_tokens, c.max_num_seqs, c.device)
     kv = make_kv_cache(c, shard_config(mc, tp), c.kv_budget_bytes(peak) // tp, max_model_len,
                        attention.tile_rows(attention.target), pool, mc.sliding_window, model.fingerprint)
-    return Rank(mc, max_model_len, model, attention, kv)
+    return Rank(mc, max_model_len, model, attention, kv, KVMemory(kv))
