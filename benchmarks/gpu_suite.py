@@ -53,10 +53,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
-TEST_FILES = ["tests/test_cuda_backend.py", "tests/test_gpu.py", "tests/test_attention_contracts.py",
-              "tests/test_vmm.py", "tests/test_vmm_processes.py", "tests/test_vmm_property.py",
-              "tests/test_kv_property.py", "tests/test_kv_pool_processes.py", "tests/test_weight_pages.py",
-              "tests/test_replicas.py"]  # its GPU test: two replicas on one GPU, a prompt handed over by mapping
+TEST_FILES = ["tests/vmm/test_cuda_backend.py", "tests/worker/test_gpu.py", "tests/worker/test_attention_contracts.py",
+              "tests/vmm/test_vmm.py", "tests/vmm/test_vmm_processes.py", "tests/vmm/test_vmm_property.py",
+              "tests/kv/test_kv_property.py", "tests/kv/test_kv_pool_processes.py", "tests/models/test_weight_pages.py",
+              "tests/serving/test_replicas.py"]  # its GPU test: two replicas on one GPU, a prompt handed over by mapping
 
 
 def mapping(out: Path, args) -> dict:

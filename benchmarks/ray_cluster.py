@@ -1,5 +1,5 @@
 """A Ray cluster of several nodes on this machine (a head and `ray start --address` nodes, each
-with its own CPUs), started and stopped whole: for tests/test_ray_serve.py and
+with its own CPUs), started and stopped whole: for tests/serving/test_ray_serve.py and
 benchmarks/bench_ray_router.py. Stopping kills only this cluster's processes (found by its
 temporary directory and its port), never another Ray on the machine. A process that talks to the
 cluster takes `env` (its address and its authentication token)."""

@@ -73,25 +73,54 @@ class KVEventsConfig:
 
 
 
+def _at_least(config, names: tuple[str, ...], low: int) -> None:
+    for name in names:
+        if getattr(config, name) < low:
+            raise ValueError(f"{name} must be >= {low}, got {getattr(config, name)}")
+
+
+# -- one config per concern (vLLM's ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig,
+# LoRAConfig): each holds its fields and checks them when it is made, alone or as part of an
+# EngineConfig; what depends on two concerns is EngineConfig's `check_pairs`. ---------------
 @dataclass
-class EngineConfig:
+class ModelArgs:
+    """What runs: the checkpoint, the device, the dtypes, the attention kernel."""
     model: str | None = None
     device: str | None = None  # cpu | cuda[:N]; default: cuda when present
     dtype: str | torch.dtype | None = None  # default: bf16 on cuda, fp32 on cpu
+    attention_backend: str | None = None  # one of ATTENTION_BACKENDS; default: best present
+    enable_sleep_mode: bool = False  # weights in pages that sleep(level=2) gives back (engine/models/weight_pages.py)
+    seed: int = 0  # a random:<preset> model's weights
+
+    def __post_init__(self):
+        self.check_model()
+
+    def check_model(self) -> None:
+        self.device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but PyTorch sees no CUDA GPU")
+        if self.dtype is None:
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        elif isinstance(self.dtype, str):
+            if self.dtype not in DTYPES:
+                raise ValueError(f"unknown dtype {self.dtype!r}: choose one of {sorted(DTYPES)}")
+            self.dtype = DTYPES[self.dtype]
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}: "
+                             f"choose one of {ATTENTION_BACKENDS}")
+
+
+@dataclass
+class CacheConfig:
+    """The KV cache: its layout and bytes, its pages, prefix caching, the tiers below it, the
+    pool it may draw from, and what it announces."""
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: "auto" is the model's dtype
-    kv_layout: str | None = None  # default: per_layer on the CPU, interleaved on a GPU (see below)
-    kv_cache_memory: int | None = None  # bytes of physical KV pages; default below
+    kv_layout: str | None = None  # default: per_layer on the CPU, interleaved on a GPU (EngineConfig.check_pairs)
+    kv_cache_memory: int | None = None  # bytes of physical KV pages; default: kv_budget_bytes
     gpu_memory_utilization: float = 0.9  # share of free GPU memory for KV when no byte budget
     page_size: int | None = None  # bytes; default: 2 MiB on cuda, 64 KiB on the host
     block_size: int = 16  # tokens per block, paged layout
-    max_num_seqs: int = 32
-    max_model_len: int | None = None  # default: min(model's, 2048)
-    max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
-    enable_sleep_mode: bool = False  # weights in pages that sleep(level=2) gives back (engine/models/weight_pages.py)
-    attention_backend: str | None = None  # one of ATTENTION_BACKENDS; default: best present
-    scheduling_policy: str = "fcfs"  # "priority": a request's priority value, lower first; "lpm": longest cached prefix first
-    preemption_mode: str = "recompute"  # or "swap": private pages to the swap tier (virtual layouts)
     swap_space: float = 4  # GiB of swap tier (preemption_mode="swap"): a sparse file, pinned memory on CUDA
     swap_path: str | None = None  # the host tier's file; default: an anonymous temporary file
     # KV tiers for evicted prefix-cache entries (engine/kv/tiers.py), vLLM's names. Off by default:
@@ -106,111 +135,154 @@ class EngineConfig:
     # computed is read in place by the others (host backend, virtual layouts).
     kv_pool: str | None = None
     # KV events in vLLM's format (engine/kv/publisher.py): vLLM's KVEventsConfig as a dict, e.g.
-    # {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}
+    # {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}
     kv_events_config: dict | KVEventsConfig | None = None
-    data_parallel_rank: int = 0  # this engine's rank among replicas: its events' rank and port offset
-    tensor_parallel_size: int = 1  # ranks sharing every layer's heads (CPU, torch.distributed gloo)
-    distributed_init: str | None = None  # rank 0's rendezvous, e.g. tcp://10.0.0.1:29500; default: a free local port
-    tensor_parallel_workers: str = "spawn"  # or "external": ranks 1..N-1 are started with `vkv tp-worker`
     map_ahead_tokens: int = 0  # > 0: a worker thread maps each sequence's next pages during the forward pass
-    speculative_config: dict | None = None  # vLLM's: {"method": "ngram", "num_speculative_tokens": k, ...}
+
+    def __post_init__(self):
+        self.check_cache()
+
+    def check_cache(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}: choose one of {tuple(KV_CACHE_DTYPES)}")
+        if self.kv_layout not in (None, *KV_LAYOUTS):
+            raise ValueError(f"unknown kv_layout {self.kv_layout!r}: choose one of {KV_LAYOUTS}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        _at_least(self, ("block_size",), 1)
+        _at_least(self, ("map_ahead_tokens",), 0)
+        if self.swap_space <= 0:
+            raise ValueError(f"swap_space must be > 0 GiB, got {self.swap_space}")
+        if self.kv_offloading_size < 0 or self.kv_offloading_path_size <= 0:
+            raise ValueError("kv_offloading_size must be >= 0 GiB and kv_offloading_path_size > 0 GiB, got "
+                             f"{self.kv_offloading_size} and {self.kv_offloading_path_size}")
+        if self.kv_events_config is not None:
+            self.kv_events_config = KVEventsConfig.of(self.kv_events_config)
+
+    @property
+    def offloading(self) -> bool:
+        """Is there a KV tier below the pool?"""
+        return bool(self.kv_offloading_size or self.kv_offloading_path)
+
+
+@dataclass
+class SchedulerConfig:
+    """How steps are made: their sizes, the admission and preemption rules, several decode
+    steps in one call, speculative drafts."""
+    max_num_seqs: int = 32
+    max_model_len: int | None = None  # default: min(model's, 2048)
+    max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"  # "priority": a request's priority value, lower first; "lpm": longest cached prefix first
+    preemption_mode: str = "recompute"  # or "swap": private pages to the swap tier (virtual layouts)
     # vLLM v0's multi-step decode: up to this many greedy decode steps run in one native call, with no
     # scheduling or sampling in Python between them (engine/core/multi_step.py says when; 1: off)
     num_scheduler_steps: int = 1
-    # LoRA adapters (engine/worker/lora.py), vLLM's names: requests may name an adapter; a step runs rows
-    # of at most max_loras distinct adapters; at most max_cpu_loras stay loaded (default max_loras).
+    speculative_config: dict | None = None  # vLLM's: {"method": "ngram", "num_speculative_tokens": k, ...}
+
+    def __post_init__(self):
+        self.check_scheduler()
+
+    def check_scheduler(self) -> None:
+        check_scheduling(self.scheduling_policy, self.preemption_mode)
+        _at_least(self, ("max_num_seqs", "max_num_batched_tokens"), 1)
+        if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
+        if self.num_scheduler_steps > 1 and self.speculative_config:
+            raise ValueError("num_scheduler_steps > 1 with speculative_config: a step either verifies drafts "
+                             "or runs several greedy steps, not both (as in vLLM)")
+
+
+@dataclass
+class ParallelConfig:
+    """Ranks: tensor parallelism across processes, and this engine's place among replicas."""
+    tensor_parallel_size: int = 1  # ranks sharing every layer's heads (CPU, torch.distributed gloo)
+    distributed_init: str | None = None  # rank 0's rendezvous, e.g. tcp://10.0.0.1:29500; default: a free local port
+    tensor_parallel_workers: str = "spawn"  # or "external": ranks 1..N-1 are started with `vkv tp-worker`
+    data_parallel_rank: int = 0  # this engine's rank among replicas: its events' rank and port offset
+
+    def __post_init__(self):
+        self.check_parallel()
+
+    def check_parallel(self) -> None:
+        _at_least(self, ("tensor_parallel_size",), 1)
+        _at_least(self, ("data_parallel_rank",), 0)
+        if self.tensor_parallel_workers not in ("spawn", "external"):
+            raise ValueError(f"tensor_parallel_workers must be 'spawn' or 'external', got {self.tensor_parallel_workers!r}")
+        if self.tensor_parallel_workers == "external" and not self.distributed_init:
+            raise ValueError("tensor_parallel_workers='external' needs distributed_init (where the workers meet rank 0)")
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters (engine/worker/lora.py), vLLM's names: requests may name an adapter; a step
+    runs rows of at most max_loras distinct adapters; at most max_cpu_loras stay loaded."""
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
-    seed: int = 0
+    max_cpu_loras: int | None = None  # default: max_loras
 
     def __post_init__(self):
-        self.device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' asked for, but PyTorch sees no CUDA GPU")
-        if self.dtype is None:
-            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        elif isinstance(self.dtype, str):
-            if self.dtype not in DTYPES:
-                raise ValueError(f"unknown dtype {self.dtype!r}: choose one of {sorted(DTYPES)}")
-            self.dtype = DTYPES[self.dtype]
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}: choose one of {tuple(KV_CACHE_DTYPES)}")
+        self.check_lora()
+
+    def check_lora(self) -> None:
+        _at_least(self, ("max_loras", "max_lora_rank"), 1)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+
+@dataclass
+class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, ModelArgs):
+    """Every engine setting, by the names LLM(...) and the command line take (vLLM's EngineArgs):
+    the fields of the five concerns above (bases listed last-first, so `model` comes first), each
+    concern checking its own, then the pairs across concerns (`check_pairs`)."""
+
+    def __post_init__(self):
+        self.check_model()
+        self.check_cache()
+        self.check_scheduler()
+        self.check_parallel()
+        self.check_lora()
+        self.check_pairs()
+
+    def check_pairs(self) -> None:
+        """Settings of two concerns that depend on each other:
+          kv_layout's default            <- device (model)
+          preemption_mode "swap"         x kv_layout "paged"
+          enable_sleep_mode (model)      x tensor_parallel_size
+          KV tiers, kv_pool (cache)      x enable_prefix_caching, kv_layout, tensor_parallel_size
+          KV events (cache)              x enable_prefix_caching
+          tensor_parallel_size           x device, enable_lora"""
         if self.kv_layout is None:
             # Measured on the CPU (AVX2 EPYC, 32 ShareGPT requests): per_layer 124.5 output tok/s,
             # interleaved 109.4. The host maps 4 KiB page-table entries, and an interleaved token
             # row (every layer's K and V) puts each key of a layer on its own page: a TLB miss per
             # key. On a GPU, 2 MiB pages make interleaved's one-map-per-page the better trade.
             self.kv_layout = "interleaved" if self.device.type == "cuda" else "per_layer"
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"unknown kv_layout {self.kv_layout!r}: choose one of {KV_LAYOUTS}")
-        check_scheduling(self.scheduling_policy, self.preemption_mode)
         if self.preemption_mode == "swap" and self.kv_layout == "paged":
             raise ValueError("preemption_mode='swap' needs a virtual kv_layout (interleaved or per_layer): "
                              "it brings pages back at the same virtual addresses")
         if self.enable_sleep_mode and self.tensor_parallel_size > 1:
             raise ValueError("enable_sleep_mode with tensor_parallel_size > 1: the other ranks' weights are other "
                              "processes' memory, which sleep level 2 cannot give back yet")
-        if self.kv_offloading_size < 0 or self.kv_offloading_path_size <= 0:
-            raise ValueError("kv_offloading_size must be >= 0 GiB and kv_offloading_path_size > 0 GiB, got "
-                             f"{self.kv_offloading_size} and {self.kv_offloading_path_size}")
         if self.offloading and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size / kv_offloading_path keep evicted prefix-cache entries: "
                              "they need prefix caching on")
         if self.offloading and self.tensor_parallel_size > 1:
             raise ValueError("kv_offloading_size / kv_offloading_path with tensor_parallel_size > 1 is not "
                              "wired: each rank would need its own tier")
-        if self.swap_space <= 0:
-            raise ValueError(f"swap_space must be > 0 GiB, got {self.swap_space}")
         if self.kv_pool is not None and (self.kv_layout == "paged" or self.tensor_parallel_size > 1
                                          or self.offloading):
             raise ValueError("kv_pool (a pool shared across processes) is wired for one rank with a virtual "
                              "kv_layout and no KV tiers so far")
-        if self.kv_events_config is not None:
-            self.kv_events_config = KVEventsConfig.of(self.kv_events_config)
-            if self.kv_events_config.publishes and not self.enable_prefix_caching:
-                raise ValueError("kv_events_config announces prefix-cache pages: it needs prefix caching on")
-        if self.data_parallel_rank < 0:
-            raise ValueError(f"data_parallel_rank must be >= 0, got {self.data_parallel_rank}")
-        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
-            raise ValueError(f"unknown attention backend {self.attention_backend!r}: "
-                             f"choose one of {ATTENTION_BACKENDS}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_workers not in ("spawn", "external"):
-            raise ValueError(f"tensor_parallel_workers must be 'spawn' or 'external', got {self.tensor_parallel_workers!r}")
-        if self.tensor_parallel_workers == "external" and not self.distributed_init:
-            raise ValueError("tensor_parallel_workers='external' needs distributed_init (where the workers meet rank 0)")
+        if self.kv_events_config is not None and self.kv_events_config.publishes and not self.enable_prefix_caching:
+            raise ValueError("kv_events_config announces prefix-cache pages: it needs prefix caching on")
         if self.tensor_parallel_size > 1 and self.device.type != "cpu":
             raise ValueError("tensor parallelism runs on the CPU (gloo) so far; the GPU path (NCCL) is not wired")
-        if self.map_ahead_tokens < 0:
-            raise ValueError(f"map_ahead_tokens must be >= 0, got {self.map_ahead_tokens}")
-        if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
-        if self.num_scheduler_steps > 1 and self.speculative_config:
-            raise ValueError("num_scheduler_steps > 1 with speculative_config: a step either verifies drafts "
-                             "or runs several greedy steps, not both (as in vLLM)")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_loras", "max_lora_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora with tensor_parallel_size > 1 is not wired: the adapters' deltas "
                              "would need sharding like the weights")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
-
-    @property
-    def offloading(self) -> bool:
-        """Is there a KV tier below the pool?"""
-        return bool(self.kv_offloading_size or self.kv_offloading_path)
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""An engine process over a shared KV pool (tests/test_kv_pool_processes.py): generates greedily
+"""An engine process over a shared KV pool (tests/kv/test_kv_pool_processes.py): generates greedily
 for the prompt it is given, prints one JSON line (tokens, prefix statistics), then keeps its
 pages until stdin closes or it is killed."""
 import json

@@ -12,6 +12,9 @@ import torch
 
 from engine.worker.parallel import free_port
 
+TESTS = Path(__file__).resolve().parent  # support modules (helpers, lossy, cuda_emulator, ...) live here
+ROOT = TESTS.parent  # the repository
+
 # SmolLM2-135M's KV geometry (its pages, budgets and head splits) on a narrow random model
 # (engine/models/presets.py): for tests of page accounting, which do not need trained weights, at
 # a tenth of the compute. Tests against transformers keep the bundled SmolLM2.
@@ -180,3 +183,65 @@ def serving(app, **config):
     finally:
         srv.should_exit = True
         thread.join(timeout=10)
+
+
+# -- a server in a test -----------------------------------------------------------------------
+def async_engine(**config):
+    """An engine behind the server's loop thread: random:tiny with 16 MiB of KV unless told."""
+    from engine.config import EngineConfig
+    from engine.core.llm_engine import LLMEngine
+    from engine.serving.loop.async_engine import AsyncEngine
+    return AsyncEngine(LLMEngine(EngineConfig(**{"model": "random:tiny", "kv_cache_memory": 16 << 20, **config})))
+
+
+@contextlib.contextmanager
+def served(engine, name: str = "tiny", options=None, **uvicorn_config):
+    """One server's app over `engine` (served as `name`) on a free loopback port: yields its base
+    URL; the engine is shut down after, however the test ends."""
+    from engine.serving.api.server import build_app
+    from engine.serving.options import ServerOptions
+    try:
+        with serving(build_app(engine, name, options or ServerOptions()), **uvicorn_config) as base:
+            yield base
+    finally:
+        engine.shutdown()
+
+
+def complete(base: str, prompt=(1, 2, 3, 4, 5), *, key: str | None = None, headers: dict | None = None,
+             timeout: float = 60, **body):
+    """POST /v1/completions: greedy, 5 tokens, EOS ignored, unless `body` says otherwise."""
+    import httpx
+    sent = {"prompt": list(prompt) if not isinstance(prompt, str) else prompt, "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, **body}
+    auth = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(base + "/v1/completions", json=sent, headers=auth | (headers or {}), timeout=timeout)
+
+
+# -- a checkpoint on disk ---------------------------------------------------------------------
+def _tiny_shape() -> dict:
+    from engine.models.presets import PRESETS
+    return dict(PRESETS["tiny"], num_hidden_layers=3)
+
+
+SHAPE = _tiny_shape()  # a Hugging Face config.json of the tiny preset's shape, three layers
+
+
+def checkpoint(path, seed: int) -> dict[str, torch.Tensor]:
+    """A Hugging Face checkpoint of random weights (the tiny preset's shape) at path."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from engine.models.config import ModelConfig
+    from engine.models.weights import checkpoint_shapes
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in checkpoint_shapes(ModelConfig.from_hf(SHAPE)).items():
+        if len(shape) == 1:
+            tensors[name] = 1 + 0.1 * torch.randn(shape, generator=g)
+        else:
+            tensors[name] = torch.randn(shape, generator=g) / shape[1] ** 0.5
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(SHAPE))
+    save_file(tensors, str(path / "model.safetensors"))
+    return tensors

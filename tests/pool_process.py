@@ -1,4 +1,4 @@
-"""A process attached to a shared pool, driven line by line over stdin (tests/test_vmm_processes.py).
+"""A process attached to a shared pool, driven line by line over stdin (tests/vmm/test_vmm_processes.py).
 
 `pool_process.py SOCKET [host|cuda]`: cuda imports the pool's pages through vkv's CudaBackend
 (the real driver on a GPU, the driver emulator elsewhere). Commands: `write NAME VALUE` maps a

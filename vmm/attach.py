@@ -160,6 +160,8 @@ class AttachedPool:
         with self.lock:
             if n == 0:
                 return []
+            if n > self.num_pages:  # as any pool: more than it has is exhaustion, not a bad request
+                raise PoolExhausted(f"need {n} pages, the shared pool has {self.num_pages}")
             if n > ALLOC_BATCH:  # more than one answer holds: in parts, all or none
                 taken: list[int] = []
                 try:

@@ -16,7 +16,7 @@ to the first that stops it.
 
 Implementation: the native loop (`decode_layers` given `tokens`) is the one-step call's
 arithmetic, with torch.max's first maximal index as the pick, so the tokens are the ones that
-single steps pick (tests/test_multi_step.py holds every layout and dtype to that).
+single steps pick (tests/core/test_multi_step.py holds every layout and dtype to that).
 
 Limitations: tokens arrive in bursts of up to `num_scheduler_steps` (a stream waits longer for
 its next token, and a request arriving mid-call waits for the call); rows that stop before the

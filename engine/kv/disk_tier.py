@@ -32,7 +32,7 @@ MAX_PENDING_BYTES = 256 << 20  # disk writes queued (bytes) before new ones are 
 
 class FileSystem:
     """Every OS call the disk tier makes, in one place: what fault-injection tests fail in turn
-    (tests/test_tier_faults.py), and what keeps the tier's reads bounded. Opening never follows a
+    (tests/kv/test_tier_faults.py), and what keeps the tier's reads bounded. Opening never follows a
     symlink and never blocks (a FIFO opens at once and is then refused by fstat)."""
     OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

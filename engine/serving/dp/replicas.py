@@ -35,7 +35,7 @@ checks the client's key and the body's size, then proxies the OpenAI routes:
 
 Limitations. On a GPU every replica runs on the pool's one device (the owner creates the pages
 shareable and exports them; each replica imports them): run on an H100 only as
-tests/test_replicas.py's GPU test (two replicas, 2026-11-26, through benchmarks/gpu_suite.py),
+tests/serving/test_replicas.py's GPU test (two replicas, 2026-11-26, through benchmarks/gpu_suite.py),
 and no replica on another device. One model per replica set (several models: `--model NAME=SOURCE`
 without -dp). The proxy adds a loopback hop (well under a millisecond against steps of tens).
 The front door reads each body to route it (bounded by --max-body-bytes); adapters loaded at run

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import ext
 from engine.models import ops
 from engine.worker.attention import StepAttention
-from helpers import make_batch
+from helpers import ROOT, TESTS, make_batch
 
 pytestmark = pytest.mark.skipif(ext.cpu_kernels() is None, reason=f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -394,7 +394,7 @@ def test_attention_reads_nothing_past_each_context():
         print("ok")
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=__file__.rsplit("/", 1)[0])
+                          cwd=str(TESTS))
     assert done.returncode == 0 and "ok" in done.stdout, (done.returncode, done.stderr[-2000:])
 
 
@@ -416,7 +416,7 @@ def test_every_other_isa_builds_and_equals_the_references(isa):
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                            "-k", "not other_isa and not without_the_native and not builder_died and not is_gone"],
                           capture_output=True, text=True, env={**os.environ, "VKV_CPU_ISA": isa},
-                          cwd=__file__.rsplit("/", 2)[0])
+                          cwd=str(ROOT))
     assert done.returncode == 0, (isa, done.stdout[-3000:], done.stderr[-2000:])
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-1000:]
 

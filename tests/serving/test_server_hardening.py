@@ -19,7 +19,7 @@ from engine.serving import http
 from engine.serving.http import GuardedH11Protocol
 from engine.serving.options import ServerOptions
 from engine.serving.api.server import build_app
-from helpers import assert_pool_whole, serving
+from helpers import assert_pool_whole, async_engine, served
 
 OPTIONS = ServerOptions(max_body_bytes=4 << 20, body_timeout=1.5, max_prompts_per_request=16)
 
@@ -29,13 +29,10 @@ PER_PEER = 16  # connections one address may hold open
 
 @pytest.fixture(scope="module")
 def server():
-    engine = AsyncEngine(LLMEngine(EngineConfig(model="random:tiny", max_num_seqs=4, kv_cache_memory=16 << 20,
-                                                page_size=4096, max_model_len=256)))
-    app = build_app(engine, "tiny", OPTIONS)
+    engine = async_engine(max_num_seqs=4, page_size=4096, max_model_len=256)
     protocol = type("H", (GuardedH11Protocol,), {"header_timeout": 1.0, "max_per_peer": PER_PEER, "peers": Counter()})
-    with serving(app, http=protocol) as base:
+    with served(engine, "tiny", OPTIONS, http=protocol) as base:
         yield base, engine, int(base.rsplit(":", 1)[1])
-    engine.shutdown()
 
 
 def post(base: str, path: str, body, **kw) -> httpx.Response:

@@ -9,11 +9,9 @@ import threading
 
 import httpx
 import pytest
-from helpers import serving
-from test_weights_update import checkpoint
+from helpers import async_engine, checkpoint, serving
 
 from engine import SamplingParams
-from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.multi import MultiLLM
 from engine.serving.loop.async_engine import AsyncEngine, RequestCancelled, Turns
@@ -25,8 +23,7 @@ OPTIONS = ServerOptions(enable_weight_updates=True)
 
 
 def tiny() -> AsyncEngine:
-    return AsyncEngine(LLMEngine(EngineConfig(model="random:tiny", kv_cache_memory=16 << 20, page_size=4096,
-                                              max_model_len=256)))
+    return async_engine(page_size=4096, max_model_len=256)
 
 
 def test_bad_checkpoint_paths_are_400s_and_a_sleep_while_paused_answers(tmp_path):

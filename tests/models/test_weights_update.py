@@ -3,38 +3,15 @@ update_weights_from_tensor / update_weights_from_disk, greedy outputs equal a fr
 the new weights, on every layout, with prefix caching and a KV tier on; no prefix computed
 under the old weights is served; a mismatched update is refused by name and changes nothing;
 pause_generation / continue_generation abort or retract requests in flight."""
-import json
 
 import pytest
 import torch
-from helpers import assert_pool_whole, bundled_dir, hf_trainer
-from safetensors.torch import save_file
+from helpers import assert_pool_whole, bundled_dir, checkpoint, hf_trainer
 
 from engine import LLM, SamplingParams
-from engine.models.config import ModelConfig
-from engine.models.presets import PRESETS
-from engine.models.weights import checkpoint_shapes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 PROMPTS = [[(i * 31 + j * 7) % 4000 + 50 for j in range(120)] for i in range(3)]
-SHAPE = dict(PRESETS["tiny"], num_hidden_layers=3)
-
-
-def checkpoint(path, seed: int) -> dict[str, torch.Tensor]:
-    """A Hugging Face checkpoint of random weights (the tiny preset's shape) at path."""
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, shape in checkpoint_shapes(ModelConfig.from_hf(SHAPE)).items():
-        if len(shape) == 1:
-            tensors[name] = 1 + 0.1 * torch.randn(shape, generator=g)
-        else:
-            tensors[name] = torch.randn(shape, generator=g) / shape[1] ** 0.5
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(SHAPE))
-    save_file(tensors, str(path / "model.safetensors"))
-    return tensors
-
-
 def greedy(llm) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 

@@ -9,14 +9,14 @@ import os
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
-from helpers import assert_pool_whole, serving
+from helpers import SHAPE, assert_pool_whole, checkpoint, serving
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.config import EngineConfig
 from engine.core.llm_engine import EngineSleeping
 from engine.models import load_config, load_model
 from engine.models.weight_pages import WeightPages
-from test_weights_update import GREEDY, PROMPTS, SHAPE, checkpoint, greedy
+from test_weights_update import GREEDY, PROMPTS, greedy
 
 
 def weight_tensors(model) -> list[torch.Tensor]:

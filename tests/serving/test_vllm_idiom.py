@@ -6,12 +6,8 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams  # as `from vllm import LLM, SamplingParams`
-from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine
-from engine.serving.api.server import build_app
-from engine.serving.loop.async_engine import AsyncEngine
 from engine.serving.options import ServerOptions
-from helpers import NARROW, serving
+from helpers import NARROW, async_engine, served
 
 KEY = "sk-idiom"
 
@@ -63,10 +59,9 @@ def test_greedy_tokens_are_rank_one_and_stop_reason_names_the_stop(llm):
 
 @pytest.fixture(scope="module")
 def server():
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=NARROW, kv_cache_memory=16 << 20)))
-    with serving(build_app(engine, "m", ServerOptions(api_key=KEY))) as base:
+    engine = async_engine(model=NARROW)
+    with served(engine, "m", ServerOptions(api_key=KEY)) as base:
         yield base, engine
-    engine.shutdown()
 
 
 def test_tokenize_detokenize_and_version_answer_as_vllms(server):

@@ -12,7 +12,7 @@ import ext
 from engine.models import ops
 from engine import LLM, SamplingParams
 from engine.models.linear import FEW_ROWS, Linear
-from helpers import assert_pool_whole
+from helpers import ROOT, assert_pool_whole
 from engine.request.outputs import top_of
 from lossy import (Tolerance, assert_agree_until_a_near_tie, assert_close, continuations, greedy_with_gaps,
                    scored_completion, teacher_forced)
@@ -290,7 +290,7 @@ def test_two_threads_on_one_core_wait_by_yielding_not_by_spinning_out_their_time
     import subprocess
     import sys
     done = subprocess.run([sys.executable, "-c", SHARED_CORE, PROMPTS[0]], capture_output=True, text=True, timeout=240,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          cwd=str(ROOT))
     assert done.returncode == 0, done.stderr[-3000:]
     runs = ast.literal_eval(done.stdout.strip().splitlines()[-1])
     (one, *one_tokens), (two, *two_tokens) = runs[1], runs[2]

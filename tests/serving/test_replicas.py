@@ -19,6 +19,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.worker.parallel import free_port
 from engine.top import render, scrape
+import helpers
 from helpers import child_env
 
 KEY = "sk-front"
@@ -91,9 +92,8 @@ def _up(url: str) -> bool:
 
 
 def complete(url: str, prompt: list[int], rank: int | None = None, max_tokens: int = 8) -> httpx.Response:
-    headers = {"authorization": f"Bearer {KEY}"} | ({"x-data-parallel-rank": str(rank)} if rank is not None else {})
-    return httpx.post(url + "/v1/completions", headers=headers, timeout=120,
-                      json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    return helpers.complete(url, prompt, key=KEY, headers={"x-data-parallel-rank": str(rank)} if rank is not None else {},
+                            timeout=120, max_tokens=max_tokens)
 
 
 def test_replicas_hand_prompts_over_by_mapping_share_prefixes_and_survive_a_kill(front):

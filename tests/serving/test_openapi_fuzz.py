@@ -82,7 +82,7 @@ def app(tiny_engine, group):
     app = build_app({"tiny": tiny_engine}, options=ServerOptions(max_prompts_per_request=8, max_n=4,
                                                                  allow_runtime_lora_updating=True), group=group)
     for route in app.routes:  # the admin routes too (the served schema leaves them out, as vLLM's does),
-        # less an RL loop's, off here (--enable-weight-updates) and tested in tests/test_weights_update.py
+        # less an RL loop's, off here (--enable-weight-updates) and tested in tests/models/test_weights_update.py
         if hasattr(route, "include_in_schema") and getattr(route, "path", "") not in RL_ROUTES:
             route.include_in_schema = True
     return app

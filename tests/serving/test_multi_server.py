@@ -5,6 +5,7 @@ import time
 
 import httpx
 import pytest
+import helpers
 from helpers import serving
 
 from engine import LLM, SamplingParams
@@ -31,10 +32,7 @@ def server():
 
 
 def complete(base: str, model: str | None, prompt=(1, 2, 3, 4, 5), **extra) -> httpx.Response:
-    body = {"prompt": list(prompt), "max_tokens": 5, "temperature": 0, "ignore_eos": True, **extra}
-    if model is not None:
-        body["model"] = model
-    return httpx.post(base + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    return helpers.complete(base, prompt, key=KEY, **({"model": model} if model is not None else {}), **extra)
 
 
 def test_requests_go_to_the_model_they_name(server):

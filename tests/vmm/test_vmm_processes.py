@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,14 +16,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from conftest import BACKENDS, cuda_unavailable, make_cuda_backend
-from helpers import child_env
+from helpers import TESTS, child_env
 from vmm import HostBackend, Reservation
 from vmm.attach import AttachedPool, OwnerError
 from vmm.errors import PoolExhausted
 from vmm.owner import PoolOwner
 
 PAGE = 4096  # host pages; CUDA pages are the driver's granularity
-HELPER = Path(__file__).with_name("pool_process.py")
+HELPER = TESTS / "pool_process.py"
 
 
 def owner_backend(kind: str):
@@ -46,8 +45,7 @@ def attach(owner) -> AttachedPool:
 
 
 def spawn(owner):
-    tests = Path(__file__).parent
-    env = child_env(str(tests))
+    env = child_env(str(TESTS))
     return subprocess.Popen([sys.executable, str(HELPER), owner.path, owner.kind], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
 

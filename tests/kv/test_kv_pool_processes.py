@@ -8,17 +8,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from conftest import BACKENDS, make_cuda_backend
-from helpers import child_env
+from helpers import TESTS, child_env
 
 CUDA_KIND = BACKENDS[1]
 from vmm import HostBackend, PoolOwner, cuda_unavailable_reason
 
-HELPER = Path(__file__).with_name("engine_process.py")
+HELPER = TESTS / "engine_process.py"
 
 
 def start(sock, layout, prompt):

@@ -14,6 +14,7 @@ the library itself does not support (flash-attn-4 before Hopper) skips, with the
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ import torch
 from engine.worker import attention, attention_step
 from engine.worker.attention import StepAttention
 from engine.models.ops import rope_table
-from helpers import make_batch
+from helpers import ROOT, TESTS, child_env, make_batch
 
 pytestmark = pytest.mark.contracts  # benchmarks/gpu_suite.py runs these on a GPU, the real kernels too
 HQ, HKV, D = 6, 2, 64
@@ -179,7 +180,7 @@ def test_flash_attention_4_tiles_are_mapped_and_zeroed_by_the_kv_cache():
         print("ok")
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=__file__.rsplit("/", 1)[0])
+                          cwd=str(Path(__file__).parent), env=child_env(str(TESTS)))
     assert done.returncode == 0 and "ok" in done.stdout, (done.returncode, done.stderr[-2000:])
 
 
@@ -197,7 +198,7 @@ def test_the_builtin_flash_op_still_takes_the_engines_arguments():
 
 
 def test_the_gpu_suite_explains_itself_and_refuses_without_a_gpu():
-    suite = [sys.executable, __file__.rsplit("/", 2)[0] + "/benchmarks/gpu_suite.py"]
+    suite = [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py")]
     shown = subprocess.run(suite + ["--help"], capture_output=True, text=True)
     assert shown.returncode == 0 and "--out" in shown.stdout and "attention" in shown.stdout
     if not torch.cuda.is_available():

@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.serving.options import ServerOptions
 from engine.serving.api.server import build_app
-from helpers import free_port, serving
+from helpers import async_engine, free_port, served
 from lossy import prompt_scores
 
 KEY = "sk-test-key"
@@ -26,10 +26,9 @@ PROMPTS = ["The capital of France is", "Water boils at", "1, 2, 3, 4,", "The opp
 
 @pytest.fixture(scope="module")
 def server():
-    engine = AsyncEngine(LLMEngine(EngineConfig(max_num_seqs=32, kv_cache_memory=256 << 20)))
-    with serving(build_app(engine, MODEL, ServerOptions(api_key=KEY, max_body_bytes=64 << 10))) as base:
+    engine = async_engine(model=None, max_num_seqs=32, kv_cache_memory=256 << 20)
+    with served(engine, MODEL, ServerOptions(api_key=KEY, max_body_bytes=64 << 10)) as base:
         yield base, engine
-    engine.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,10 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "engine" / "README.md", ROOT / "benchmarks" / "README.md"]
 TEXT = "\n".join(doc.read_text() for doc in DOCS)
 COMMANDS = sorted(set(re.findall(r"(?:^[ \t]+|`)(?:\.venv/bin/)?vkv ([a-z][a-z-]+)", TEXT, re.MULTILINE)))

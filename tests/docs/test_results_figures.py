@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "README.md"
 NUMBER = re.compile(r"(?<![\w.])([-+]?\d[\d,]*(?:\.\d+)?)\s?(x|%)?")
 FRACTION = re.compile(r"(?<![\w.,/])(\d+)/(\d+)(?![\w.,/])")  # "11/32": a share the JSON holds as 0.34375

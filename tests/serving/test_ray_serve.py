@@ -12,13 +12,14 @@ import sys
 import threading
 import time
 import warnings
-from pathlib import Path
 
 import httpx
 import pytest
 
+from helpers import ROOT  # noqa: E402
+
 pytest.importorskip("ray.serve")
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from ray_cluster import LocalRayCluster  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
