@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import ext
 from engine.models import ops
 from engine.worker.attention import StepAttention
-from helpers import ROOT, TESTS, make_batch
+from helpers import ROOT, TESTS, child_env, make_batch
 
 pytestmark = pytest.mark.skipif(ext.cpu_kernels() is None, reason=f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -394,7 +394,7 @@ def test_attention_reads_nothing_past_each_context():
         print("ok")
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=str(TESTS))
+                          cwd=str(TESTS), env=child_env())
     assert done.returncode == 0 and "ok" in done.stdout, (done.returncode, done.stderr[-2000:])
 
 

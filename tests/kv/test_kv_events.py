@@ -342,7 +342,7 @@ def test_pool_events_refuse_what_they_cannot_do_and_leave_nothing(tmp_path, monk
 
     from engine.config import EngineConfig
     from engine.serving.options import ServerOptions
-    from engine.serving import replicas
+    from engine.serving.dp import replicas
     from engine.serving.dp.replicas import ReplicaSet
     taken = zmq.Context.instance().socket(zmq.PUB)
     port = taken.bind_to_random_port("tcp://127.0.0.1")

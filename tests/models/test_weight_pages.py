@@ -100,6 +100,7 @@ def test_weight_pages_over_each_backend_keep_addresses_and_take_new_values(backe
     assert all(torch.equal(t, v) for t, v in zip(tensors, values))
     pages.pool.audit([pages.range])
     pages.close()
+    backend.close()  # (its context: a test that counts the emulator's retains may run next in this worker)
     if backend.device.type != "cpu":  # weights elsewhere cannot move into the pages in place: refused by name
         on_host = load_model("random:tiny", load_config("random:tiny"), torch.device("cpu"), torch.float32)
         with pytest.raises(ValueError, match="load the model on the pages' device"):
@@ -209,7 +210,8 @@ def test_a_wake_up_without_memory_fails_clearly_and_leaves_the_weights_asleep():
         pytest.skip(f"no CUDA backend: {cuda_unavailable()}")
     from cuda_emulator import counts, fail
     model = load_model("random:tiny", load_config("random:tiny"), torch.device("cpu"), torch.float32)
-    pages = WeightPages(model, make_cuda_backend())
+    backend = make_cuda_backend()
+    pages = WeightPages(model, backend)
     pages.release()
     before = counts().allocations
     fail("cuMemCreate", 2)
@@ -220,3 +222,4 @@ def test_a_wake_up_without_memory_fails_clearly_and_leaves_the_weights_asleep():
     assert pages.empty
     pages.pool.audit([pages.range])
     pages.close()
+    backend.close()  # (its context: a test that counts the emulator's retains may run next in this worker)

@@ -170,7 +170,7 @@ def prefixes_land_where_they_were_computed_and_outputs_equal_one_engines(app):
     assert httpx.post(f"http://127.0.0.1:{app}/v1/completions", json={"prompt": "hi"}, timeout=60).status_code == 401
     big = httpx.post(f"http://127.0.0.1:{app}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                      content=b'{"prompt": "' + b"a" * (2 << 20) + b'"}', timeout=60)  # over the 1 MiB default
-    assert big.status_code == 413 and "over" in big.json()["error"]["message"]  # the ingress stops reading it
+    assert big.status_code == 413 and "exceeds" in big.json()["error"]["message"]  # the ingress stops reading it
     stream = httpx.post(f"http://127.0.0.1:{app}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                         json={"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "stream": True}, timeout=60)
     assert stream.text.rstrip().endswith("data: [DONE]") and stream.text.count("data: ") == 7
