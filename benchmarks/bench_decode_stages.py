@@ -6,7 +6,7 @@
 bench_decode_share.py gives the whole step's share of the read bound; this says where the rest
 goes. The engine is bench_vs_llamacpp.py's decode alone (a 4-token prompt, --tokens greedy tokens,
 --num-scheduler-steps 8, prefix caching off, all threads). With decode_layers' stage clock on
-(torch.ops.vkv.time_decode_stages, ext/cpu/kernels.cpp), each run sums every stage's time: per
+(torch.ops.vkv.time_decode_stages, ext/cpu/decode_step.cpp), each run sums every stage's time: per
 layer the context prefetch, the two norms, the qkv projection, rope and the cache store,
 attention, the o projection, the gate/up projection with silu folded in, the down projection;
 per step the pick (last norm, the LM head's half-size copy, the exact pick) and the next token's

@@ -33,7 +33,7 @@ Run it alone: two engines of 2 threads each on 2 cores slow each other 3-10x.
 call (engine/core/multi_step.py; tokens then come in bursts of 8, which a throughput run does not
 see); llama-batched-bench decodes one token a call. The default, 1, is vkv's default. Those steps
 pick each token from a copy of the LM head in half its bytes (bf16 in fp32, int8 in bf16; the same
-tokens: ext/cpu/kernels.cpp's Note [An exact greedy pick from half the LM head's bytes]), so vkv
+tokens: ext/cpu/greedy_pick.cpp's Note [An exact greedy pick from half the LM head's bytes]), so vkv
 streams fewer bytes a token than the model's file: its share of the bandwidth bound is taken over
 what it streams (`vkv_bytes_per_token`).
 

@@ -1,10 +1,15 @@
 """Native fast paths, kept only where a measurement earns them, each with the pure-torch
 reference the tests hold it to (engine/models/ops.py, engine/worker/attention.py).
 
-`cpu_kernels()` loads ext/cpu/kernels.cpp as `torch.ops.vkv.*`, compiling it the first time on
-a machine (about 20 s; g++ and ninja) into $VKV_CACHE_DIR/ext (default ~/.cache/vkv/ext),
-keyed by the source, the compiler flags, torch's version and the CPU's features, so later
-starts only load it. Where it cannot be built, it returns None and `cpu_kernels_error()` says
+`cpu_kernels()` loads ext/cpu/ as `torch.ops.vkv.*`: a source file per kernel family (attention,
+rope, norms, panels, the decode step, the greedy pick, LoRA; ops.cpp registers them and ops.h
+lists them; the inner loops several families share in headers), compiled the first time on a
+machine (g++ and ninja) into $VKV_CACHE_DIR/ext (default ~/.cache/vkv/ext), keyed by every
+source and header, the compiler flags, torch's version and the CPU's features, so later starts
+only load it. The files are compiled as one translation unit (a generated file that includes
+each): torch's headers cost every unit about 4.5 s, and built as eight units the kernels took
+96 s of CPU against 40 s as one (the 2-vCPU EPYC, -O3), a cost each test build of another ISA
+pays again; one unit also keeps every inner loop inlinable into the decode step as before. Where it cannot be built, it returns None and `cpu_kernels_error()` says
 why; the engine then runs the torch references. A failed build leaves a note under the same
 key, so the next process reads the reason instead of compiling again.
 
@@ -30,14 +35,14 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "cpu" / "kernels.cpp"
+SOURCES = Path(__file__).parent / "cpu"  # *.cpp compiled, *.h included; all of them key the build
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, expanded in our code; the libgomp.so.1
 # it links is the one torch already loaded (same soname), so there is one thread pool.
 # -fno-trapping-math: nothing here turns floating-point exceptions on, and with them possible GCC
 # leaves loops whose body selects between floats scalar, attention's softmax among them (an exp
 # and a rounding per score). No value changes (unlike -ffast-math). The attention op alone, one
 # decode row of the bundled model's shape (9 query heads over 3 KV heads of 64), with this flag,
-# the softmax's fp32 probabilities and AVX2's 3 query rows a pass (kernels.cpp attend_item,
+# the softmax's fp32 probabilities and AVX2's 3 query rows a pass (attention.h attend_item,
 # kScoreRows), against the build before, hot caches, 3 alternations on the 2-vCPU Xeon: AVX2
 # kernels fp32 11.8-13.1 -> 8.7-9.3 us at 130 keys, 20.0-21.8 -> 14.2-15.1 at 250; bf16 16.3-17.0
 # -> 10.9-11.5 and 28.0-29.2 -> 17.0-18.6; AVX-512 kernels bf16 9.9-10.5 -> 9.0-9.8 and 15.9-16.1
@@ -148,10 +153,15 @@ def build_dir() -> Path:
     """Where the kernels for this source, ISA, compiler flags, torch, Python and CPU are built:
     $VKV_CACHE_DIR/ext/cpu-KEY."""
     flags = _flags(kernel_isa()[0])
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(),
+    files = [f.name.encode() + b"\0" + f.read_bytes() for f in _source_files(("*.cpp", "*.h"))]
+    key = hashlib.sha256(b"\0".join([*files, " ".join(flags).encode(), torch.__version__.encode(),
                                      sys.version.encode(), _cpu_features()])).hexdigest()[:16]
     root = Path(os.environ.get("VKV_CACHE_DIR", Path.home() / ".cache" / "vkv"))
     return root / "ext" / f"cpu-{key}"
+
+
+def _source_files(patterns: tuple[str, ...]) -> list[Path]:
+    return sorted(f for pattern in patterns for f in SOURCES.glob(pattern))
 
 
 def _library(build: Path) -> str:
@@ -183,7 +193,9 @@ def _build(build: Path, isa: str, flags: list[str]) -> None:
         try:
             from torch.utils import cpp_extension
 
-            cpp_extension.load(name=_library(build), sources=[str(SOURCE)], build_directory=str(build),
+            unity = build / "vkv_kernels.cpp"  # every family's file in one translation unit (see the note above)
+            unity.write_text("".join(f'#include "{f}"\n' for f in _source_files(("*.cpp",))))
+            cpp_extension.load(name=_library(build), sources=[str(unity)], build_directory=str(build),
                                extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
                                verbose=False)
         except Exception as exc:

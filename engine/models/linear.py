@@ -65,7 +65,7 @@ class Linear(nn.Module):
         self.panels: torch.Tensor | None = None  # [ceil(n / width), k, width] for linear_panels (see above)
         self.panels_n = 0  # the packed weight's rows (a tensor-parallel shard's n, not out_features)
         # an exact greedy pick from half the bytes (fp32 panels' bf16 copy and each row's error bound;
-        # ext/cpu/kernels.cpp's Note [An exact greedy pick from half the LM head's bytes]): `pack_pick`
+        # ext/cpu/greedy_pick.cpp's Note [An exact greedy pick from half the LM head's bytes]): `pack_pick`
         self.pick: torch.Tensor | None = None  # bf16 panels beside fp32 ones; int8 beside bf16 ones
         self.pick_bounds: torch.Tensor | None = None  # [n] fp64
         self.pick_scales: torch.Tensor | None = None  # [n] fp32: each row's int8 scale

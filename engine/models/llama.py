@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         sleep_mode, the weights then move into pages that sleep (engine/models/weight_pages.py). With
         greedy_pick (multi-step decode on), the LM head keeps a copy of its panels in half the bytes (bf16
         beside fp32, int8 beside bf16), from which the one-call path's greedy steps pick each token
-        exactly (ext/cpu/kernels.cpp `greedy_pick`)."""
+        exactly (ext/cpu/greedy_pick.cpp)."""
         compute_dtype = compute_dtype or dtype
         self.weights_dtype, self.compute_dtype = dtype, compute_dtype
         self.to(device=device, dtype=dtype)

@@ -5,7 +5,7 @@ D] (a virtual slot is one block as long as the slot; the block table's blocks ar
 and per sequence a row of a block table. A kernel reads sequence b's position p at
 `cache[table[b, p // rows], p % rows]`, in place.
 
-  native        vkv's CPU kernel (ext/cpu/kernels.cpp): rotary embedding and the K/V store in
+  native        vkv's CPU kernel (ext/cpu/attention.cpp, rope.cpp): rotary embedding and the K/V store in
                 one call, then one attention call per layer for the whole batch
   flash         PyTorch's built-in FlashAttention-2 (CUDA, fp16/bf16, virtual layouts): one
                 varlen call, slot offsets in `cum_seq_k`, lengths in `seqused_k`

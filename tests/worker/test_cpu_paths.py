@@ -228,9 +228,9 @@ def test_attention_refusing_a_step_inside_the_shared_parallel_region_raises_and_
                                                                                                monkeypatch):
     """A one-row step on two threads runs every layer in one parallel region, the threads meeting
     at spinning barriers between stages; in each layer attention runs on one thread while the other
-    asks for the o projection's weights, then both compute it (kernels.cpp layers_in_one_region,
+    asks for the o projection's weights, then both compute it (decode_step.cpp layers_in_one_region,
     attend_then_o_part). The step's row refused there (here: a context shorter than its query,
-    kernels.cpp check_row) must come back as the error, with the other thread released, not left
+    decode_step.cpp check_row) must come back as the error, with the other thread released, not left
     waiting."""
     outcome = refusal_of_a_malformed_step(monkeypatch, lambda a: a[:9] + (torch.zeros_like(a[9]),) + a[10:], 4)
     assert "do not fit" in outcome, outcome  # (ctx_len 0 < q_len 1)
@@ -251,7 +251,7 @@ def _other_shapes(bad: str):
 @pytest.mark.parametrize("bad", ["block_size", "kv_heads"])
 def test_a_one_row_step_whose_shapes_do_not_fit_the_caches_is_refused_not_run_past_them(two_threads, monkeypatch,
                                                                                         bad):
-    """The one region reads a plan of raw pointers gathered once a call (kernels.cpp plan_of); what
+    """The one region reads a plan of raw pointers gathered once a call (decode_step.cpp plan_of); what
     rope_store and attention checked of each layer must still hold there: a block size past the
     cache's rows, or a KV head count other than the cache's, would write and read past the cache.
     Such a step must end in an error naming the mismatch, on the region's path or the one after it."""
@@ -278,7 +278,7 @@ print(repr({t: (min(s for s, _ in r), r[0][1], r[1][1]) for t, r in runs.items()
 
 def test_two_threads_on_one_core_wait_by_yielding_not_by_spinning_out_their_time_slices():
     """A one-row step's layers share one parallel region whose two threads meet at barriers
-    (kernels.cpp layers_in_one_region). Where they share a core (more threads than cores: other
+    (decode_step.cpp layers_in_one_region). Where they share a core (more threads than cores: other
     processes, several engines on a host), a waiting thread that only spins holds the core until
     its time slice ends while the thread it waits for cannot run: 180 such waits a step. The waits
     yield after 50 us (wait_until). Pinned to one core, two threads decode the same tokens as one
@@ -307,7 +307,7 @@ def test_the_native_kernels_build_where_ci_requires_them():
 
 
 def test_a_few_row_step_asks_for_its_next_panel_as_this_cpu_vendor_wants():
-    """Steps of 2 to 12 rows ask for each thread's next panel while computing one (ext/cpu/kernels.cpp,
+    """Steps of 2 to 12 rows ask for each thread's next panel while computing one (ext/cpu/panels.h,
     `panel_tile`): non-temporally on an AMD CPU, where that measured faster, and into L2 elsewhere:
     Intel's non-temporal prefetch fills L1 alone, the panel's lines were gone before they were read,
     and such steps ran 3-4x slower on a Xeon. The platform says which hint runs, and whether one-row

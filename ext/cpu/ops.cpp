@@ -1,0 +1,83 @@
+// vkv's CPU kernels, registered here as torch.ops.vkv.*, one file a family (ops.h lists them); each has a pure-torch reference in
+// engine/ops.py that the tests hold it to.
+//
+//   attention            one call per layer for the whole batch (prefill chunks and decode
+//                        tokens mixed): each sequence's K/V rows are read where they lie,
+//                        through a block table (a virtual slot is one block as long as the
+//                        slot), never past the sequence's context length
+//   rope_store           rotary embedding of q and k in the activation dtype, and k, v stored
+//                        at their positions
+//   add_rms_norm         residual += x; x = rmsnorm(residual) * weight (the first layer's
+//                        norm has no residual)
+//   silu_and_mul         silu(gate) * up over a fused [gate | up] projection
+//   linear_panels        x W^T: register tiles over W packed in column panels; at a few rows
+//                        (decode) each thread streams its panels once, at memory bandwidth
+//   decode_layers        every decoder layer of a few-row step, the kernels above in one call,
+//                        then (given `logits`) last_logits, and (given `tokens`) several greedy
+//                        steps in a row
+//   last_logits          the model's last norm and the LM head over the rows that sample
+//   row_max              each row's maximum and its first index, as torch.max(x, -1) (greedy)
+//   greedy_pick          row_max of h's logits under fp32 panels, from their bf16 copy and a bound
+//   lora_segments        out[rows] += (x[rows] A^T) B for each LoRA adapter's segment of rows
+//
+// Compiled once per machine by ext/__init__.py with -O3 -march=native -ffp-contract=off
+// -fopenmp-simd (the elementwise kernels round like torch's ops; the dot products ask for fma
+// or a simd reduction explicitly); VKV_CPU_ISA=avx2|scalar adds -mno-avx512f|-mno-avx, and the
+// vector layer below (`Vec`) follows what the compiler was allowed.
+// Floats are fp32 or bf16 (activations, cache); a cache may be narrower than the activations
+// (bf16 KV where the CPU computes in fp32; fp8 KV, e4m3 or e5m2, under either: kv_cache_dtype).
+// Every accumulation is fp32.
+
+#include <torch/library.h>
+
+#include "common.h"
+#include "ops.h"
+
+namespace vkv {
+
+std::string isa() { return VKV_ISA; }
+
+}  // namespace vkv
+
+using namespace vkv;
+
+TORCH_LIBRARY(vkv, m) {
+  m.def("isa() -> str", &isa);  // which vector layer this build has
+  m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int block_size, "
+        "Tensor q_start, Tensor q_len, Tensor ctx_len, float scale, Tensor(a!) out) -> ()");
+  m.def("rope_store(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos_sin, Tensor(c!) k_cache, "
+        "Tensor(d!) v_cache, Tensor block_table, int block_size, Tensor token_seq) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  m.def("decode_layers(Tensor(a!) x, Tensor(b!) residual, Tensor[] input_norms, Tensor[] post_norms, float eps, "
+        "Tensor[] qkv_weights, Tensor?[] qkv_biases, Tensor[] o_weights, Tensor[] gate_up_weights, "
+        "Tensor[] down_weights, int num_heads, int num_kv_heads, Tensor positions, Tensor cos_sin, "
+        "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor block_table, int block_size, Tensor token_seq, "
+        "Tensor q_start, Tensor q_len, Tensor ctx_len, float scale, Tensor? rows=None, Tensor? final_norm=None, "
+        "Tensor? lm_head=None, bool bf16=False, Tensor(e!)? logits=None, Tensor? embed=None, Tensor(f!)? tokens=None, "
+        "Tensor? stop_ids=None, Tensor? pick=None, Tensor? pick_bounds=None, Tensor? pick_scales=None) -> ()");
+  m.def("last_logits(Tensor x, Tensor residual, Tensor rows, Tensor norm, float eps, Tensor panels, bool bf16, "
+        "Tensor(a!) out) -> ()");
+  m.def("row_max(Tensor x, Tensor(a!) values, Tensor(b!) indices) -> ()");
+  m.def("greedy_pick(Tensor h, Tensor panels, Tensor pick, Tensor pick_bounds, Tensor? pick_scales, bool bf16, "
+        "Tensor(a!) logits, Tensor(b!) best, Tensor(c!) picked) -> ()");
+  m.def("lora_segments(Tensor x, Tensor(a!) out, Tensor[] a, Tensor[] b, int[] bounds) -> ()");
+  m.def("panel_width() -> int", &panel_width);  // output columns per panel of linear_panels' weights
+  m.def("ahead_hint() -> str", &ahead_hint);  // how steps ask for the weights they read next
+  m.def("time_decode_stages(bool on) -> ()", &time_decode_stages);  // decode_layers' stage clock
+  m.def("decode_stage_times(bool reset) -> Dict(str, float)", &decode_stage_times);  // its sums (us), "steps"
+  m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(vkv, CPU, m) {
+  m.impl("attention", &attention);
+  m.impl("rope_store", &rope_store);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("decode_layers", &decode_layers);
+  m.impl("last_logits", &last_logits);
+  m.impl("row_max", &row_max);
+  m.impl("greedy_pick", &greedy_pick);
+  m.impl("lora_segments", &lora_segments);
+  m.impl("linear_panels", &linear_panels);
+}

@@ -1,0 +1,46 @@
+// The ops each family's file defines, for the registration (ops.cpp) and for decode_step.cpp,
+// which calls several of them.
+#pragma once
+#include <ATen/core/Dict.h>
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+
+namespace vkv {
+
+std::string isa();
+void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+               const at::Tensor& block_table, int64_t block_size, const at::Tensor& q_start, const at::Tensor& q_len,
+               const at::Tensor& ctx_len, double scale, at::Tensor out);
+void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tensor& positions,
+                const at::Tensor& cos_sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& block_table,
+                int64_t block_size, const at::Tensor& token_seq);
+void add_rms_norm(at::Tensor x, std::optional<at::Tensor> residual, const at::Tensor& weight, double eps);
+void silu_and_mul(const at::Tensor& gate_up, at::Tensor out);
+void linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias, at::Tensor out);
+int64_t panel_width();
+std::string ahead_hint();
+void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms, at::TensorList post_norms,
+                   double eps, at::TensorList qkv_weights, const c10::List<std::optional<at::Tensor>>& qkv_biases,
+                   at::TensorList o_weights, at::TensorList gate_up_weights, at::TensorList down_weights,
+                   int64_t num_heads, int64_t num_kv_heads, const at::Tensor& positions, const at::Tensor& cos_sin,
+                   at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& block_table,
+                   int64_t block_size, const at::Tensor& token_seq, const at::Tensor& q_start, const at::Tensor& q_len,
+                   const at::Tensor& ctx_len, double scale, const std::optional<at::Tensor>& rows,
+                   const std::optional<at::Tensor>& final_norm, const std::optional<at::Tensor>& lm_head, bool bf16,
+                   std::optional<at::Tensor> logits, const std::optional<at::Tensor>& embed,
+                   std::optional<at::Tensor> tokens, const std::optional<at::Tensor>& stop_ids,
+                   const std::optional<at::Tensor>& pick, const std::optional<at::Tensor>& pick_bounds,
+                   const std::optional<at::Tensor>& pick_scales);
+void last_logits(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& rows, const at::Tensor& norm,
+                 double eps, const at::Tensor& panels, bool bf16, at::Tensor out);
+void time_decode_stages(bool on);
+c10::Dict<std::string, double> decode_stage_times(bool reset);
+void row_max(const at::Tensor& x, at::Tensor values, at::Tensor indices);
+void greedy_pick(const at::Tensor& h, const at::Tensor& panels, const at::Tensor& pick, const at::Tensor& bounds,
+                 const std::optional<at::Tensor>& scales, bool bf16, at::Tensor logits, at::Tensor best,
+                 at::Tensor picked);
+void lora_segments(const at::Tensor& x, at::Tensor out, at::TensorList a, at::TensorList b, at::IntArrayRef bounds);
+
+}  // namespace vkv

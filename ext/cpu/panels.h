@@ -1,0 +1,411 @@
+// x W^T over weights packed in column panels (`linear_panels_then`, `row_over_panels`), and the
+// gate/up projection with silu folded in: register tiles for many rows, streams for one.
+#pragma once
+#include "common.h"
+#include "norms.h"
+
+namespace vkv {
+
+
+// ---------------------------------------------------------------------------------------------
+// linear_panels: x W^T for every step, decode's few rows to prefill's hundreds. oneDNN's packed
+// GEMM reaches a third of this CPU's FMA peak at 32 rows; a register tile does better. At one
+// row the step only streams W: each thread reads its run of panels front to back (one long
+// stream, the next panel fetched ahead), which measured faster than streaming W's plain rows
+// (decode of the bundled model, 2 threads: 62 against 49 tok/s in fp32, 102 against 70 with
+// bf16 weights on an AVX-512 EPYC; 60 against 52 and 99 against 57 with the AVX2 kernels). The weight is packed once (engine/models/linear.py `Linear.pack_panels`) into panels
+// of kPanel output columns, [ceil(N / kPanel), K, kPanel], zero-padded, so for each k a panel's
+// weights are adjacent. A tile of MR rows x kPanel columns lives in 2 * MR accumulator
+// registers across the whole of K: per k, two weight vectors are loaded and each row's x[m][k]
+// is broadcast into two FMAs. A panel (K x kPanel: 36 KiB at K = 576 in fp32) stays in L2 while
+// every row block of a chunk of rows passes over it; threads split the panels; chunks of
+// kPanelChunk rows keep x in L2 too. bf16 panels are widened on load (half the bytes read).
+#if defined(VKV_VEC)
+constexpr int64_t kPanel = 2 * Vec::W;
+constexpr int kPanelRows = Vec::W == 16 ? 12 : 6;  // 24 of 32 / 12 of 16 registers hold the tile
+constexpr int64_t kPanelChunk = 16 * kPanelRows;
+// A one-row step reads each thread's panels as two streams (panel_pair), whatever the weights'
+// type and the ISA. Against one stream that prefetches the next panel non-temporally: fp32 on AVX2
+// 21-23 against 18-20 GB/s (alternating runs of a decode step's projections, 2-core AVX2 EPYC);
+// bf16 on the 2-core AVX-512 EPYC, switched in one process, 14 alternations, median +9.8% and +7.7%
+// tok/s with the AVX-512 kernels and +13.5% with the AVX2 ones; fp32 with AVX-512 there 0.998x
+// (even), so it had kept the one stream, until a 2-vCPU Intel Xeon (AVX-512, AMX; KVM) decoded fp32
+// at 31.2-31.5 tok/s with it and 58.6-59.2 with two streams (the bundled model, 128 tokens, three
+// generations each, one build and then the other): its non-temporal prefetch halved the stream.
+
+// Row k of a panel, its kPanel weights, as the two vectors a tile multiplies. fp32: columns
+// [0, W) and [W, 2W). bf16: one load of all 2W weights (exactly a register), widened with no
+// shuffle: each 32-bit lane holds columns 2i (its low half) and 2i + 1 (its high half), so a shift
+// gives the even columns as fp32 and a mask the odd ones, 3 instructions against 6 for two
+// zero-extending loads and shifts. The products and their order per column are unchanged, so
+// the results are too; `panel_store` puts a tile's columns back in order.
+template <typename TW>
+VKV_INLINE void panel_load(const TW* p, typename Vec::R& w0, typename Vec::R& w1) {
+  if constexpr (std::is_same_v<TW, c10::BFloat16>) {
+#if defined(VKV_AVX512)
+    const __m512i raw = _mm512_loadu_si512(reinterpret_cast<const void*>(p));
+    w0 = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    w1 = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+#else
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+#endif
+  } else if constexpr (std::is_same_v<TW, int8_t>) {  // int8: widened in column order
+#if defined(VKV_AVX512)
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+#else
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
+#endif
+  } else {
+    w0 = Vec::load(p);
+    w1 = Vec::load(p + Vec::W);
+  }
+}
+
+// The tile's accumulators a0, a1 (as panel_load split the columns) into tile[0, kPanel) in order.
+template <typename TW>
+VKV_INLINE void panel_store(float* tile, typename Vec::R a0, typename Vec::R a1) {
+  if constexpr (std::is_same_v<TW, c10::BFloat16>) {
+    alignas(64) float even[Vec::W], odd[Vec::W];
+    Vec::store(even, a0);
+    Vec::store(odd, a1);
+    for (int i = 0; i < Vec::W; ++i) {
+      tile[2 * i] = even[i];
+      tile[2 * i + 1] = odd[i];
+    }
+  } else {
+    Vec::store(tile, a0);
+    Vec::store(tile + Vec::W, a1);
+  }
+}
+
+// `ahead`, if not null: the next panel, asked for line by line while this tile computes (the
+// prefetcher alone leaves the first row block of a panel waiting on memory). `once`: this tile is
+// the only one to read its panel (a step of at most kPanelRows rows, decode), so on an AMD CPU the
+// next panel is asked for non-temporally and, read once, leaves the shared L3 to what is read
+// again (the KV cache, the activations, the engine's Python between steps). Decode of the bundled
+// model on the 2-core AVX-512 EPYC, hint switched in one process, 12-16 alternations: median +4.9%
+// tok/s in bf16, +12% in fp32, +7.7% in bf16 with the AVX2 kernels (one-row steps have since moved
+// to panel_pair; steps of 2 to kPanelRows rows keep this). On an Intel Xeon (2 vCPUs, AVX-512 and
+// AMX) the same hint cost 3-4x: one-call steps of 2-12 rows over panels not in cache read 7-10 GB/s
+// with it and 16-41 GB/s with the next panel asked into L2 (fp32 and bf16 weights, the model's
+// four shapes; the batch of 32 ShareGPT requests, whose tail runs such steps, at 1.13x vLLM's CPU
+// build in fp32). Intel's non-temporal prefetch fills L1 alone, and a panel ahead (36 KiB in bf16,
+// 72 in fp32) is as large as L1: its lines are gone before they are read, and read again from
+// memory. So the hint is non-temporal on AMD only, into L2 elsewhere (`ahead_hint`). panel_pair's
+// two streams measured 10% slower with the non-temporal hint on the panels after theirs (AVX2,
+// fp32, the EPYC), and even with L2's on the Xeon: they keep the hardware's prefetch.
+static const bool kAheadNonTemporal = [] {
+  __builtin_cpu_init();  // (a static initializer may run before libgcc's own has)
+  return __builtin_cpu_is("amd") > 0;
+}();
+
+std::string ahead_hint_text() {
+#if defined(VKV_AVX512)
+  constexpr const char* kFar = "";
+#else
+  constexpr const char* kFar = "; fp32 and bf16 ones 2 KiB past that into L2 too";  // (kStreamFar)
+#endif
+  return kAheadNonTemporal
+             ? "non-temporal (an AMD CPU)"
+             : std::string("into L2 (steps of 2-12 rows); one-row streams 1,024 weights ahead into L1 (int8: 4,096)") +
+                   kFar;
+}
+
+template <typename TW, int MR>
+VKV_INLINE void panel_tile(const float* x, int64_t K, const TW* w, const float* bias, float* out, int64_t N,
+                           int64_t cols, const TW* ahead, bool once) {
+  typename Vec::R acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = Vec::set1(0.f);
+  constexpr int64_t kLines = (kPanel * sizeof(TW) + 63) / 64;  // cache lines of one k of a panel
+  for (int64_t k = 0; k < K; ++k) {
+    if (ahead)
+      for (int64_t l = 0; l < kLines; ++l) {
+        const char* line = reinterpret_cast<const char*>(ahead + k * kPanel) + 64 * l;
+        if (once && kAheadNonTemporal)
+          _mm_prefetch(line, _MM_HINT_NTA);
+        else
+          _mm_prefetch(line, _MM_HINT_T1);
+      }
+    typename Vec::R w0, w1;
+    panel_load(w + k * kPanel, w0, w1);
+    for (int m = 0; m < MR; ++m) {
+      const typename Vec::R xb = Vec::set1(x[m * K + k]);
+      acc[m][0] = Vec::fmadd(xb, w0, acc[m][0]);
+      acc[m][1] = Vec::fmadd(xb, w1, acc[m][1]);
+    }
+  }
+  alignas(64) float tile[kPanel];
+  for (int m = 0; m < MR; ++m) {
+    panel_store<TW>(tile, acc[m][0], acc[m][1]);
+    float* o = out + m * N;
+    for (int64_t c = 0; c < cols; ++c) o[c] = bias ? tile[c] + bias[c] : tile[c];
+  }
+}
+
+// Rows [0, rows) of x over one panel, kPanelRows at a time, the last block as wide as is left;
+// the first block fetches the next panel (`ahead`).
+template <typename TW, int MR = kPanelRows>
+VKV_INLINE void panel_rows(const float* x, int64_t rows, int64_t K, const TW* w, const float* bias, float* out,
+                           int64_t N, int64_t cols, const TW* ahead, bool once) {
+  if constexpr (MR > 1) {
+    for (; rows >= MR; rows -= MR, x += MR * K, out += MR * N, ahead = nullptr)
+      panel_tile<TW, MR>(x, K, w, bias, out, N, cols, ahead, once);
+    if (rows > 0) panel_rows<TW, MR - 1>(x, rows, K, w, bias, out, N, cols, ahead, once);
+  } else {
+    for (; rows > 0; --rows, x += K, out += N, ahead = nullptr)
+      panel_tile<TW, 1>(x, K, w, bias, out, N, cols, ahead, once);
+  }
+}
+
+// One row over two panels at once: a thread's run of panels read as two streams side by side
+// (its first half and its second), twice the loads in flight of one stream. Except on AMD CPUs,
+// each stream also asks for its lines kStreamAhead weights ahead (into L1; panels lie one after
+// another, so past a panel's end that is the next one's start). On the Intel Xeon (2 vCPUs, AMX)
+// a one-row `linear_panels` read about 31-33 GB/s with the hardware's prefetch alone, where the
+// read probe (a dot product of two arrays) read 37-48: each core's own reads were the limit. The
+// model's projections one after another (bench_projection_sequence.py, 3 samples each): fp32
+// 30.1-30.5 -> 31.6-31.8 GB/s, bf16 27.8-28.6 -> 31.1-31.7 at 2 KiB; 512 B to 8 KiB all helped
+// fp32, bf16 wanted 2-3 KiB. Decode of the bundled model, 8 steps a call, 768 tokens a run, the
+// distance switched between processes: with the AVX-512 kernels fp32 60.9-64.8 -> 63.0-66.6 tok/s
+// at 2 KiB (3 alternations; 4 KiB even with 2), bf16 113.7-118.4 -> 128.6-134.0 at 2 KiB (4 KiB:
+// 128.2-128.7); with the AVX2 ones fp32 60.2-61.2 at 2 KiB, 63.7-66.6 at 4 KiB (2 alternations; 61.0
+// with none), bf16 126.2-128.8 at 2 KiB, 125.8-125.9 at 4. So 1,024 weights ahead: 4 KiB of fp32,
+// 2 KiB of bf16. Where a k's row is under a line (bf16 and int8 on AVX2, int8 on AVX-512) a line is
+// asked for once a k; asking once a line measured no better (AVX2 bf16 decode 0.982x, 3 of 8
+// alternations faster; AVX-512 bf16 1.003x, 4 of 8). Not measured on an AMD CPU, where the
+// hardware's prefetch alone read at the probe's rate (the EPYC's one projection at 94-100% of it):
+// left as it was there. int8 panels (the bf16 model's pick) ask 4,096 weights ahead, 4 KiB as
+// fp32's: at 1,024 (1 KiB) the pick read 25-26 GB/s in decode where the projections read 30-35.
+// The pick alone (12 copies of the LM head's int8 panels in turn, 6 alternations in one process)
+// read 23.7 -> 26.0 GB/s (medians) with the AVX-512 kernels and 22.8 -> 26.3 with the AVX2 ones at
+// 4,096 (2,048: 24.0 and 24.1; 8,192: 25.6 and 25.3); in bf16 decode the pick took 1,030 -> 948 us
+// a step (AVX-512) and 1,070 -> 982 (AVX2), decode 1.014x and 1.013x (6 alternations, 5 faster).
+template <typename TW>
+constexpr int64_t kStreamAhead = sizeof(TW) == 1 ? 4096 : 1024;
+// The AVX2 kernels' fp32 and bf16 streams also ask for a line into L2 2 KiB past the one they ask
+// into L1 (kStreamFar, in bytes; once a line), so more of each stream is on its way from memory than
+// L1's own misses allow. On the Intel Xeon with the AVX2 kernels, switched in one process (the
+// baseline the same code without it): one one-row `linear_panels` over 300 MB read 88.9% -> 92.0%
+// of the read probe in bf16 and 86.1% -> 94.3% in fp32 (6 alternations); decode of the bundled
+// model (256 tokens, 8 steps a call, 8 alternations) 1.024x in bf16 (7 faster) and 1.024x in fp32
+// (5 faster). The int8 pick's streams with it too: bf16 decode 1.012x, the pick 964 -> 976 us a step
+// (without: 957), so not there. Other distances before a clean baseline was kept (so only against
+// each other): 3-6 KiB in bf16 even, fp32 6-7 KiB best, 8 KiB and 12 KiB well below. The AVX-512
+// kernels, whose row of a k is twice as wide, measured 0.96x in bf16 (3-6 KiB) and 1.01-1.02x in
+// fp32 against that first baseline (the one that favoured the change): they do without.
+#if defined(VKV_AVX512)
+template <typename TW>
+constexpr int64_t kStreamFar = 0;
+#else
+template <typename TW>
+constexpr int64_t kStreamFar = sizeof(TW) == 1 ? 0 : kStreamAhead<TW> * static_cast<int64_t>(sizeof(TW)) + 2048;
+#endif
+
+template <typename TW>
+VKV_INLINE void panel_pair(const float* x, int64_t K, const TW* wa, const TW* wb, const float* bias_a,
+                           const float* bias_b, float* out_a, float* out_b, int64_t cols_a, int64_t cols_b) {
+  typename Vec::R a0 = Vec::set1(0.f), a1 = Vec::set1(0.f), b0 = Vec::set1(0.f), b1 = Vec::set1(0.f);
+  constexpr int64_t kRowBytes = kPanel * sizeof(TW);  // what each stream reads a k
+  for (int64_t k = 0; k < K; ++k) {
+    if (!kAheadNonTemporal) {
+      const char* ahead_a = reinterpret_cast<const char*>(wa + k * kPanel + kStreamAhead<TW>);
+      const char* ahead_b = reinterpret_cast<const char*>(wb + k * kPanel + kStreamAhead<TW>);
+      for (int64_t o = 0; o < kRowBytes; o += 64) {
+        _mm_prefetch(ahead_a + o, _MM_HINT_T0);
+        _mm_prefetch(ahead_b + o, _MM_HINT_T0);
+      }
+      if constexpr (kStreamFar<TW> > 0) {
+        const char* far_a = reinterpret_cast<const char*>(wa + k * kPanel) + kStreamFar<TW>;
+        const char* far_b = reinterpret_cast<const char*>(wb + k * kPanel) + kStreamFar<TW>;
+        // (a row under a line: asked for by the k whose row starts in the line's first kRowBytes)
+        const bool line_a = kRowBytes >= 64 || (reinterpret_cast<uintptr_t>(far_a) & 63) < kRowBytes;
+        const bool line_b = kRowBytes >= 64 || (reinterpret_cast<uintptr_t>(far_b) & 63) < kRowBytes;
+        for (int64_t o = 0; o < kRowBytes; o += 64) {
+          if (line_a) _mm_prefetch(far_a + o, _MM_HINT_T1);
+          if (line_b) _mm_prefetch(far_b + o, _MM_HINT_T1);
+        }
+      }
+    }
+    const typename Vec::R xb = Vec::set1(x[k]);
+    typename Vec::R wa0, wa1, wb0, wb1;
+    panel_load(wa + k * kPanel, wa0, wa1);
+    panel_load(wb + k * kPanel, wb0, wb1);
+    a0 = Vec::fmadd(xb, wa0, a0);
+    a1 = Vec::fmadd(xb, wa1, a1);
+    b0 = Vec::fmadd(xb, wb0, b0);
+    b1 = Vec::fmadd(xb, wb1, b1);
+  }
+  alignas(64) float tile[2 * kPanel];
+  panel_store<TW>(tile, a0, a1);
+  panel_store<TW>(tile + kPanel, b0, b1);
+  for (int64_t c = 0; c < cols_a; ++c) out_a[c] = bias_a ? tile[c] + bias_a[c] : tile[c];
+  for (int64_t c = 0; c < cols_b; ++c) out_b[c] = bias_b ? tile[kPanel + c] + bias_b[c] : tile[kPanel + c];
+}
+
+// One row over panels [lo, hi) (a thread's run): its first half and its second as panel_pair's two
+// streams, an odd panel left alone.
+template <typename TW>
+void row_over_panels(const float* x, int64_t K, const TW* w, int64_t N, const float* bias, float* out, int64_t lo,
+                     int64_t hi) {
+  const int64_t half = (hi - lo) / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t pa = lo + i, pb = lo + half + i;
+    panel_pair<TW>(x, K, w + pa * K * kPanel, w + pb * K * kPanel, bias ? bias + pa * kPanel : nullptr,
+                   bias ? bias + pb * kPanel : nullptr, out + pa * kPanel, out + pb * kPanel,
+                   std::min(kPanel, N - pa * kPanel), std::min(kPanel, N - pb * kPanel));
+  }
+  for (int64_t p = lo + 2 * half; p < hi; ++p)
+    panel_tile<TW, 1>(x, K, w + p * K * kPanel, bias ? bias + p * kPanel : nullptr, out + p * kPanel, N,
+                      std::min(kPanel, N - p * kPanel), nullptr, true);
+}
+
+template <typename TW, typename Then = std::nullptr_t>
+void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64_t N, const float* bias, float* out,
+                        Then* then = nullptr) {
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  if (M == 1) {
+    at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
+      row_over_panels<TW>(x, K, w, N, bias, out, lo, hi);
+      run_then(then);
+    });
+    return;
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kPanelChunk) {
+    const int64_t rows = std::min(kPanelChunk, M - m0);
+    at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t p = lo; p < hi; ++p) {
+        const int64_t n0 = p * kPanel;
+        panel_rows<TW>(x + m0 * K, rows, K, w + p * K * kPanel, bias ? bias + n0 : nullptr, out + m0 * N + n0, N,
+                       std::min(kPanel, N - n0), p + 1 < hi ? w + (p + 1) * K * kPanel : nullptr, rows <= kPanelRows);
+      }
+      if (m0 + kPanelChunk >= M) run_then(then);  // (the last chunk's share)
+    });
+  }
+}
+#else
+constexpr int64_t kPanel = 16;
+
+std::string ahead_hint_text() { return "none (the scalar build)"; }
+
+template <typename TW, typename Then = std::nullptr_t>
+void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64_t N, const float* bias, float* out,
+                        Then* then = nullptr) {
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
+    float acc[kPanel];
+    for (int64_t p = lo; p < hi; ++p) {
+      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      const TW* wp = w + p * K * kPanel;
+      for (int64_t m = 0; m < M; ++m) {
+        std::fill(acc, acc + kPanel, 0.f);
+        // a multiply and an add, not std::fma: a CPU without FMA runs std::fma in software (the
+        // scalar build's 32-row step took 54 s on it), and the compiler vectorizes these for SSE2
+        for (int64_t k = 0; k < K; ++k)
+          for (int64_t c = 0; c < kPanel; ++c) acc[c] += x[m * K + k] * load(wp[k * kPanel + c]);
+        for (int64_t c = 0; c < cols; ++c) out[m * N + n0 + c] = bias ? acc[c] + bias[n0 + c] : acc[c];
+      }
+    }
+    run_then(then);
+  });
+}
+#endif
+
+// out = x W^T, and `then` (given) run by each thread once its share of the panels is done: the
+// op linear_panels, and decode_layer's down projection with the next layer's NextContext. N (the
+// weight's rows before padding) is out's width.
+template <typename Then = std::nullptr_t>
+void linear_panels_then(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                        at::Tensor out, Then* then = nullptr) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be [rows, K] fp32 contiguous");
+  TORCH_CHECK(out.dim() == 2, "out must be [rows, N]");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel && panels.size(1) == K &&
+              panels.size(0) == (N + kPanel - 1) / kPanel,
+              "panels must be [ceil(N / panel_width()), K, panel_width()] contiguous");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == M,
+              "out must be [rows, N] fp32 contiguous");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == N),
+              "bias must be [N] fp32");
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  if (panels.scalar_type() == at::kFloat)
+    linear_panels_impl(x.data_ptr<float>(), M, K, panels.data_ptr<float>(), N, b, out.data_ptr<float>(), then);
+  else if (panels.scalar_type() == at::kBFloat16)
+    linear_panels_impl(x.data_ptr<float>(), M, K, panels.data_ptr<c10::BFloat16>(), N, b, out.data_ptr<float>(),
+                       then);
+  else if (panels.scalar_type() == at::kChar)
+    linear_panels_impl(x.data_ptr<float>(), M, K, panels.data_ptr<int8_t>(), N, b, out.data_ptr<float>(), then);
+  else
+    TORCH_CHECK(false, "linear_panels reads fp32 or bf16 panels");
+}
+
+
+// The gate/up projection of a one-row step with silu(gate) * up folded in (decode_layer): the fused
+// weight's gate panel p and up panel P + p are read side by side as panel_pair's two streams, and
+// the thread that computed those kPanel columns writes their activations at once. silu_and_mul after
+// the projection read the whole [gate | up] row back on one thread, half of it from the other
+// core's cache, while the other core waited: 3 us a layer at this EPYC's fast bandwidth level. The
+// same products in the same order, and the same silu (silu_times): the same bits. Single-stream
+// decode of the bundled model, switched in one process, `decode_layers` timed (2 threads, the
+// 2-core AVX-512 EPYC): bf16 1.019x and 1.020x at the fast level (12 and 10 alternations, 7 and 8
+// faster), 0.987x and 1.002x at the slow one; fp32 1.023x (16, 10 faster, both levels); with the
+// AVX2 kernels, bf16 1.021x at the slow level (12, 9 faster) and fp32 1.039x (12, 10 faster).
+// False where it does not apply (more rows, an intermediate size off the panel width, the scalar
+// build): the caller runs both steps.
+// A projection's panels as the one-row kernels read them (raw: StepPlan gathers them once a call).
+struct PanelsRef {
+  const void* w;
+  int64_t P, K;  // panels, and rows a panel
+  bool bf16;     // else fp32
+};
+PanelsRef panels_ref(const at::Tensor& panels) {
+  return {panels.data_ptr(), panels.size(0), panels.size(1), panels.scalar_type() == at::kBFloat16};
+}
+
+#if defined(VKV_VEC)
+// Its columns of panels [lo, hi) of the gate (and the same of the up), on the calling thread: x
+// [K] fp32, act [panels.P / 2 * kPanel] fp32.
+void gate_up_silu_share(const float* x, const PanelsRef& panels, float* act, int64_t lo, int64_t hi) {
+  const int64_t K = panels.K, P = panels.P / 2;
+  auto run = [&](auto* w) {
+    alignas(64) float gate[kPanel], up[kPanel];
+    for (int64_t p = lo; p < hi; ++p) {
+      panel_pair(x, K, w + p * K * kPanel, w + (P + p) * K * kPanel, nullptr, nullptr, gate, up, kPanel, kPanel);
+      float* dst = act + p * kPanel;
+#pragma omp simd
+      for (int64_t j = 0; j < kPanel; ++j) dst[j] = silu_times<float>(gate[j], up[j]);
+    }
+  };
+  if (panels.bf16)
+    run(static_cast<const c10::BFloat16*>(panels.w));
+  else
+    run(static_cast<const float*>(panels.w));
+}
+#endif
+
+bool gate_up_silu_applies(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& act) {
+#if defined(VKV_VEC)
+  const int64_t K = x.size(1), I = act.size(1), P = I / kPanel;
+  return x.size(0) == 1 && I % kPanel == 0 && panels.size(0) == 2 * P && panels.size(1) == K &&
+         (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16);
+#else
+  return false;
+#endif
+}
+
+bool gate_up_silu(const at::Tensor& x, const at::Tensor& panels, at::Tensor& act) {
+  if (!gate_up_silu_applies(x, panels, act)) return false;
+#if defined(VKV_VEC)
+  const PanelsRef ref = panels_ref(panels);
+  at::parallel_for(0, act.size(1) / kPanel, 1, [&](int64_t lo, int64_t hi) {
+    gate_up_silu_share(x.data_ptr<float>(), ref, act.data_ptr<float>(), lo, hi);
+  });
+#endif
+  return true;
+}
+}  // namespace vkv
