@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from engine import profile_mapping
-from engine.config import EngineConfig
+from engine.config import EngineConfig, KVEventsConfig
 from engine.serving.options import ServerOptions
 
 
@@ -51,6 +52,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from engine.serving.options import ServerOptions
 
     options = ServerOptions.from_cli_args(args)
+    if args.kv_events_config is not None:  # under --isolate-clients, no tenant's tokens on the wire
+        events = KVEventsConfig.of(args.kv_events_config).for_tenants(options.isolate_clients)
+        args.kv_events_config = dataclasses.asdict(events)
     if options.data_parallel_backend == "ray":
         from engine.serving.dp.ray_serve import serve_on_ray
         serve_on_ray(args, options)

@@ -32,12 +32,54 @@ def check_scheduling(policy: str, preemption_mode: str) -> None:
     if preemption_mode not in PREEMPTION_MODES:
         raise ValueError(f"unknown preemption_mode {preemption_mode!r}: choose one of {PREEMPTION_MODES}")
 DEFAULT_HOST_PAGE = 64 << 10  # small pages: the host backend's advantage over 2 MiB GPU pages
+_EVENT_FIELD_TYPES = {"enable_kv_cache_events": bool, "publisher": str, "endpoint": str, "replay_endpoint": str,
+                      "buffer_steps": int, "hwm": int, "max_queue_size": int, "topic": str, "token_ids": bool,
+                      "allow_remote": bool, "curve_secret_key": str, "curve_client_keys": str}
+_EVENT_NULLABLE = {"publisher", "replay_endpoint", "token_ids", "curve_secret_key", "curve_client_keys"}
+_EVENT_TYPE_NAMES = {bool: "true or false", str: "a string", int: "an integer"}
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def endpoint_is_local(url: str, name: str = "endpoint") -> bool:
+    """Whether a ZMQ endpoint stays on this machine (loopback, ipc://, inproc://); ValueError,
+    naming the field, for one that cannot work: another scheme, a port out of range, a host
+    that does not resolve."""
+    import ipaddress
+    import socket
+    scheme, _, rest = url.partition("://")
+    if scheme in ("ipc", "inproc"):
+        if not rest:
+            raise ValueError(f"kv_events_config: {name} {url!r} names no path")
+        return True
+    if scheme != "tcp" or not rest:
+        raise ValueError(f"kv_events_config: {name} {url!r}: expected tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+    host, _, port = rest.rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"kv_events_config: {name} {url!r}: the port must be a number in [1, 65535]")
+    if host in ("*", "0.0.0.0", "::", ""):
+        return False
+    if host in LOOPBACK:
+        return True
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, int(port))}
+    except OSError:
+        raise ValueError(f"kv_events_config: {name} {url!r}: host {host!r} does not resolve") from None
+    return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 @dataclasses.dataclass
 class KVEventsConfig:
-    """vLLM's KVEventsConfig: its fields, names and defaults (the endpoint's aside: loopback). What
-    the fields do: engine/kv/publisher.py."""
+    """vLLM's KVEventsConfig: its fields, names and defaults (the endpoint's aside: loopback),
+    and four of vkv's own, for tenants and networks (engine/kv/publisher.py says what each does):
+      token_ids          announce each stored page's tokens (vLLM's, and what llm-d and Dynamo
+                         hash); None: yes, except under `vkv serve --isolate-clients`, where a
+                         listener would read every tenant's prompts: then only the pages' names
+      allow_remote       an endpoint other than loopback, ipc:// or inproc:// (anyone who can
+                         reach the port reads the stream): refused unless set
+      curve_secret_key   a file with this publisher's ZMQ CURVE key pair (zmq.auth's format):
+                         only subscribers whose public key is in curve_client_keys connect
+      curve_client_keys  the directory of those subscribers' public key files"""
     enable_kv_cache_events: bool = False
     publisher: str | None = None  # "zmq" or "null"; default: "zmq" when enabled
     endpoint: str = "tcp://127.0.0.1:5557"
@@ -46,17 +88,27 @@ class KVEventsConfig:
     hwm: int = 100_000  # the PUB socket's high-water mark
     max_queue_size: int = 100_000  # batches waiting for the sending thread
     topic: str = ""
+    token_ids: bool | None = None
+    allow_remote: bool = False
+    curve_secret_key: str | None = None
+    curve_client_keys: str | None = None
 
     @classmethod
     def of(cls, value: dict | KVEventsConfig | None) -> KVEventsConfig | None:
-        """The config from a dict (CLI JSON, LLM kwargs); unknown fields refused by name."""
+        """The config from a dict (CLI JSON, LLM kwargs); unknown fields, values of the wrong
+        type and endpoints that cannot work refused by name."""
         if value is None or isinstance(value, cls):
             return value
         if not isinstance(value, dict):
             raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        if unknown := sorted(set(value) - known):
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(value) - set(known)):
             raise ValueError(f"kv_events_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        for name, given in value.items():  # JSON's types, no coercion: "yes" is not true, true is not 1
+            kind = _EVENT_FIELD_TYPES[name]
+            if not (given is None and name in _EVENT_NULLABLE) and not (
+                    isinstance(given, kind) and not (kind is int and isinstance(given, bool))):
+                raise ValueError(f"kv_events_config: {name} must be {_EVENT_TYPE_NAMES[kind]}, got {given!r}")
         config = cls(**value)
         if config.publisher is None:
             config.publisher = "zmq" if config.enable_kv_cache_events else "null"
@@ -65,7 +117,36 @@ class KVEventsConfig:
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             if getattr(config, name) < 1:
                 raise ValueError(f"kv_events_config: {name} must be >= 1")
+        if config.publishes:
+            config.check_endpoints()
         return config
+
+    def check_endpoints(self) -> None:
+        """Each endpoint is tcp://HOST:PORT, ipc://PATH or inproc://NAME, its host resolves and its
+        port is a port; one other than loopback needs allow_remote; CURVE's two fields go together."""
+        for name in ("endpoint", "replay_endpoint"):
+            if (url := getattr(self, name)) is not None and not endpoint_is_local(url, name) and not self.allow_remote:
+                raise ValueError(f"kv_events_config: {name} {url!r} is reachable from other machines: anyone who "
+                                 f"can connect reads every announced page; set allow_remote (with curve keys to "
+                                 f"admit only your routers) or use a loopback address")
+        if (self.curve_secret_key is None) != (self.curve_client_keys is None):
+            raise ValueError("kv_events_config: curve_secret_key and curve_client_keys go together")
+        if self.curve_secret_key is not None:
+            import os
+            if not os.path.isfile(self.curve_secret_key):
+                raise ValueError(f"kv_events_config: curve_secret_key {self.curve_secret_key!r} is not a file")
+            if not os.path.isdir(self.curve_client_keys):
+                raise ValueError(f"kv_events_config: curve_client_keys {self.curve_client_keys!r} is not a directory")
+
+    def for_tenants(self, isolated: bool) -> KVEventsConfig:
+        """The config a server with (or without) --isolate-clients runs: there, pages are
+        announced without their tokens unless subscribers must present a CURVE key."""
+        if not isolated:
+            return self
+        if self.token_ids and self.curve_secret_key is None:
+            raise ValueError("kv_events_config: token_ids under --isolate-clients would hand every tenant's prompts "
+                             "to any subscriber: give curve_secret_key and curve_client_keys, or leave token_ids out")
+        return dataclasses.replace(self, token_ids=bool(self.token_ids and self.curve_secret_key))
 
     @property
     def publishes(self) -> bool:
@@ -384,8 +465,9 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
                        help='e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')
         g.add_argument("--kv-events-config", type=json.loads, default=None, metavar="JSON",
                        help="publish KV events in vLLM's format (vLLM's KVEventsConfig), e.g. "
-                       '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
-                       '"replay_endpoint": "tcp://*:5558", "topic": "kv"}')
+                       '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", '
+                       '"replay_endpoint": "tcp://127.0.0.1:5558", "topic": "kv"} (vkv\'s own fields: token_ids, '
+                       'allow_remote, curve_secret_key, curve_client_keys)')
         g.add_argument("--data-parallel-rank", type=int, default=0,
                        help="this engine's rank among replicas: its KV events carry it and its ports are offset by it")
         g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the model "

@@ -1,17 +1,29 @@
-"""KV events on the wire, in vLLM's format: what routers built for vLLM read (Note [KV events]
-in engine/kv/events.py says what is announced and who records it).
+"""KV events on the wire, in the current vLLM release's format (vLLM 0.33.0): what routers built
+for vLLM read (Note [KV events] in engine/kv/events.py says what is announced and who records it).
 
 The config is vLLM's `KVEventsConfig` (`--kv-events-config '{"enable_kv_cache_events": true,
-"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
-"topic": "kv"}'`, or `LLM(kv_events_config={...})`). The wire is vLLM's too:
+"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint":
+"tcp://127.0.0.1:5558", "topic": "kv"}'`, or `LLM(kv_events_config={...})`), with four fields of
+vkv's (engine/config.py). The wire is vLLM 0.33.0's (vllm/distributed/kv_events.py):
   PUB     each batch as a ZMQ multipart message (topic, sequence number as 8 bytes big-endian,
           payload), the payload a msgpack `KVEventBatch` [ts, events, data_parallel_rank]
-          whose events are tagged arrays: ["BlockStored", block_hashes, parent_block_hash,
-          token_ids, block_size, lora_id, medium, lora_name], ["BlockRemoved", block_hashes,
-          medium], ["AllBlocksCleared"]
+          whose events are maps tagged by "type": {"type": "BlockStored", "block_hashes",
+          "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+          "group_idx"}, {"type": "BlockRemoved", "block_hashes", "medium", "group_idx"},
+          {"type": "AllBlocksCleared"} (fields left at their defaults are left out, as vLLM's)
   replay  a ROUTER socket: a client (REQ or DEALER) sends a starting sequence number (8 bytes
-          big-endian); it gets every kept batch from there as (sequence, payload), then
-          (-1, b"") to say it is up to date
+          big-endian); it gets every kept batch from there as (topic, sequence, payload), then
+          ("", -1, "") to say it is up to date
+tests/kv/vllm_kv_events.py holds that release's schema verbatim, and the suite decodes with it;
+benchmarks/check_kv_events_vllm.py decodes with the installed vLLM package itself.
+
+Tenants. A stored page's tokens are its prompt's text to anyone who reads them, and llm-d and
+Dynamo both hash token_ids (they need them to match prompts to pages). With `token_ids` false,
+as `vkv serve --isolate-clients` makes it unless subscribers authenticate, pages are announced
+by name, parent and size only (vkv's own routers match on names); with `curve_secret_key` and
+`curve_client_keys` the sockets are CURVE servers that admit only the listed public keys. An
+endpoint off this machine needs `allow_remote` (engine/config.py checks each at start).
+
 An endpoint is bound when it names every interface (`*`), a loopback address, `ipc://` or
 `inproc://`, and connected to otherwise (vLLM binds only the first and the last two: here a
 loopback address binds, so the default stays on this machine). With data parallelism, rank R's
@@ -45,8 +57,8 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """An event's tag is its class name, as vLLM's."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """An event's tag is its class name, under the key "type", as vLLM 0.33's."""
 
 
 class BlockStored(KVCacheEvent):
@@ -57,11 +69,13 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    group_idx: int | None = None  # (vLLM's KV cache group: vkv has one, 0)
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -77,13 +91,15 @@ def block_hash(name: bytes) -> int:
     return int.from_bytes(name[:8], "big")
 
 
-def to_wire(event) -> KVCacheEvent:
+def to_wire(event, token_ids: bool = True) -> KVCacheEvent:
+    """An event as vLLM's; token_ids False: a stored page without its tokens (tenants)."""
     if isinstance(event, Stored):
         return BlockStored([block_hash(n) for n in event.names],
                            block_hash(event.parent) if event.parent is not None else None,
-                           event.token_ids, event.block_size, None, event.medium, event.lora_name)
+                           event.token_ids if token_ids else [], event.block_size, None, event.medium,
+                           event.lora_name, 0)
     if isinstance(event, Removed):
-        return BlockRemoved([block_hash(n) for n in event.names], event.medium)
+        return BlockRemoved([block_hash(n) for n in event.names], event.medium, 0)
     assert isinstance(event, Cleared)
     return AllBlocksCleared()
 
@@ -100,7 +116,7 @@ def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
     return endpoint  # ipc://: one path each is the user's to give
 
 
-def binds(endpoint: str) -> bool:
+def binds(endpoint: str) -> bool:  # (which endpoints may stay: engine/config.py endpoint_is_local)
     if endpoint.startswith(("ipc://", "inproc://")):
         return True
     host = urlsplit(endpoint).hostname or ""
@@ -116,19 +132,26 @@ class ZmqEventPublisher:
         self.endpoint = rank_endpoint(config.endpoint, data_parallel_rank)
         self.replay_endpoint = rank_endpoint(config.replay_endpoint, data_parallel_rank)
         self.topic = config.topic.encode()
+        self.token_ids = config.token_ids is not False  # (None: yes; a server isolating clients said no)
         self.queue: queue.Queue = queue.Queue(config.max_queue_size)
         self.kept: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.sent = self.dropped = self.next_seq = 0
         ctx = zmq.Context.instance()
+        self.auth = None
         self.pub = ctx.socket(zmq.PUB)
         self.pub.set_hwm(config.hwm)
         self.replay = None
         try:
+            if config.curve_secret_key:
+                self.auth = self._curve(ctx, self.pub)
             (self.pub.bind if binds(self.endpoint) else self.pub.connect)(self.endpoint)
             if self.replay_endpoint:
                 self.replay = ctx.socket(zmq.ROUTER)
+                self.replay.set_hwm(2 * (config.buffer_steps + 1))
+                if config.curve_secret_key:
+                    self._curve(ctx, self.replay)
                 self.replay.bind(self.replay_endpoint)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, OSError, ValueError) as exc:
             self._close_sockets()
             raise ValueError(f"kv_events_config: cannot open {self.endpoint}"
                              f"{' / ' + self.replay_endpoint if self.replay_endpoint else ''}: {exc}") from exc
@@ -136,6 +159,21 @@ class ZmqEventPublisher:
         self.thread.start()
         log.info("vkv: KV events on %s%s (topic %r)", self.endpoint,
                  f", replay on {self.replay_endpoint}" if self.replay_endpoint else "", config.topic)
+
+    def _curve(self, ctx, sock):
+        """sock as a CURVE server with this config's key pair; an authenticator (one a
+        publisher) admits only the public keys in curve_client_keys."""
+        import zmq.auth
+        from zmq.auth.thread import ThreadAuthenticator
+        public, secret = zmq.auth.load_certificate(self.config.curve_secret_key)
+        if secret is None:
+            raise ValueError(f"{self.config.curve_secret_key} holds no secret key")
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+        if self.auth is None:
+            self.auth = ThreadAuthenticator(ctx)
+            self.auth.start()
+            self.auth.configure_curve(domain="*", location=self.config.curve_client_keys)
+        return self.auth
 
     def publish(self, events: list) -> None:
         """Queue one batch (the engine's events since the last); never blocks. Its sequence number
@@ -145,7 +183,8 @@ class ZmqEventPublisher:
             return
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         try:
-            self.queue.put_nowait((seq, KVEventBatch(time.time(), [to_wire(e) for e in events], self.rank)))
+            self.queue.put_nowait((seq, KVEventBatch(time.time(), [to_wire(e, self.token_ids) for e in events],
+                                                     self.rank)))
         except queue.Full:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1000 == 0:
@@ -183,8 +222,8 @@ class ZmqEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self.kept):
             if seq >= first:
-                self.replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self.replay.send_multipart((client, b"", self.END, b""))
+                self.replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
+        self.replay.send_multipart((client, b"", b"", self.END, b""))
 
     def close(self) -> None:
         """Send what is queued (up to a second), then close the sockets."""
@@ -197,6 +236,8 @@ class ZmqEventPublisher:
         for sock in (self.pub, self.replay):
             if sock is not None:
                 sock.close(linger=200)  # ms for the last batches to leave
+        if self.auth is not None:
+            self.auth.stop()
 
 
 def make_publisher(config: KVEventsConfig | None, data_parallel_rank: int = 0) -> ZmqEventPublisher | None:

@@ -1,5 +1,5 @@
 """KV events in vLLM's format (engine/kv/events.py, engine/kv/publisher.py): decoded here with
-vLLM's own schema, they account for every page the pool's prefix cache and the tiers take in
+the current vLLM release's own schema (tests/kv/vllm_kv_events.py, verbatim), they account for every page the pool's prefix cache and the tiers take in
 and let go, once each, in order; the replay socket serves what a subscriber missed."""
 import json
 import os
@@ -14,41 +14,7 @@ from engine import LLM, SamplingParams
 from engine.kv.events import CPU, GPU, STORAGE, AnnouncedEntries, KVEventLog
 from engine.config import KVEventsConfig
 from engine.kv.publisher import block_hash, rank_endpoint
-
-
-# vLLM's schema (vllm/distributed/kv_events.py, the array_like wire format with `medium` and
-# `lora_name`), written out here so the test reads the bytes as a vLLM consumer would.
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+from vllm_kv_events import BlockRemoved, BlockStored, KVEventBatch  # vLLM 0.33.0's own schema, verbatim
 
 
 DECODE = msgspec.msgpack.Decoder(KVEventBatch)
@@ -92,7 +58,7 @@ def replay(endpoint: str, start: int = 0) -> list[tuple[int, KVEventBatch]]:
     out = []
     while True:
         assert sock.poll(5000), "no answer from the replay socket"
-        _, seq, payload = sock.recv_multipart()
+        _, topic, seq, payload = sock.recv_multipart()  # (vLLM 0.33's replay frames: topic, sequence, payload)
         seq = int.from_bytes(seq, "big", signed=True)
         if seq < 0:
             break
@@ -357,3 +323,71 @@ def test_pool_events_refuse_what_they_cannot_do_and_leave_nothing(tmp_path, monk
     finally:
         taken.close(linger=0)
     assert made and not os.path.exists(made[0])  # the pool, its socket and its directory gone
+
+
+def test_under_isolate_clients_a_listener_reads_page_names_but_no_tenants_tokens(tmp_path):
+    """The reproducer: a subscriber with no credentials decoded another user's prompt from
+    BlockStored.token_ids. A server isolating its clients announces pages by name only (unless
+    subscribers must present a CURVE key), and refuses to be told otherwise without one."""
+    events = KVEventsConfig.of({"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/p",
+                                "replay_endpoint": f"ipc://{tmp_path}/r"})
+    isolated = events.for_tenants(isolated=True)
+    assert isolated.token_ids is False and events.for_tenants(isolated=False) is events
+    with pytest.raises(ValueError, match="curve_secret_key"):
+        KVEventsConfig.of({"enable_kv_cache_events": True, "token_ids": True}).for_tenants(isolated=True)
+    secret = "My bank PIN is 4417 and my password is hunter2. " * 6
+    with LLM(model=NARROW, kv_cache_memory=POOL, kv_events_config=isolated) as llm:
+        prompt = llm.tokenizer.encode(secret)
+        llm.generate([{"prompt_token_ids": prompt, "cache_salt": "client:alice"}], GREEDY, use_tqdm=False)
+        batches = [b for _, b in replay(isolated.replay_endpoint)]
+    stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+    assert stored and all(e.token_ids == [] and e.block_hashes and e.block_size > 0 for e in stored)
+
+
+def test_endpoints_that_cannot_work_or_reach_other_machines_are_refused_by_name():
+    for endpoint, says in (("tcp://nohost:99999", "port must be"), ("tcp://no-such-host.invalid:5557", "does not resolve"),
+                           ("udp://127.0.0.1:5557", "expected tcp://"), ("tcp://*:5557", "reachable from other machines"),
+                           ("tcp://0.0.0.0:5557", "reachable from other machines")):
+        with pytest.raises(ValueError, match=says):
+            KVEventsConfig.of({"enable_kv_cache_events": True, "endpoint": endpoint})
+    assert KVEventsConfig.of({"enable_kv_cache_events": True, "endpoint": "tcp://*:5557", "allow_remote": True})
+    for field, value in (("enable_kv_cache_events", "yes"), ("buffer_steps", True), ("topic", 3)):
+        with pytest.raises(ValueError, match=f"{field} must be"):
+            KVEventsConfig.of({"enable_kv_cache_events": True, field: value})
+
+
+def test_with_curve_keys_only_a_listed_subscriber_reads_the_stream(tmp_path):
+    import zmq.auth
+
+    from engine.kv.events import Removed
+    from engine.kv.publisher import ZmqEventPublisher
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    keys.mkdir()
+    allowed.mkdir()
+    server_public, server_file = zmq.auth.create_certificates(str(keys), "server")
+    router_public, router_file = zmq.auth.create_certificates(str(keys), "router")
+    stranger_public, stranger_file = zmq.auth.create_certificates(str(keys), "stranger")
+    (allowed / "router.key").write_bytes(open(router_public, "rb").read())
+    endpoint = f"ipc://{tmp_path}/p"
+    pub = ZmqEventPublisher(KVEventsConfig.of({"enable_kv_cache_events": True, "endpoint": endpoint,
+                                               "curve_secret_key": server_file, "curve_client_keys": str(allowed)}))
+
+    def subscriber(client_file):
+        sock = zmq.Context.instance().socket(zmq.SUB)
+        sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(client_file)
+        sock.curve_serverkey = zmq.auth.load_certificate(server_file)[0]
+        sock.connect(endpoint)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        return sock
+
+    router, stranger = subscriber(router_file), subscriber(stranger_file)
+    try:
+        time.sleep(0.5)  # the handshakes (the stranger's refused)
+        for i in range(3):
+            pub.publish([Removed([bytes([i]) * 32], GPU)])
+        assert router.poll(3000) and DECODE.decode(router.recv_multipart()[2]).events
+        assert not stranger.poll(500)
+    finally:
+        router.close(linger=0)
+        stranger.close(linger=0)
+        pub.close()
