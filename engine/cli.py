@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from engine import profile_mapping
@@ -104,7 +105,12 @@ def cmd_pool_owner(args: argparse.Namespace) -> None:
     from engine.kv.pool_events import PoolEvents
     events_config = KVEventsConfig.of(args.kv_events_config) if args.kv_events_config is not None else None
     announce = events_config is not None and events_config.publishes
-    owner = vmm.PoolOwner(backend, max(1, args.kv_cache_memory // backend.page_size), args.socket, announce)
+    num_pages = max(1, args.kv_cache_memory // backend.page_size)
+    cap = None if args.max_process_share >= 1 else max(1, int(args.max_process_share * num_pages))
+    if not 0 < args.max_process_share <= 1:
+        raise ValueError(f"--max-process-share must be in (0, 1], got {args.max_process_share}")
+    owner = vmm.PoolOwner(backend, num_pages, args.socket, announce,
+                          frozenset({os.getuid(), *args.allow_uid}), cap)
     try:
         events = PoolEvents(owner, events_config) if announce else None  # the directory, for routers
     except BaseException:  # its ports taken, say: no pool (and no socket file) left behind
@@ -158,6 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     owner.add_argument("--page-size", type=int, default=None, help="bytes per physical page")
     owner.add_argument("--device", default="cpu", help="cpu (memfd pages) or cuda[:N] (the GPU's pages, exported "
                                                        "to each engine process; start those with --device cuda[:N])")
+    owner.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
+                       help="another user whose processes may attach (default: this user's only, and the socket "
+                            "0600; with others it is 0666 and each connection's uid decides)")
+    owner.add_argument("--max-process-share", type=float, default=1.0, metavar="FRACTION",
+                       help="the most of the pool one process may hold at once (default 1: all); an alloc past it "
+                            "is refused to that process as a full pool is")
     owner.add_argument("--kv-events-config", type=json.loads, default=None, metavar="JSON",
                        help="vLLM's KVEventsConfig: the pool's directory (what every process attached to it can "
                             "map) announced as vLLM's KV events, by this owner (the engine processes announce nothing)")

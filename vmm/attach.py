@@ -59,6 +59,8 @@ class AttachedPool:
         device the owner created them on. The pool owns `backend` from this call on: it is closed
         with the pool, or here if attaching fails."""
         self.closed = False  # left the pool (or the owner is gone): the owner holds nothing of ours
+        self.path = path
+        self.gone: str | None = None  # why nothing more can be asked, when the owner went away
         self._imported: list = []  # CUDA handles imported here: this process's to release
         self.lock = threading.RLock()
         self._sock_lock = threading.Lock()
@@ -132,14 +134,15 @@ class AttachedPool:
 
     def _ask(self, message: dict, max_fds: int = 0) -> tuple[dict, list[int]]:
         if self.closed:
-            raise OwnerError("this process has left the pool")
+            raise OwnerError(self.gone or "this process has left the pool")
         with self._sock_lock:
             try:
                 wire.send(self._sock, message)
                 answer, fds = wire.receive(self._sock, max_fds)
-            except wire.WireError as exc:
+            except (wire.WireError, OSError) as exc:  # closed, reset, a broken pipe, or no answer in time
                 self.closed = True  # nothing more can be asked; the owner releases our references
-                raise OwnerError(f"the pool's owner is gone: {exc}") from exc
+                self.gone = f"the KV pool's owner at {self.path} is gone ({type(exc).__name__})"
+                raise OwnerError(self.gone) from exc
         if "error" in answer:
             raise OwnerError(f"the pool's owner refused {message.get('op')}: {answer['message']}")
         return answer, fds
@@ -174,7 +177,8 @@ class AttachedPool:
                 return taken
             answer, _ = self._ask({"op": "alloc", "n": n})
             if not answer["pages"]:
-                raise PoolExhausted(f"need {n} pages, {answer['free']} of {self.num_pages} free in the shared pool")
+                raise PoolExhausted(answer.get("capped") or
+                                    f"need {n} pages, {answer['free']} of {self.num_pages} free in the shared pool")
             for page in answer["pages"]:
                 self._take(page)
             return answer["pages"]
@@ -286,6 +290,26 @@ class AttachedPool:
             return None if pages is None else tuple(pages)
 
     # -- numbers and the audit --------------------------------------------------------------
+    def owner_alive(self) -> bool:
+        """Is the owner still there? (Its end of the socket closed reads as empty at once, without
+        a round trip; a process that must not go on without it checks this.)"""
+        if self.closed:
+            return False
+        with self._sock_lock:
+            try:
+                self._sock.setblocking(False)
+                try:
+                    gone = self._sock.recv(1, socket.MSG_PEEK) == b""
+                except BlockingIOError:  # nothing to read: still connected
+                    gone = False
+                finally:
+                    self._sock.settimeout(OWNER_TIMEOUT)
+            except OSError:
+                gone = True
+        if gone:
+            self.closed, self.gone = True, f"the KV pool's owner at {self.path} is gone"
+        return not gone
+
     def owner_stats(self) -> dict:
         return self._ask({"op": "stats"})[0]
 

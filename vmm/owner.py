@@ -45,6 +45,16 @@ publisher knows them; vmm reads none of it) is logged as stored, and logged as r
 leaves the directory (evicted, taken, or at stop); `take_changes` hands the log over. An entry
 published without one (a prompt's partial last page) is not announced.
 
+Admission. Every process that connects can read every page, so the owner admits only processes
+of its own user (SO_PEERCRED's uid; `allowed_uids` widens it), the socket is created with mode
+0600 (bound under a private name, then renamed into place: no window with another mode; 0666
+when other users are allowed, whom the uid check then admits alone), a
+connection must finish its hello within HELLO_TIMEOUT (only attached processes count toward
+MAX_PROCESSES; at most MAX_PENDING wait for theirs, the longest silent closed to make room, so a
+flood of idle connections cannot keep out an engine, which says hello at once), and `max_pages_per_process` caps what one
+process may hold at once (an alloc past it is refused as exhaustion, by name), so one greedy or
+broken process cannot hold the pool.
+
 Limitations. A CUDA pool shares pages between processes on one device: every process maps them
 on the device they were created on (peer access across devices is not set up). On the CUDA
 driver emulator (tests/cuda_emulator) an imported page keeps a file open; the real driver does
@@ -59,6 +69,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import selectors
 import socket
 import threading
@@ -75,10 +86,25 @@ log = logging.getLogger("vkv.pool")
 DIRECTORY = 0  # the holder id of the name directory; processes are 1, 2, ...
 LOOKUP_ANSWER_PAGES = 8192  # page ids in one lookup answer (well inside a datagram); the caller asks again
 MAX_CHANGES = 1 << 20  # directory changes kept for `take_changes`; past this the oldest go (counted)
-MAX_PROCESSES = 256  # connected at once; more are closed at once (each costs the owner a descriptor)
+MAX_PROCESSES = 256  # attached at once; more are closed at once (each costs the owner a descriptor)
+MAX_PENDING = 64  # connected but not yet through their hello; more are closed at once
+HELLO_TIMEOUT = 5.0  # seconds a new connection has to say hello before it is closed
 PARK_TIMEOUT = 10.0  # seconds an answer may wait for room in a process's socket. The owner never
 # blocks on a send: an answer with no room waits (and its process is not read from) while the owner
 # serves the others; a process that leaves it waiting this long is let go (its references released)
+
+
+PENDING = object()  # a connection's selector data until its hello
+
+
+class CapReached(ValueError):
+    """An alloc past max_pages_per_process."""
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The connected process's user id (SO_PEERCRED: pid, uid, gid)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    return int.from_bytes(creds[4:8], "little")
 
 
 def check_meta(meta) -> None:
@@ -98,8 +124,13 @@ def check_meta(meta) -> None:
 
 
 class PoolOwner:
-    def __init__(self, backend: Backend, num_pages: int, path: str, announce: bool = False):
-        """announce: log the directory's changes for `take_changes` (see the note)."""
+    def __init__(self, backend: Backend, num_pages: int, path: str, announce: bool = False,
+                 allowed_uids: frozenset[int] | None = None, max_pages_per_process: int | None = None):
+        """announce: log the directory's changes for `take_changes`; allowed_uids: the users whose
+        processes may attach (default: this process's own); max_pages_per_process: the most one
+        process may hold at once (default: the whole pool). See the note."""
+        if max_pages_per_process is not None and not 1 <= max_pages_per_process <= num_pages:
+            raise ValueError(f"max_pages_per_process must be in [1, {num_pages}], got {max_pages_per_process}")
         if not isinstance(backend, HostBackend) and not getattr(backend, "shareable", False):
             raise ValueError(f"a pool shared across processes needs the host backend or a CUDA backend made "
                              f"with shareable=True, not {backend.name}")
@@ -125,6 +156,9 @@ class PoolOwner:
         self.evictions = self.recovered = 0  # directory entries evicted; pages released for dead processes
         self.unreferenced = 0  # cached pages no process references: what an alloc may evict
         self.announce = announce
+        self.allowed_uids = frozenset(allowed_uids) if allowed_uids is not None else frozenset({os.getuid()})
+        self.max_pages_per_process = max_pages_per_process or num_pages
+        self.refused = 0  # connections closed: another user's, past a limit, or silent past the hello deadline
         self.changes: deque[tuple] = deque()  # ("stored", name, meta) / ("removed", name), oldest first
         self.announced: set[bytes] = set()  # names logged as stored and not yet as removed
         self.changes_dropped = 0
@@ -133,8 +167,16 @@ class PoolOwner:
         self.lock = threading.Lock()  # the loop's steps, and stats/audit from other threads
         self._thread: threading.Thread | None = None
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._listener.bind(path)
-        os.chmod(path, 0o600)
+        private = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"  # bound, made 0600, then moved into place
+        try:
+            self._listener.bind(private)  # (another allowed user must reach it: SO_PEERCRED admits by uid then)
+            os.chmod(private, 0o600 if self.allowed_uids == {os.getuid()} else 0o666)
+            os.rename(private, path)
+        except BaseException:
+            self._listener.close()
+            if os.path.exists(private):
+                os.unlink(private)
+            raise
         self._listener.listen(64)
 
     # -- the loop ------------------------------------------------------------------------
@@ -148,8 +190,17 @@ class PoolOwner:
         selector = selectors.DefaultSelector()
         selector.register(self._listener, selectors.EVENT_READ, None)
         conns: dict[socket.socket, int] = {}
+        pending: dict[socket.socket, float] = {}  # connected, hello not yet heard: since when
         parked: dict[socket.socket, tuple[dict, list[int], float]] = {}  # answers waiting for room
         refusing = False  # accept failing (said once until it works again)
+
+        def refuse(conn: socket.socket, why: str) -> None:
+            self.refused += 1
+            if self.refused == 1 or self.refused % 100 == 0:
+                log.warning("vkv: the pool's owner closed a connection (%s; %d so far)", why, self.refused)
+            if pending.pop(conn, None) is not None:
+                selector.unregister(conn)
+            conn.close()
 
         def drop(conn: socket.socket) -> None:
             client = conns.pop(conn)
@@ -192,15 +243,36 @@ class PoolOwner:
                             time.sleep(0.05)
                             continue
                         refusing = False
-                        if len(conns) >= MAX_PROCESSES:
-                            conn.close()  # it reads the end at once and says the owner refused it
-                            continue
-                        conn.setblocking(False)  # see PARK_TIMEOUT
-                        with self.lock:
-                            conns[conn] = self._join(conn)
-                        selector.register(conn, selectors.EVENT_READ, conns[conn])
+                        uid = peer_uid(conn)
+                        if uid not in self.allowed_uids:  # it reads the end at once: refused
+                            refuse(conn, f"uid {uid} is not allowed to attach")
+                        else:
+                            if len(pending) >= MAX_PENDING:  # the longest silent makes room: an engine says
+                                refuse(min(pending, key=pending.get), "silent while others wait")  # hello at once
+                            conn.setblocking(False)  # see PARK_TIMEOUT
+                            pending[conn] = time.monotonic()
+                            selector.register(conn, selectors.EVENT_READ, PENDING)
                         continue
                     conn, client = key.fileobj, key.data
+                    if client is PENDING:  # its first message must be hello, and room must remain
+                        try:
+                            message, _ = wire.receive(conn)
+                        except (wire.WireError, BlockingIOError, OSError):
+                            refuse(conn, "gone before its hello")
+                            continue
+                        if message.get("op") != "hello":
+                            refuse(conn, f"{message.get('op')!r} before hello")
+                            continue
+                        if len(conns) >= MAX_PROCESSES:
+                            refuse(conn, f"{MAX_PROCESSES} processes attached")
+                            continue
+                        del pending[conn]
+                        with self.lock:
+                            conns[conn] = client = self._join(conn)
+                            answer, fds = self._answer(client, message)
+                        selector.modify(conn, selectors.EVENT_READ, client)
+                        deliver(conn, answer, [os.dup(fd) for fd in fds], time.monotonic())
+                        continue
                     try:
                         if conn in parked:  # room at last for the answer it waits for
                             deliver(conn, *parked[conn])
@@ -216,6 +288,8 @@ class PoolOwner:
                             log.exception("vkv: pool process %d: %s", client, exc)
                         drop(conn)
                 now = time.monotonic()
+                for conn in [c for c, since in pending.items() if now - since > HELLO_TIMEOUT]:
+                    refuse(conn, f"no hello within {HELLO_TIMEOUT:g} s")
                 for conn in [c for c, (_, _, since) in parked.items() if now - since > PARK_TIMEOUT]:
                     log.warning("vkv: pool process %d has not read its answer for %.0f s: let go", conns[conn],
                                 now - parked[conn][2])
@@ -223,7 +297,14 @@ class PoolOwner:
         finally:
             for conn in list(conns):
                 drop(conn)
+            for conn in list(pending):
+                refuse(conn, "the owner stops")
             selector.close()
+
+    @property
+    def serving(self) -> bool:
+        """Serving from its thread (start()), and not asked to stop."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
 
     def request_stop(self) -> None:
         """Ask `serve` to return (from a signal handler or another thread)."""
@@ -273,7 +354,10 @@ class PoolOwner:
             if op == "export":
                 return {"start": int(m["start"])}, self._export(int(m["start"]), int(m["count"]))
             if op == "alloc":
-                return {"pages": self._alloc(client, int(m["n"])), "free": self.pool.num_free}, []
+                try:
+                    return {"pages": self._alloc(client, int(m["n"])), "free": self.pool.num_free}, []
+                except CapReached as exc:  # exhaustion for this process: it preempts or waits, as for a full pool
+                    return {"pages": [], "free": self.pool.num_free, "capped": str(exc)}, []
             if op == "drop":
                 for page in m["pages"]:
                     self._give_up(client, int(page))
@@ -318,6 +402,9 @@ class PoolOwner:
     def _alloc(self, client: int, n: int) -> list[int]:
         if not 1 <= n <= self.pool.num_pages:
             raise ValueError(f"alloc n must be in [1, {self.pool.num_pages}], got {n}")
+        if len(self.held[client]) + n > self.max_pages_per_process:
+            raise CapReached(f"this process holds {len(self.held[client])} pages; {n} more pass the "
+                             f"{self.max_pages_per_process} one process may hold")
         if self.pool.num_free + self.unreferenced < n:  # eviction could not make the room: none of it
             return []
         if self.pool.num_free < n:
@@ -438,6 +525,7 @@ class PoolOwner:
         return {"free": self.pool.num_free, "total": self.pool.num_pages, "cached": self.unreferenced,
                 "obtainable": self.pool.num_free + self.unreferenced,
                 "named": len(self.directory), "processes": len(self.held), "evictions": self.evictions,
+                "refused": self.refused,
                 "recovered": self.recovered,
                 "held": {str(self.pids.get(c, c)): len(p) for c, p in self.held.items()}}
 

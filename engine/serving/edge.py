@@ -50,8 +50,12 @@ def error_body(message: str, kind: str = "invalid_request_error", code: int | st
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def refusal(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(error_body(message, kind, status), status_code=status)
+def refusal(status: int, message: str, kind: str = "invalid_request_error", retry_after: float | None = None
+            ) -> JSONResponse:
+    """OpenAI's error object as a response; retry_after: seconds a client should wait (a 503's
+    Retry-After)."""
+    headers = {"retry-after": str(max(1, round(retry_after)))} if retry_after is not None else None
+    return JSONResponse(error_body(message, kind, status), status_code=status, headers=headers)
 
 
 def stream_tail(message: str, kind: str = "service_unavailable", status: int = 503) -> bytes:

@@ -37,6 +37,11 @@ class ServerOptions:
     data_parallel_backend: str = "mp"  # "ray": the replicas on a Ray cluster behind Ray Serve (engine/serving/dp/ray_serve.py)
     ray_address: str | None = None  # the Ray cluster to join (default: a local Ray of our own, stopped on exit)
     ray_router: str = "prefix"  # "prefix" (vkv's, from the pages each replica holds) | "pow2" | "ray-prefix"
+    request_timeout: float = 600.0  # seconds a request may take through the replicas' front door, end to end
+    replica_hang_seconds: float = 5.0  # a replica that answers no health probe this long is killed and restarted
+    replica_start_timeout: float = 300.0  # a replica not healthy this long after its start is killed and started again
+    enable_sleep_routes: bool = False  # POST /sleep and /wake_up answer (vLLM keeps them behind its dev mode)
+    pause_wait_seconds: float = 30.0  # a request made while generation is paused waits this long, then 503
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -63,6 +68,15 @@ class ServerOptions:
                         help="replicas that only prefill: a request's prompt is computed there and its pages are "
                              "mapped by a decoding replica, not copied")
         dp.add_argument("--replica-rank", type=int, default=None, help=argparse.SUPPRESS)
+        dp.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                        help="seconds a request may take through the front door, end to end (then 504, or an "
+                             "error event that ends its stream)")
+        dp.add_argument("--replica-hang-seconds", type=float, default=d.replica_hang_seconds,
+                        help="a replica answering no health probe is out of rotation at once; this long, and it is "
+                             "killed (TERM, then KILL) and restarted")
+        dp.add_argument("--replica-start-timeout", type=float, default=d.replica_start_timeout,
+                        help="a replica not healthy this long after it started is killed and started again, with "
+                             "backoff")
         dp.add_argument("--data-parallel-backend", choices=("mp", "ray"), default=d.data_parallel_backend,
                         help="mp: engine processes on this host over one KV pool; ray: replicas placed by Ray on a "
                              "cluster, Ray Serve in front (pip install -e '.[ray]')")
@@ -84,6 +98,12 @@ class ServerOptions:
                         help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key): "
                              "they read a directory of this machine")
         rl = p.add_argument_group("reinforcement-learning loops")
+        rl.add_argument("--enable-sleep-routes", action="store_true",
+                        help="answer POST /sleep and /wake_up (behind the API key): they stop serving until woken "
+                             "(vLLM keeps them behind its dev mode)")
+        rl.add_argument("--pause-wait-seconds", type=float, default=d.pause_wait_seconds,
+                        help="a request made while generation is paused waits this long for it to go on, then gets "
+                             "503 with Retry-After")
         rl.add_argument("--enable-weight-updates", action="store_true",
                         help="answer POST /pause_generation, /continue_generation and /update_weights_from_disk "
                              "(behind the API key): they stop generation and read a directory of this machine")

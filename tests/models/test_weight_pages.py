@@ -120,7 +120,7 @@ def test_over_http_level_2_is_behind_the_flag_and_the_weights_come_back_through_
     for flag in (False, True):  # (a server's end stops its engine: one each)
         engine = AsyncEngine(LLMEngine(EngineConfig(model=str(tmp_path / "w"), kv_cache_memory=4 << 20,
                                                     enable_sleep_mode=True)))
-        options = ServerOptions(api_key="k", enable_weight_updates=flag)
+        options = ServerOptions(api_key="k", enable_weight_updates=flag, enable_sleep_routes=True)
         with serving(build_app(engine, "m", options)) as base:
             with httpx.Client(base_url=base, headers={"Authorization": "Bearer k"}, timeout=60) as http:
                 if not flag:

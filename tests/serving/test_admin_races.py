@@ -6,6 +6,7 @@ sleep asked while generation is paused answers; a pause ends only the requests t
 checked refuses it by name instead of stranding it; the front door answers deep JSON 400."""
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
@@ -19,7 +20,7 @@ from engine.serving.loop.metrics import Metrics
 from engine.serving.options import ServerOptions
 from engine.serving.api.server import build_app
 
-OPTIONS = ServerOptions(enable_weight_updates=True)
+OPTIONS = ServerOptions(enable_weight_updates=True, enable_sleep_routes=True)
 
 
 def tiny() -> AsyncEngine:
@@ -139,6 +140,38 @@ def test_the_rl_routes_without_the_flag_are_403_with_or_without_a_body():
     """A pause with no body answered 400 "body: Field required" before the flag was checked."""
     engine = tiny()
     with serving(build_app(engine, "tiny", ServerOptions())) as base:
-        for body in (None, {"mode": "retract"}):
+        for body in (None, {"mode": "retract"}, {"mode": "sideways"}, [1]):  # (a bad body too: the flag first)
             r = httpx.post(base + "/pause_generation", json=body, timeout=10)
             assert r.status_code == 403 and "--enable-weight-updates" in r.json()["error"]["message"]
+
+
+def test_the_sleep_routes_need_their_flag_and_the_key():
+    """POST /sleep (level 1) stopped a keyless server for anyone: vLLM keeps it behind its dev mode."""
+    engine = tiny()
+    with serving(build_app(engine, "tiny", ServerOptions())) as base:
+        for path in ("/sleep", "/wake_up"):
+            r = httpx.post(base + path, timeout=10)
+            assert r.status_code == 404 and "--enable-sleep-routes" in r.json()["error"]["message"]
+    with serving(build_app(tiny(), "tiny", ServerOptions(api_key="k", enable_sleep_routes=True))) as base:
+        assert httpx.post(base + "/sleep", timeout=10).status_code == 401
+        assert httpx.post(base + "/sleep", headers={"authorization": "Bearer k"}, timeout=30).json() == \
+            {"is_sleeping": True}
+
+
+def test_a_request_while_generation_is_paused_waits_its_bound_then_gets_a_503_with_retry_after():
+    engine = tiny()
+    options = ServerOptions(enable_weight_updates=True, pause_wait_seconds=0.5)
+    with serving(build_app(engine, "tiny", options)) as base:
+        assert httpx.post(base + "/pause_generation", json={"mode": "retract"}, timeout=10).status_code == 200
+        began = time.monotonic()
+        r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and "paused" in r.json()["error"]["message"] and int(r.headers["retry-after"]) >= 1
+        assert time.monotonic() - began < 3
+        waited = threading.Thread(target=lambda: answers.append(httpx.post(
+            base + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=10)))
+        answers = []
+        waited.start()
+        time.sleep(0.2)
+        assert httpx.post(base + "/continue_generation", timeout=10).status_code == 200
+        waited.join(timeout=10)
+        assert answers[0].status_code == 200  # it went on within its bound

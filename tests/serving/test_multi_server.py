@@ -27,7 +27,7 @@ def server():
     metrics, turns = Metrics(list(group.engines), group.shared), Turns(group.shared_step_tokens)
     engines = {name: AsyncEngine(engine, name, metrics, turns, idle_sleep=0.5 if name == "qwen" else None)
                for name, engine in group.engines.items()}
-    with serving(build_app(engines, options=ServerOptions(api_key=KEY), group=group)) as base:
+    with serving(build_app(engines, options=ServerOptions(api_key=KEY, enable_sleep_routes=True), group=group)) as base:
         yield base, group
 
 

@@ -79,7 +79,7 @@ def tiny_engine(group):
 
 @pytest.fixture()
 def app(tiny_engine, group):
-    app = build_app({"tiny": tiny_engine}, options=ServerOptions(max_prompts_per_request=8, max_n=4,
+    app = build_app({"tiny": tiny_engine}, options=ServerOptions(max_prompts_per_request=8, max_n=4, enable_sleep_routes=True,
                                                                  allow_runtime_lora_updating=True), group=group)
     for route in app.routes:  # the admin routes too (the served schema leaves them out, as vLLM's does),
         # less an RL loop's, off here (--enable-weight-updates) and tested in tests/models/test_weights_update.py

@@ -112,18 +112,24 @@ def test_replicas_hand_prompts_over_by_mapping_share_prefixes_and_survive_a_kill
     # the decode replica mapped every page (the last one taken whole), copied none, computed one token
     assert metric(text, "vkv:kv_handoff_pages_total") > 0 and metric(text, "vkv:kv_handoff_bytes_copied_total") == 0
     assert metric(text, "vkv:prefix_cache_queries_total", 1) - metric(text, "vkv:prefix_cache_hits_total", 1) == 1
-    # a prefix computed on one replica (pinned) is mapped by the other
-    assert complete(url, prompts[1], rank=0).json()["choices"][0]["text"] == expected[1]
+    # a prefix computed on one replica is mapped by the other: prefilled on rank 0, decoded on rank 1
     before = metric(httpx.get(url + "/metrics", headers=auth).text, "vkv:prefix_cache_imported_pages_total", 1)
-    assert complete(url, prompts[1], rank=1).json()["choices"][0]["text"] == expected[1]
+    assert complete(url, prompts[1]).json()["choices"][0]["text"] == expected[1]
     after = metric(httpx.get(url + "/metrics", headers=auth).text, "vkv:prefix_cache_imported_pages_total", 1)
     assert after > before
+    assert complete(url, prompts[1], rank=1).json()["choices"][0]["text"] == expected[1]
     view = render(scrape(url, KEY), url)  # vkv top: the shared pool, a row per replica
     assert "pool: 512 pages" in view and "rank 0" in view and "rank 1" in view, view
-    # bad pins and keys, by name
-    for pin in ("2", "-1", "one"):
+    # bad pins and keys, by name, in our words
+    for pin in ("2", "-1", "one", "9" * 5000):
         bad = complete(url, prompts[0], rank=pin)
-        assert bad.status_code == 400 and "X-data-parallel-rank" in bad.json()["error"]["message"]
+        assert bad.status_code == 400 and "X-data-parallel-rank must be a replica's number" in bad.text, bad.text
+    twice = httpx.post(url + "/v1/completions", headers=[("authorization", f"Bearer {KEY}"),
+                                                          ("x-data-parallel-rank", "1"), ("x-data-parallel-rank", "1")],
+                       json={"prompt": prompts[0], "max_tokens": 2})
+    assert twice.status_code == 400 and "sent 2 times" in twice.text
+    prefill_only = complete(url, prompts[0], rank=0)  # it only prefills: it cannot answer a whole request
+    assert prefill_only.status_code == 400 and "replica 0 only prefills" in prefill_only.text
     assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
     assert httpx.get(url + "/metrics").status_code == 401
     # a replica killed mid-request: that request ends with a clear error, pinned requests to it are
@@ -138,6 +144,7 @@ def test_replicas_hand_prompts_over_by_mapping_share_prefixes_and_survive_a_kill
     assert answers[0].status_code == 503 and "replica 1" in answers[0].json()["error"]["message"]
     down = complete(url, prompts[0], rank=1)
     assert down.status_code == 503 and "replica 1 is down" in down.json()["error"]["message"]
+    assert int(down.headers["retry-after"]) >= 1
     wait_until(lambda: _up(url), 240, "rank 1 restarted")
     assert complete(url, prompts[0]).json()["choices"][0]["text"] == expected[0]
     text = httpx.get(url + "/metrics", headers=auth).text

@@ -27,7 +27,7 @@ PROMPTS = ["The capital of France is", "Water boils at", "1, 2, 3, 4,", "The opp
 @pytest.fixture(scope="module")
 def server():
     engine = async_engine(model=None, max_num_seqs=32, kv_cache_memory=256 << 20)
-    with served(engine, MODEL, ServerOptions(api_key=KEY, max_body_bytes=64 << 10)) as base:
+    with served(engine, MODEL, ServerOptions(api_key=KEY, max_body_bytes=64 << 10, enable_sleep_routes=True)) as base:
         yield base, engine
 
 

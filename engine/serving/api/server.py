@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import signal
+import threading
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -34,6 +35,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import vmm
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.multi import MultiLLM
@@ -115,7 +117,7 @@ def build_app(engines: AsyncEngine | dict[str, AsyncEngine], model_name: str | N
 
 
 async def _http_error(_, exc: HTTPError):
-    return refusal(exc.status, exc.message, exc.kind)
+    return refusal(exc.status, exc.message, exc.kind, exc.retry_after)
 
 
 async def _dead(_, exc: EngineDeadError):
@@ -187,11 +189,52 @@ def serve(args, options: ServerOptions) -> None:
     # that a clean exit (status 0) rather than death by signal (143), as supervisors expect.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_cleanly)
+    server = _graceful_server(config, list(async_engines.values()), options.shutdown_timeout)
+    watch = OwnerWatch(server, async_engines)
     try:
-        _graceful_server(config, list(async_engines.values()), options.shutdown_timeout).run()
+        server.run()
     finally:  # when uvicorn did not get as far as the app's shutdown
+        watch.stop()
         for async_engine in async_engines.values():
             async_engine.shutdown()
+    if watch.gone:
+        raise SystemExit(OWNER_GONE_STATUS)
+
+
+OWNER_GONE_STATUS = 3  # `vkv serve --kv-pool` exits with it when the pool's owner is gone
+
+
+class OwnerWatch:
+    """An engine over a pool another process owns (--kv-pool) cannot go on without the owner:
+    its pages can no longer be allocated, looked up or counted. When the owner goes, this ends
+    every request in flight with an error that says so and stops the server, which then exits
+    with OWNER_GONE_STATUS, so its supervisor (systemd, Kubernetes, the replicas' front door)
+    starts it again, attached to the owner that is started again. A thread checks the owner
+    every `interval` seconds (a closed socket is seen without a round trip)."""
+
+    def __init__(self, server: uvicorn.Server, engines: dict[str, AsyncEngine], interval: float = 0.25):
+        self.server, self.engines, self.interval = server, engines, interval
+        self.pools = [e.engine.kv.pool for e in engines.values() if isinstance(e.engine.kv.pool, vmm.AttachedPool)]
+        self.gone, self.stopping = False, threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="vkv-owner-watch", daemon=True)
+        if self.pools:
+            self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(self.interval):
+            if all(pool.owner_alive() for pool in self.pools):
+                continue
+            why = (f"the KV pool's owner at {self.pools[0].path} is gone: this server stops (status "
+                   f"{OWNER_GONE_STATUS}) to be started again once the owner is back")
+            log.error("vkv: %s", why)
+            self.gone = True
+            for engine in self.engines.values():
+                engine.cancel_all(why)
+            self.server.should_exit = True
+            return
+
+    def stop(self) -> None:
+        self.stopping.set()
 
 
 def make_app(args, options: ServerOptions) -> tuple[FastAPI, dict[str, AsyncEngine], str]:

@@ -13,7 +13,9 @@ that open the RL and adapter routes (`weight_updates`, `runtime_lora`). A refusa
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -32,10 +34,12 @@ from engine.request.structured import StructuredOutputsParams
 
 
 class HTTPError(Exception):
-    """A refusal: its status, OpenAI's error type and the message the client reads."""
+    """A refusal: its status, OpenAI's error type, the message the client reads, and for a 503
+    the seconds to wait before a retry (Retry-After)."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
-        self.status, self.message, self.kind = status, message, kind
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 retry_after: float | None = None):
+        self.status, self.message, self.kind, self.retry_after = status, message, kind, retry_after
 
 
 def state_of(request: Request) -> ServerState:
@@ -160,7 +164,24 @@ class ServerState:
                 raise HTTPError(400, where + str(exc)) from exc
         return prompts
 
+    async def unpaused(self, engine: AsyncEngine) -> None:
+        """A request made while generation is paused (an RL loop loading new weights) waits for it
+        to go on, at most --pause-wait-seconds, then gets 503 with Retry-After."""
+        deadline = time.monotonic() + self.options.pause_wait_seconds
+        while engine.engine.paused:
+            if time.monotonic() >= deadline:
+                raise HTTPError(503, f"generation is paused (new weights are being loaded) and did not go on within "
+                                     f"{self.options.pause_wait_seconds:g} s: retry shortly", "service_unavailable",
+                                retry_after=max(1.0, self.options.pause_wait_seconds / 2))
+            await asyncio.sleep(0.05)
+
     # -- the routes behind a flag -------------------------------------------------------------
+    def sleep_routes(self) -> None:
+        """vLLM's /sleep and /wake_up stop serving until woken: behind --enable-sleep-routes (vLLM
+        keeps them behind its dev mode), and the key."""
+        if not self.options.enable_sleep_routes:
+            raise HTTPError(404, "the sleep routes are off: start the server with --enable-sleep-routes", "not_found")
+
     def weight_updates(self) -> None:
         """An RL loop's routes (SGLang's names; engine/models/weights.py) stop generation and read
         a directory of the server's machine: behind --enable-weight-updates."""

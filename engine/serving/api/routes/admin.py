@@ -19,7 +19,16 @@ router = APIRouter(dependencies=[Depends(authorize)])
 ONE_MODEL = "this server has one model: it has the whole KV pool"
 
 
-@router.post("/sleep", include_in_schema=False)
+def sleep_routes(state: ServerState = Depends(state_of)) -> None:
+    state.sleep_routes()
+
+
+def weight_updates(state: ServerState = Depends(state_of)) -> None:
+    """(a dependency: the flag is checked before the body is read, so it is 403 whatever the body)"""
+    state.weight_updates()
+
+
+@router.post("/sleep", include_in_schema=False, dependencies=[Depends(sleep_routes)])
 async def sleep(level: int = Query(1, ge=1, le=2, description="1: the KV cache's pages go; 2: the weights' too"),
                 model: str | None = None, state: ServerState = Depends(state_of)):
     engines = state.named(model)
@@ -32,7 +41,7 @@ async def sleep(level: int = Query(1, ge=1, le=2, description="1: the KV cache's
     return {"is_sleeping": all(asleep)}  # False: a wake-up came while the requests in flight drained
 
 
-@router.post("/wake_up", include_in_schema=False)
+@router.post("/wake_up", include_in_schema=False, dependencies=[Depends(sleep_routes)])
 async def wake_up(model: str | None = None, tags: list[str] | None = Query(None),
                   state: ServerState = Depends(state_of)):
     try:
@@ -48,26 +57,23 @@ async def is_sleeping(model: str | None = None, state: ServerState = Depends(sta
     return {"is_sleeping": all(e.is_sleeping for e in state.named(model).values())}
 
 
-@router.post("/pause_generation", include_in_schema=False)
+@router.post("/pause_generation", include_in_schema=False, dependencies=[Depends(weight_updates)])
 async def pause_generation(body: PauseRequest | None = None, state: ServerState = Depends(state_of)):
-    state.weight_updates()
     body = body or PauseRequest()  # (no body: SGLang's default, abort)
     for e in state.named(body.model).values():
         await e.pause_generation(body.mode)
     return {"paused": True, "mode": body.mode}
 
 
-@router.post("/continue_generation", include_in_schema=False)
+@router.post("/continue_generation", include_in_schema=False, dependencies=[Depends(weight_updates)])
 async def continue_generation(model: str | None = None, state: ServerState = Depends(state_of)):
-    state.weight_updates()
     for e in state.named(model).values():
         await e.continue_generation()
     return {"paused": False}
 
 
-@router.post("/update_weights_from_disk", include_in_schema=False)
+@router.post("/update_weights_from_disk", include_in_schema=False, dependencies=[Depends(weight_updates)])
 async def update_weights_from_disk(body: UpdateWeightsRequest, state: ServerState = Depends(state_of)):
-    state.weight_updates()
     engines = state.named(body.model)
     try:  # every model reads and checks it first: none takes weights another refuses
         checked = [(e, await e.read_weights_from_disk(body.model_path)) for e in engines.values()]

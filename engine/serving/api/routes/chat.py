@@ -19,6 +19,7 @@ async def chat(body: ChatCompletionRequest, request: Request, state: ServerState
     model_name, parent, engine, lora = state.pick(body.model)
     tokens = state.texts[parent]
     state.check(engine, body)
+    await state.unpaused(engine)
     if body.top_logprobs is not None and not body.logprobs:
         raise HTTPError(400, "top_logprobs needs logprobs: true")
     try:

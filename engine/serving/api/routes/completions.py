@@ -17,6 +17,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
     model_name, parent, engine, lora = state.pick(body.model)
     tokens = state.texts[parent]
     state.check(engine, body, body.best_of)
+    await state.unpaused(engine)
     if body.suffix:
         raise HTTPError(400, "suffix is not supported: the model has no fill-in-the-middle mode")
     scored = body.echo and body.logprobs is not None  # the prompt's tokens get logprobs too
