@@ -267,6 +267,7 @@ class FrontDoor:
         ReplicaLost if the replica went out of rotation or was started again meanwhile,
         RequestTimeout past the deadline (the work is cancelled: its replica aborts the request)."""
         task, loop = asyncio.ensure_future(work), asyncio.get_running_loop()
+        task.add_done_callback(_retrieved)  # (given up on, it may still end with its replica's error)
         try:
             while True:
                 done, _ = await asyncio.wait([task], timeout=WATCH)
@@ -338,6 +339,11 @@ class FrontDoor:
 
 def build_front_door(replicas: ReplicaSet, options: ServerOptions) -> FastAPI:
     return FrontDoor(replicas, options).app()
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _sample(text: str, name: str) -> float:
