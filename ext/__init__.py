@@ -35,7 +35,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = Path(__file__).parent / "cpu"  # *.cpp compiled, *.h included; all of them key the build
+# *.cpp compiled, *.h included; all of them key the build. VKV_KERNEL_SOURCES names another folder
+# (the suite's tests of the build itself use a one-op source that compiles in seconds)
+SOURCES = Path(os.environ.get("VKV_KERNEL_SOURCES") or Path(__file__).parent / "cpu")
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, expanded in our code; the libgomp.so.1
 # it links is the one torch already loaded (same soname), so there is one thread pool.
 # -fno-trapping-math: nothing here turns floating-point exceptions on, and with them possible GCC
@@ -194,7 +196,9 @@ def _build(build: Path, isa: str, flags: list[str]) -> None:
             from torch.utils import cpp_extension
 
             unity = build / "vkv_kernels.cpp"  # every family's file in one translation unit (see the note above)
-            unity.write_text("".join(f'#include "{f}"\n' for f in _source_files(("*.cpp",))))
+            text = "".join(f'#include "{f}"\n' for f in _source_files(("*.cpp",)))
+            if not unity.is_file() or unity.read_text() != text:  # (rewritten, ninja would compile it all again)
+                unity.write_text(text)
             cpp_extension.load(name=_library(build), sources=[str(unity)], build_directory=str(build),
                                extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
                                verbose=False)
