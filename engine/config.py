@@ -336,8 +336,8 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
           KV events (cache)              x enable_prefix_caching
           tensor_parallel_size           x device, enable_lora"""
         if self.kv_layout is None:
-            # Measured on the CPU (AVX2 EPYC, 32 ShareGPT requests): per_layer 124.5 output tok/s,
-            # interleaved 109.4. The host maps 4 KiB page-table entries, and an interleaved token
+            # On the CPU per_layer is the faster (design_choices.json, "cpu_default_layout"): the
+            # host maps 4 KiB page-table entries, and an interleaved token
             # row (every layer's K and V) puts each key of a layer on its own page: a TLB miss per
             # key. On a GPU, 2 MiB pages make interleaved's one-map-per-page the better trade.
             self.kv_layout = "interleaved" if self.device.type == "cuda" else "per_layer"

@@ -42,14 +42,8 @@ SOURCES = Path(os.environ.get("VKV_KERNEL_SOURCES") or Path(__file__).parent / "
 # it links is the one torch already loaded (same soname), so there is one thread pool.
 # -fno-trapping-math: nothing here turns floating-point exceptions on, and with them possible GCC
 # leaves loops whose body selects between floats scalar, attention's softmax among them (an exp
-# and a rounding per score). No value changes (unlike -ffast-math). The attention op alone, one
-# decode row of the bundled model's shape (9 query heads over 3 KV heads of 64), with this flag,
-# the softmax's fp32 probabilities and AVX2's 3 query rows a pass (attention.h attend_item,
-# kScoreRows), against the build before, hot caches, 3 alternations on the 2-vCPU Xeon: AVX2
-# kernels fp32 11.8-13.1 -> 8.7-9.3 us at 130 keys, 20.0-21.8 -> 14.2-15.1 at 250; bf16 16.3-17.0
-# -> 10.9-11.5 and 28.0-29.2 -> 17.0-18.6; AVX-512 kernels bf16 9.9-10.5 -> 9.0-9.8 and 15.9-16.1
-# -> 13.8-14.7, fp32 even. In decode (bench_decode_stages.py --isa avx2) attention took 0.57 ->
-# 0.42 ms of a bf16 step.
+# and a rounding per score). No value changes (unlike -ffast-math). Measured:
+# benchmarks/results/cpu/design_choices.json, "if_conversion".
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
 ISAS = ("avx512", "avx2", "scalar")  # widest first
 EMULATED = "avx512-emulated"  # the AVX-512 layer through SIMDe, on any CPU: for tests
@@ -228,7 +222,7 @@ def bf16_gemm() -> tuple[bool, str]:
     """(whether oneDNN runs bf16 GEMMs natively on this CPU, why): probed by packing a small
     bf16 weight, the call the model makes. Without AVX512-BF16/AMX/AVX-NE-CONVERT (or at least
     AVX512-BW/VL/DQ) oneDNN refuses it, and where it runs emulated it is several times slower
-    than fp32 (measured on an AVX2 EPYC: 51 vs 9 ms for 256 x 576 -> 1536). A narrower
+    than fp32 (design_choices.json, "emulated_bf16_gemm"). A narrower
     VKV_CPU_ISA than this CPU's stands for a CPU without native bf16 (none below AVX-512 has
     it, bar AVX-NE-CONVERT's newest), so the engine takes that CPU's path, not only its kernels."""
     if not torch.backends.mkldnn.is_available():

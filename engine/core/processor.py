@@ -104,7 +104,7 @@ class InputProcessor:
         if not window:
             return pages_for(total)
         # the live rows (a window and a step's chunk) start anywhere in a page: one page more
-        # a region than the rows alone fill (a review's reproducer looped for ever on that page)
+        # a region than the rows alone fill (counted short, a request that needs it waits for ever)
         return min(pages_for(total), pages_for(window + self.config.max_num_batched_tokens) + pages_for(1))
 
     def adapter(self, request: LoRARequest | None) -> Adapter | None:

@@ -6,10 +6,7 @@ Rationale. A decode step streams every panel once (540 MB a token for the bundle
 fp32, 270 MB in bf16). On 4 KiB pages that is one TLB entry, and one page walk, per 4 KiB
 read: 132,000 a token in fp32, far beyond the TLB. The kernel gives an anonymous range 2 MiB
 pages only where asked (`transparent_hugepage/enabled` is usually `madvise`), and torch's
-allocator never asks. Measured on the 2-core AVX-512 EPYC (a decode step's 121 projections over
-weights far larger than the caches, one row, 6 alternating pairs of runs each): the median of the
-paired ratios of GB/s streamed was 1.15x in fp32 and in bf16 (the machine's bandwidth swung
-between 27 and 57 GB/s from run to run, so single pairs ranged 0.78-1.70x).
+allocator never asks (measured: benchmarks/results/cpu/design_choices.json, "huge_pages").
 
 Approach. After packing, every panel moves into one arena whose 2 MiB-aligned span is advised
 `MADV_HUGEPAGE` before a byte of it is touched, so its first writes fault in huge pages.

@@ -3,27 +3,23 @@
 On the CPU (fp32, bf16) the weight is reordered once into oneDNN's blocked layout, the path
 inductor's weight freezing takes (`torch.ops.mkldnn._reorder_linear_weight` with a batch-size
 hint, then `_linear_pointwise`); the plain weight is dropped unless something else holds it (a
-tied embedding). Measured on this project's CPU (2 cores, AVX-512): a 576 -> 3072 projection
-of 32 rows takes 0.55 ms against 0.93 ms through F.linear, and one row 75 us against 180 us.
-The hint matters: with a hint below 32, every row count ran 10x slower.
+tied embedding). The batch-size hint matters: below 32, every row count runs several times
+slower (benchmarks/results/cpu/design_choices.json, "onednn_packed").
 
 Decode steps of a few rows are bound by reading the weights, and there oneDNN's packed GEMM
-reads them slowly: on an AVX2 EPYC (2 cores, 23.8 GB/s) a whole SmolLM2 forward's projections
-took 22.9 ms for one row against 14.4 ms for a kernel streaming the plain weight. Steps of more
-rows (decode batches, prefill) are bound by arithmetic, and there oneDNN's packed GEMM reached
-35-70 GFLOP/s at 5-32 rows on that EPYC, a third of its FMA peak. With the native kernels built
+reads them slowly (benchmarks/results/cpu/design_choices.json, "onednn_slow_rows"). Steps of
+more rows (decode batches, prefill) are bound by arithmetic, and there oneDNN's packed GEMM
+reaches about a third of the FMA peak. With the native kernels built
 and fp32 arithmetic, the weight is instead packed into column panels for vkv's register-tiled
 GEMM (ext: `linear_panels`), which replaces oneDNN's copy (no more memory) and serves every
-step: it measured 1.12-1.95x oneDNN's GFLOP/s at 5-32 rows over SmolLM2's shapes and the LM
-head, 1.04-1.28x at 64-512 rows (`benchmarks/bench_gemm.py`), and at one row each thread
-streams its run of panels front to back, faster than a kernel streaming the plain rows (which
-vkv kept beside the panels until it measured: decode 62 against 49 tok/s in fp32 on an AVX-512
-EPYC, `benchmarks/README.md`). Panels of bf16 weights stay bf16 (widened on load: half the
+step (`benchmarks/bench_gemm.py` measures it against oneDNN at 1 to 512 rows), and at one row
+each thread streams its run of panels front to back, faster than a kernel streaming the plain
+rows (design_choices.json, "panels"). Panels of bf16 weights stay bf16 (widened on load: half the
 bytes). Where bf16 arithmetic is native (oneDNN's bf16 GEMM on AVX512-BF16 or AMX), oneDNN's
 packed bf16 weight serves steps of more than FEW_ROWS rows, where arithmetic bounds them; decode
 steps of at most FEW_ROWS rows stream bf16 panels kept beside it, in fp32 arithmetic (bf16 x bf16
-products are exact in fp32): on the AVX-512 EPYC with AVX512-BF16, oneDNN decoded 59 tok/s and
-the panels 104. On a GPU, torch runs as before.
+products are exact in fp32; design_choices.json, "bf16_decode_on_panels"). On a GPU, torch runs
+as before.
 """
 from __future__ import annotations
 
@@ -34,10 +30,7 @@ from torch import nn
 PACK_HINT = 128  # rows the packed layout is tuned for; good from 1 row to hundreds here
 # A decode step: every layer in one native call (llama.py); beside oneDNN's bf16 weight, the panels
 # serve it. 12 rows is one register tile of the AVX-512 panel GEMM (two of AVX2's), so a step of up to
-# 12 reads each panel from memory once and is bound by that read. On the Intel Xeon (2 vCPUs, AMX),
-# the batch of 32 ShareGPT requests (whose tail runs steps of 5-12 rows) went from 377 to 419 output
-# tok/s in bf16 (oneDNN's AMX GEMM had served 5-12 rows, layer by layer from Python) and from 224 to
-# 233 in fp32 (the same panels, one call instead of Python per layer), with 4 rows against 12.
+# 12 reads each panel from memory once and is bound by that read (design_choices.json, "few_rows").
 FEW_ROWS = 12
 
 

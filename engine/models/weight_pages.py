@@ -28,10 +28,9 @@ storage is switched only after its bytes are copied, and a half-made pool is rel
 Limitations. oneDNN's packed weights (bf16 arithmetic on a CPU that has it; no native kernels)
 are opaque tensors that cannot live in a reservation: `release()` drops them (and trims the
 C heap so their memory leaves the process) and `restore()` makes new ones, held only by their
-`Linear`. Sleep mode is off by default: moving the weights costs start time (0.83 against
-0.54 s for the bundled model), and the host's shared memory gets no transparent huge pages
-(`shmem_enabled` is usually `never`); decode measured within this machine's noise of the heap's
-(70.1 and 67.8 against 72.9 and 52.6 tok/s, alternating runs).
+`Linear`. Sleep mode is off by default: moving the weights costs start time, and the host's
+shared memory gets no transparent huge pages (`shmem_enabled` is usually `never`); decode runs
+within noise of the heap's (benchmarks/results/cpu/design_choices.json, "weight_pages").
 Tensor-parallel ranks are other processes: level 2 is refused there.
 """
 from __future__ import annotations

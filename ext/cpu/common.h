@@ -351,10 +351,7 @@ struct Vec {
 // 16 registers. Scores over 8 vectors (a 64-wide head) take 3 query rows a pass, more than the
 // registers hold: the queries are read from L1 as the multiplies' operands, and each key is loaded
 // (and, from a bf16 cache, widened) once for a KV head's 3 query heads instead of once for each.
-// The attention op alone on the bundled model's shape (9 query heads over 3 KV heads, one decode
-// row), hot caches, 3 alternations of builds on the 2-vCPU Xeon: 1 row a pass against 3, fp32
-// 9.8-10.6 -> 9.3-9.5 us at 130 keys and 15.9-17.1 -> 14.4-15.0 at 250; bf16 13.0-14.5 -> 11.1-11.8
-// and 21.4-22.7 -> 18.4-19.2.
+// (Measured: benchmarks/results/cpu/design_choices.json, "score_rows".)
 constexpr int kScoreRows[2] = {2, 3}, kWeighRows[2] = {3, 1};
 #else
 #define VKV_ISA "scalar"

@@ -23,8 +23,8 @@ namespace vkv {
 // caches; the step's intermediates are allocated once and reused by every layer. Given `logits`
 // (and rows, the final norm's weight, the LM head's panels), the call ends with last_logits, the
 // final norm under the layers' eps (one rms_norm_eps in a Llama config): each return from a call
-// that streamed the weights costs the Python after it about 0.1 ms of cold caches, so one call
-// a step instead of two measured 1.025x in bf16 (21 of 30 alternations) and 1.009x in fp32 (15 of 24).
+// that streamed the weights leaves the Python after it on cold caches, so one call a step, not two
+// (measured: benchmarks/results/cpu/design_choices.json, "logits_in_the_step_call").
 struct DecodeStep {  // what every layer of the step reads, and its intermediates
   const at::Tensor &positions, &cos_sin, &block_table, &token_seq, &q_start, &q_len, &ctx_len;
   int64_t block_size;
@@ -69,15 +69,10 @@ c10::Dict<std::string, double> decode_stage_times(bool reset) {
 // a later layer's in the down projection of the layer before (Note [The next layer's context ...]).
 // The step's weights have streamed through the caches since the last step wrote them, so attention
 // waited on memory for them, a miss at a time: about a third of its time in decode. Prefetched here
-// they arrive while the norm and the qkv projection run. (Each key's heads must lie side by side, as in every layout; else no prefetch.) Measured on
-// a 2-core EPYC (AVX-512), one sequence of 4 to 260 tokens, the switch alternated in one process:
-// attention 0.86 -> 0.56 ms a step in fp32, 0.56 -> 0.39 in bf16; decode_layers 1.017x (18 of 20
-// pairs faster) and 1.013x (14 of 20). The threads split the keys: a thread's prefetches wait on
-// its own line-fill buffers once they are full, and on the Intel Xeon (2 vCPUs) the prefetch on one
-// thread took 0.35-0.38 ms of a 16 ms fp32 step (stages timed inside decode_layers; K on one thread
-// and V on the other: 0.22-0.25 ms), 0.24-0.26 ms of an 8 ms bf16 one (0.13-0.18). Decode with the
-// keys split, against one thread, 8 alternations in one process: 1.009x fp32 (5 faster) and 1.012x
-// bf16 (7) with the AVX2 kernels; 1.001x (4) and 1.007x (6) with the AVX-512 ones. Small; kept.
+// they arrive while the norm and the qkv projection run. (Each key's heads must lie side by side,
+// as in every layout; else no prefetch.) The threads split the keys: a thread's prefetches wait on
+// its own line-fill buffers once they are full. (Measured: benchmarks/results/cpu/design_choices.json,
+// "context_prefetch".)
 constexpr int64_t kContextPrefetch = 128 << 10;
 constexpr int64_t kContextGrain = 64;  // keys a thread prefetches at least
 
@@ -123,8 +118,8 @@ int64_t context_keys(const StepKeys& k, const ContextRef& c) {
 
 // A prefetch into L2 that the compiler keeps: a loop of nothing but _mm_prefetch (a builtin without
 // side effects) may be deleted whole, and GCC deleted prefetch_keys' once its addresses came from raw
-// pointers instead of calls (attention 0.30 -> 0.51-0.56 ms a bf16 step on the Intel Xeon, the keys
-// never asked for; found by its disassembly: the claims' loop left with no prefetch in it).
+// pointers instead of calls (the region's disassembly showed the claims' loop with no prefetch;
+// "prefetch_kept" in benchmarks/results/cpu/design_choices.json).
 VKV_INLINE void prefetch_kept_t1(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
 
 // Keys [lo, hi) of them, into L2.
@@ -153,15 +148,11 @@ void prefetch_context(const StepKeys& k, const ContextRef& c) {
 // claims of kContextGrain keys taken by each thread once its share of the panels is done (so the
 // thread done first takes most). The keys are the same: the next layer's cache rows below the step's
 // new one, which that layer's rope_store writes. Only the first layer asks at its start.
-// Implementation: NextContext (the claims), run by linear_panels_then; decode_layer.
-// Measured (in one process, the prefetch's place switched between generations of 256 tokens, 8
-// steps a call): the context stage 132-211 -> 6-8 us a step (the first layer's), down +50-90 us,
-// attention as before (the keys stay in cache through the norm and the qkv projection); decode with
-// the AVX2 kernels 1.013x and 1.005x in bf16 (8 alternations each; 8 and 6 faster), 1.005x in fp32
-// (6; 5 faster); with the AVX-512 ones 1.009x in bf16 (6; 6 faster), 0.996x in fp32 (6; 3 faster).
-// Asked for in the gate/up projection's region as well, the keys were evicted by the down stream
-// (attention 369 -> 430 us a step). Limitations: the scalar build and steps of several rows were not
-// measured; they ask the same way (each thread after its share).
+// Implementation: NextContext (the claims), run by linear_panels_then; decode_layer. Asked for
+// in the gate/up projection's region instead, the keys are evicted by the down stream.
+// Limitations: the scalar build and steps of several rows were not measured; they ask the same
+// way (each thread after its share). Measured: benchmarks/results/cpu/design_choices.json,
+// "next_context_in_down".
 struct NextContext {
   NextContext(const StepKeys& step, const ContextRef& caches)
       : step(step), caches(caches), keys(context_keys(step, caches)) {}
@@ -177,22 +168,17 @@ struct NextContext {
 
 // Note [The o projection's weights asked for while attention runs]
 // Rationale: a one-sequence decode step's attention is one work item (decode_parts: under 256
-// keys) on one thread, 13-20 us a layer, while the other thread waits and the memory bus idles;
-// then the o projection, the smallest (0.65 MB a layer in bf16, 1.3 in fp32), starts cold on both
-// threads and read 23-27 GB/s where the larger projections read 30-36 (bench_decode_stages.py).
+// keys) on one thread, while the other thread waits and the memory bus idles; then the o
+// projection, the smallest, starts cold on both threads and reads slower than the larger ones.
 // Approach: one parallel region for both. Thread 0 runs attention; thread 1 asks for the o weight's
 // panels into its L2, from the last panel down, until attention is done (at most all but
 // 1 / kWarmShare of them); then the two split the panels so that thread 1 takes the warm ones and
 // half of the cold ones less 1 / kWarmGiven of the warm count, which thread 0 takes instead
 // (thread 1 still reads the warm ones, at L2's rate). Each column is computed as linear_panels computes it, whatever the
 // split: the same bits. One region instead of attention inline and o's own also saves a fork and
-// a join. Measured on the 2-vCPU Xeon, switched in one process, 6 alternations of 256-token decodes
-// (stage clock on): the o stage 0.90-0.92 -> 0.60-0.61 ms a step in bf16 and 1.61-1.70 -> 1.26-1.27
-// in fp32 (both ISAs' kernels), attention +15-52 us; decode 1.035x bf16 (AVX-512 kernels; every
-// alternation faster), 1.038x fp32, and with the AVX2 kernels 1.044x bf16, 1.009x fp32 (medians of
-// the alternations' ratios, in a noisy hour).
-// Limitations: two threads only (more were not measured; they take the path before), one row;
-// not measured on an AMD CPU, where it runs as here.
+// a join.
+// Limitations: two threads only (more take the path before), one row; measured on an Intel Xeon
+// only (benchmarks/results/cpu/design_choices.json, "o_warmed_during_attention").
 // If attention throws, thread 1 still sees `done` and both skip the projection; the error rethrows.
 constexpr int64_t kWarmShare = 4;  // thread 1 asks for at most (kWarmShare - 1) / kWarmShare of the panels
 constexpr int64_t kWarmGiven = 4;  // thread 0 takes 1 / kWarmGiven of the warm count in cold panels
@@ -312,7 +298,7 @@ bool attention_then_o(DecodeStep& s, const at::Tensor& o_weight, const at::Tenso
 
 // A layer's input norm of one row: x, residual = add_rms_norm(x, residual); the first layer's has no
 // residual (residual = x, written out: as ATen's copy_ it dispatched cold each step, see next_inputs;
-// the norms stage 189-193 -> 128-154 us a bf16 step, AVX2 kernels, builds alternated, 3 pairs).
+// "first_residual_written_out" in benchmarks/results/cpu/design_choices.json).
 void input_norm_row(float* x, float* residual, int64_t H, bool first, const float* norm, double eps, float* row) {
   if (first) std::copy(x, x + H, residual);
   norm_row<float>(x, first ? nullptr : residual, norm, H, eps, row);
@@ -369,34 +355,25 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
 
 // Note [A one-row step's layers in one parallel region]
 // Rationale: a one-row decode step of a 30-layer model opened 120 parallel regions (qkv, attention
-// with o, gate/up, down, per layer), the norms and rope between them on one thread. On the 2-vCPU
-// Intel Xeon an empty at::parallel_for of two threads took 1.0 us, and in decode the threads of a
-// qkv or down projection began 1.3-3.3 us after the region was asked for, and it returned 2.5-3 us
-// after its last thread ended (timed per thread, AVX2 kernels, bf16): about 5 us of a 60 us
-// projection with the bus idle.
+// with o, gate/up, down, per layer), the norms and rope between them on one thread. Each region's
+// threads start microseconds after it is asked for and it returns microseconds after its last
+// thread ends: a few per cent of a projection with the bus idle.
 // Approach: one region for all the layers of a step, its two threads stepping through the stages
 // together and meeting at a spinning barrier (Pair: a counter a thread; each waits for the other's
 // to reach its own) where a fork and a join were. The norms stay on thread 0; rope moves into
 // thread 0's part of the attention stage, so thread 1 asks for o's panels from that stage's start.
 // Each projection's thread takes the panels at::parallel_for gave it and computes each column as
 // before: the same bits (tests/test_cpu_paths.py holds the step to the layer-by-layer path).
-// Measured on the Xeon, the region switched in one process, 256-token decodes alternated (8 steps a
-// call): bf16 1.047x with the AVX2 kernels (8 pairs, 7 faster), 1.051x with the AVX-512 ones (6, 6);
-// fp32 1.030x (6, 6) and 1.038x (6, 5). The same tokens in every pair. (On a 2-core AMD EPYC the
-// same structure, with prefetches at the barriers, measured 0.97-1.04x: benchmarks/README.md.)
-// A wait spins for 50 us, then gives the core away between tests (wait_until): two engine processes
-// of two threads each on the Xeon's two cores, a bf16 decode of 128 tokens in each at once, ran
-// 5.1-24.4 tok/s each with barriers that only spun (the other thread's time slice spun out) and
-// 44.1-53.1 with the yield, against 10.6-13.2 before this change (OpenMP's own barriers spin on, not
-// knowing of the other process); alone, the yield measured 1.012x (in one process, 8 pairs: the
-// waits in a step are microseconds and never reach it).
+// A wait spins for 50 us, then gives the core away between tests (wait_until): with more threads
+// than cores (two engine processes on two cores) barriers that only spin spend each time slice
+// spinning on a thread that cannot run. (Measured: benchmarks/results/cpu/design_choices.json,
+// "layers_in_one_region".)
 // Implementation: layers_in_one_region, called by decode_layers each step; attend_then_o_part and
 // gate_up_silu_share are per-thread bodies that the region-a-stage path runs too, panels_range runs
 // a thread's share of the other projections (share_of). A thread that throws marks the pair broken,
 // so the other leaves at its next barrier; at::parallel_for rethrows.
 // Limitations: exactly two threads, one row of one sequence whose attention is one work item (under
-// 256 keys: decode_parts), fp32 or bf16 panels, the vector build; elsewhere decode_layer's path. Not
-// measured on more threads or on an AMD CPU, where it runs as here when the conditions hold.
+// 256 keys: decode_parts), fp32 or bf16 panels, the vector build; elsewhere decode_layer's path.
 struct Pair {
   struct alignas(64) Count {
     std::atomic<int64_t> n{0};
@@ -418,9 +395,8 @@ struct Pair {
 // Rationale: between two stages of the one region a step's weights stream through every cache, so
 // each stage began by reading cold what it reads of its tensors (a TensorImpl, its storage, the
 // sizes and strides its op's checks compare) and ran its op's own code around the kernel (checks,
-// dtype dispatch, vectors, a nested parallel_for). On the Intel Xeon (AVX2 kernels, bf16 decode),
-// rope_store took 2.3 us a layer where a second call at once took 0.5 us, and attention() 13.4-14.8
-// us a layer of which its arithmetic (attend_item) was 11.5-12.2 us.
+// dtype dispatch, vectors, a nested parallel_for): rope_store took several times as long as a
+// second call at once, and attention() a fifth more than its arithmetic (attend_item).
 // Approach: decode_layers gathers once a call what the region's stages read (each layer's panels,
 // norms, bias and caches; the step's buffers, positions, block table and rotary table) into one
 // plan of raw pointers, strides and sizes, and each stage calls its kernel's own body on it:
@@ -429,11 +405,7 @@ struct Pair {
 // checked every layer is checked once a call (shapes, dtypes, KV heads, block size: plan_of, which
 // leaves a step that fails them to decode_layer's path and its ops' errors) and once a step (the
 // blocks its keys lie in, before the region: check_keys; its row, inside it: check_row).
-// Measured on the Xeon, builds alternated in processes (PYTHONPATH per worktree; 256-token decodes,
-// 8 steps a call, same tokens): with the AVX2 kernels in bf16 146.5-150.5 -> 148.1-155.6 tok/s (4
-// pairs: 1.050x, 1.009x, 1.034x, 1.009x), the stages a step: norms 72-94 -> 45-52 us, rope 37-43 ->
-// 16-18, attention 328-333 -> 290-318, qkv 897-906 -> 846-891, down 1363-1416 -> 1320-1391; with the
-// AVX-512 ones bf16 1.034x and 0.990x, fp32 1.032x and 1.020x (2 pairs each).
+// Measured: benchmarks/results/cpu/design_choices.json, "step_plan".
 // Implementation: plan_of builds it (nullopt where the one region cannot run); layers_in_one_region
 // reads it; rope and attend are the plan's cache-type instances (rope_of, attend_of).
 // Limitations: the one region only (one row of one sequence, two threads, fp32 activations); the
@@ -659,9 +631,9 @@ bool layers_in_one_region(StepPlan& p) {
 // So both paths give the same logits, to the bit.
 // The last norm's output over the rows that sample, fp32 (what the LM head multiplies), into out:
 // [rows, hidden]. Row by row with norm_row, add_rms_norm's own body, on copies of the rows (in bf16
-// with `bf16`, rounded as .to(bf16) rounds), into a tensor decode_layers allocates once: the five
-// ATen index_selects and casts this replaces took about 0.06 ms a token of a bf16 multi-step decode
-// (timed inside decode_layers), and the switch measured 1.006x (12 alternations, 8 faster).
+// with `bf16`, rounded as .to(bf16) rounds), into a tensor decode_layers allocates once, instead of
+// five ATen index_selects and casts dispatched on cold caches ("final_hidden_written_out" in
+// benchmarks/results/cpu/design_choices.json).
 template <typename T>
 void final_hidden_impl(const at::Tensor& x, const at::Tensor& residual, const int64_t* rows, int64_t R,
                        const at::Tensor& norm, double eps, float* out) {
@@ -711,12 +683,9 @@ void last_logits(const at::Tensor& x, const at::Tensor& residual, const at::Tens
 
 // Multi-step decode's next inputs, written out: each row's token embedding into x (a bf16 embedding
 // widens exactly, as the first step's did), positions and context lengths one on. As ATen ops
-// (index_select, copy_, two add_) they took 50-135 us a step in decode (the stage clock's `next
-// embedding`), where the same ops took 3-7 us in a loop of their own: after a step's weights have
-// streamed through the caches, each op's dispatch runs cold (index_select alone 2.8 -> 29 us after a
-// 16 MB parallel sum; timed inside decode_layers, index_select 79-83 us and the two add_ 67-70 us a
-// step with the AVX2 kernels in a slow hour). Builds alternated in processes (3 pairs, AVX2 kernels,
-// bf16): the stage 79-131 -> 3-4 us a step.
+// (index_select, copy_, two add_) each op's dispatch ran cold, after a step's weights had streamed
+// through the caches: many times what the same ops take in a loop of their own
+// (benchmarks/results/cpu/design_choices.json, "next_inputs_written_out").
 void next_inputs(const at::Tensor& embed, const int64_t* token, at::Tensor& x, const at::Tensor& pos,
                  const at::Tensor& ctx) {
   const int64_t M = x.size(0), H = x.size(1);

@@ -7,9 +7,8 @@ namespace vkv {
 
 
 // Each row's maximum and the index of its first occurrence, as torch.max(x, -1) gives them (a
-// row holding NaN gives NaN, at its first NaN). torch's reduction with an index runs about 1 ns
-// an element (45 us a row of a 49,152-token vocabulary, 0.7 ms for 32 rows); here a vector
-// pass finds the maximum and a second finds where it first is.
+// row holding NaN gives NaN, at its first NaN). torch's reduction with an index is scalar; here
+// a vector pass finds the maximum and a second finds where it first is.
 void row_max(const at::Tensor& x, at::Tensor values, at::Tensor indices) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) > 0,
               "x must be [rows, n > 0] fp32 contiguous");
@@ -114,17 +113,13 @@ struct Pick {
 };
 
 // The passes over the vocabulary (the scales, the floor, the candidates' panels) run on every
-// thread, each over its own run of panels, and vectorize (bf16's rounding written out above). In
-// one thread, scalar, they cost the pick about 0.2 ms a step in bf16 and 0.1 ms in fp32: the
-// bundled model's multi-step decode, 128 tokens a generation, the old and new picks alternated in
-// one process on the 2-core EPYC (AVX-512), the pick 1021 -> 819 us a token in bf16 (30 pairs;
-// decode_layers 1.017x, 18 of 30 faster) and 1774 -> 1673 us in fp32 (20 pairs; 1.023x, 15 of 20).
+// thread, each over its own run of panels, and vectorize (bf16's rounding written out above)
+// (benchmarks/results/cpu/design_choices.json, "pick_passes_threaded").
 // A run's floor is a maximum and its pick the first maximum of its run, so the runs combine to
 // the whole row's in any split. The second pass visits only the panels that may win (a panel's
 // largest bound reaches the floor exactly when one of its tokens' does: the same panels, the same
-// pick), instead of computing every token's bound again: in bf16 decode, timed inside the pick, the
-// second pass 44-53 -> 9-10 us a token; decode_layers 1.024x and 1.020x (40 and 30 alternations, 25
-// and 22 faster), fp32 1.032x (24, 15 faster). The first pass writes each token's upper bound over
+// pick), instead of computing every token's bound again ("pick_second_pass" in
+// benchmarks/results/cpu/design_choices.json). The first pass writes each token's upper bound over
 // its approximate logit in one flat loop (the second takes a panel's largest from there). It had
 // compiled to scalar code (perf on the Intel Xeon, AVX2 kernels: a vcvtss2sd and a NaN test a
 // token), for a branch in `rounded`, a loop a panel and the closure's references; timed inside the

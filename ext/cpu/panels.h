@@ -11,9 +11,9 @@ namespace vkv {
 // linear_panels: x W^T for every step, decode's few rows to prefill's hundreds. oneDNN's packed
 // GEMM reaches a third of this CPU's FMA peak at 32 rows; a register tile does better. At one
 // row the step only streams W: each thread reads its run of panels front to back (one long
-// stream, the next panel fetched ahead), which measured faster than streaming W's plain rows
-// (decode of the bundled model, 2 threads: 62 against 49 tok/s in fp32, 102 against 70 with
-// bf16 weights on an AVX-512 EPYC; 60 against 52 and 99 against 57 with the AVX2 kernels). The weight is packed once (engine/models/linear.py `Linear.pack_panels`) into panels
+// stream, the next panel fetched ahead), faster than streaming W's plain rows
+// (benchmarks/results/cpu/design_choices.json, "panels"). The weight is packed once
+// (engine/models/linear.py `Linear.pack_panels`) into panels
 // of kPanel output columns, [ceil(N / kPanel), K, kPanel], zero-padded, so for each k a panel's
 // weights are adjacent. A tile of MR rows x kPanel columns lives in 2 * MR accumulator
 // registers across the whole of K: per k, two weight vectors are loaded and each row's x[m][k]
@@ -25,13 +25,9 @@ constexpr int64_t kPanel = 2 * Vec::W;
 constexpr int kPanelRows = Vec::W == 16 ? 12 : 6;  // 24 of 32 / 12 of 16 registers hold the tile
 constexpr int64_t kPanelChunk = 16 * kPanelRows;
 // A one-row step reads each thread's panels as two streams (panel_pair), whatever the weights'
-// type and the ISA. Against one stream that prefetches the next panel non-temporally: fp32 on AVX2
-// 21-23 against 18-20 GB/s (alternating runs of a decode step's projections, 2-core AVX2 EPYC);
-// bf16 on the 2-core AVX-512 EPYC, switched in one process, 14 alternations, median +9.8% and +7.7%
-// tok/s with the AVX-512 kernels and +13.5% with the AVX2 ones; fp32 with AVX-512 there 0.998x
-// (even), so it had kept the one stream, until a 2-vCPU Intel Xeon (AVX-512, AMX; KVM) decoded fp32
-// at 31.2-31.5 tok/s with it and 58.6-59.2 with two streams (the bundled model, 128 tokens, three
-// generations each, one build and then the other): its non-temporal prefetch halved the stream.
+// type and the ISA: twice the loads in flight of one stream, and no non-temporal prefetch (on Intel
+// CPUs it fills L1 alone, and a panel ahead is gone before it is read). Measured:
+// benchmarks/results/cpu/design_choices.json, "panel_pair".
 
 // Row k of a panel, its kPanel weights, as the two vectors a tile multiplies. fp32: columns
 // [0, W) and [W, 2W). bf16: one load of all 2W weights (exactly a register), widened with no
@@ -88,18 +84,13 @@ VKV_INLINE void panel_store(float* tile, typename Vec::R a0, typename Vec::R a1)
 // prefetcher alone leaves the first row block of a panel waiting on memory). `once`: this tile is
 // the only one to read its panel (a step of at most kPanelRows rows, decode), so on an AMD CPU the
 // next panel is asked for non-temporally and, read once, leaves the shared L3 to what is read
-// again (the KV cache, the activations, the engine's Python between steps). Decode of the bundled
-// model on the 2-core AVX-512 EPYC, hint switched in one process, 12-16 alternations: median +4.9%
-// tok/s in bf16, +12% in fp32, +7.7% in bf16 with the AVX2 kernels (one-row steps have since moved
-// to panel_pair; steps of 2 to kPanelRows rows keep this). On an Intel Xeon (2 vCPUs, AVX-512 and
-// AMX) the same hint cost 3-4x: one-call steps of 2-12 rows over panels not in cache read 7-10 GB/s
-// with it and 16-41 GB/s with the next panel asked into L2 (fp32 and bf16 weights, the model's
-// four shapes; the batch of 32 ShareGPT requests, whose tail runs such steps, at 1.13x vLLM's CPU
-// build in fp32). Intel's non-temporal prefetch fills L1 alone, and a panel ahead (36 KiB in bf16,
-// 72 in fp32) is as large as L1: its lines are gone before they are read, and read again from
-// memory. So the hint is non-temporal on AMD only, into L2 elsewhere (`ahead_hint`). panel_pair's
-// two streams measured 10% slower with the non-temporal hint on the panels after theirs (AVX2,
-// fp32, the EPYC), and even with L2's on the Xeon: they keep the hardware's prefetch.
+// again (the KV cache, the activations, the engine's Python between steps); steps of 2 to
+// kPanelRows rows use it (one-row steps read panel_pair's two streams). Intel's non-temporal
+// prefetch fills L1 alone, and a panel ahead (36 KiB in bf16, 72 in fp32) is as large as L1: its
+// lines are gone before they are read, and read again from memory. So the hint is non-temporal on
+// AMD only, into L2 elsewhere (`ahead_hint`). panel_pair's two streams keep the hardware's
+// prefetch: either hint on the panels after theirs was slower or even. Measured:
+// benchmarks/results/cpu/design_choices.json, "ahead_hint".
 static const bool kAheadNonTemporal = [] {
   __builtin_cpu_init();  // (a static initializer may run before libgcc's own has)
   return __builtin_cpu_is("amd") > 0;
@@ -166,39 +157,20 @@ VKV_INLINE void panel_rows(const float* x, int64_t rows, int64_t K, const TW* w,
 // One row over two panels at once: a thread's run of panels read as two streams side by side
 // (its first half and its second), twice the loads in flight of one stream. Except on AMD CPUs,
 // each stream also asks for its lines kStreamAhead weights ahead (into L1; panels lie one after
-// another, so past a panel's end that is the next one's start). On the Intel Xeon (2 vCPUs, AMX)
-// a one-row `linear_panels` read about 31-33 GB/s with the hardware's prefetch alone, where the
-// read probe (a dot product of two arrays) read 37-48: each core's own reads were the limit. The
-// model's projections one after another (bench_projection_sequence.py, 3 samples each): fp32
-// 30.1-30.5 -> 31.6-31.8 GB/s, bf16 27.8-28.6 -> 31.1-31.7 at 2 KiB; 512 B to 8 KiB all helped
-// fp32, bf16 wanted 2-3 KiB. Decode of the bundled model, 8 steps a call, 768 tokens a run, the
-// distance switched between processes: with the AVX-512 kernels fp32 60.9-64.8 -> 63.0-66.6 tok/s
-// at 2 KiB (3 alternations; 4 KiB even with 2), bf16 113.7-118.4 -> 128.6-134.0 at 2 KiB (4 KiB:
-// 128.2-128.7); with the AVX2 ones fp32 60.2-61.2 at 2 KiB, 63.7-66.6 at 4 KiB (2 alternations; 61.0
-// with none), bf16 126.2-128.8 at 2 KiB, 125.8-125.9 at 4. So 1,024 weights ahead: 4 KiB of fp32,
-// 2 KiB of bf16. Where a k's row is under a line (bf16 and int8 on AVX2, int8 on AVX-512) a line is
-// asked for once a k; asking once a line measured no better (AVX2 bf16 decode 0.982x, 3 of 8
-// alternations faster; AVX-512 bf16 1.003x, 4 of 8). Not measured on an AMD CPU, where the
-// hardware's prefetch alone read at the probe's rate (the EPYC's one projection at 94-100% of it):
-// left as it was there. int8 panels (the bf16 model's pick) ask 4,096 weights ahead, 4 KiB as
-// fp32's: at 1,024 (1 KiB) the pick read 25-26 GB/s in decode where the projections read 30-35.
-// The pick alone (12 copies of the LM head's int8 panels in turn, 6 alternations in one process)
-// read 23.7 -> 26.0 GB/s (medians) with the AVX-512 kernels and 22.8 -> 26.3 with the AVX2 ones at
-// 4,096 (2,048: 24.0 and 24.1; 8,192: 25.6 and 25.3); in bf16 decode the pick took 1,030 -> 948 us
-// a step (AVX-512) and 1,070 -> 982 (AVX2), decode 1.014x and 1.013x (6 alternations, 5 faster).
+// another, so past a panel's end that is the next one's start). On the Intel Xeon a one-row
+// `linear_panels` read well under the read probe with the hardware's prefetch alone: each core's
+// own reads were the limit. So 1,024 weights ahead: 4 KiB of fp32, 2 KiB of bf16; int8 panels
+// (the bf16 model's pick) 4,096 weights, 4 KiB as fp32's. Where a k's row is under a line (bf16
+// and int8 on AVX2, int8 on AVX-512) a line is asked for once a k (once a line was no better).
+// On AMD CPUs the hardware's prefetch alone reads at the probe's rate: left as it is there.
+// Measured: benchmarks/results/cpu/design_choices.json, "stream_ahead".
 template <typename TW>
 constexpr int64_t kStreamAhead = sizeof(TW) == 1 ? 4096 : 1024;
 // The AVX2 kernels' fp32 and bf16 streams also ask for a line into L2 2 KiB past the one they ask
 // into L1 (kStreamFar, in bytes; once a line), so more of each stream is on its way from memory than
-// L1's own misses allow. On the Intel Xeon with the AVX2 kernels, switched in one process (the
-// baseline the same code without it): one one-row `linear_panels` over 300 MB read 88.9% -> 92.0%
-// of the read probe in bf16 and 86.1% -> 94.3% in fp32 (6 alternations); decode of the bundled
-// model (256 tokens, 8 steps a call, 8 alternations) 1.024x in bf16 (7 faster) and 1.024x in fp32
-// (5 faster). The int8 pick's streams with it too: bf16 decode 1.012x, the pick 964 -> 976 us a step
-// (without: 957), so not there. Other distances before a clean baseline was kept (so only against
-// each other): 3-6 KiB in bf16 even, fp32 6-7 KiB best, 8 KiB and 12 KiB well below. The AVX-512
-// kernels, whose row of a k is twice as wide, measured 0.96x in bf16 (3-6 KiB) and 1.01-1.02x in
-// fp32 against that first baseline (the one that favoured the change): they do without.
+// L1's own misses allow. Not for the int8 pick's streams (no faster there), nor in the AVX-512
+// kernels, whose row of a k is twice as wide (slower in bf16). Measured:
+// benchmarks/results/cpu/design_choices.json, "stream_far".
 #if defined(VKV_AVX512)
 template <typename TW>
 constexpr int64_t kStreamFar = 0;
@@ -349,12 +321,9 @@ void linear_panels_then(const at::Tensor& x, const at::Tensor& panels, const std
 // weight's gate panel p and up panel P + p are read side by side as panel_pair's two streams, and
 // the thread that computed those kPanel columns writes their activations at once. silu_and_mul after
 // the projection read the whole [gate | up] row back on one thread, half of it from the other
-// core's cache, while the other core waited: 3 us a layer at this EPYC's fast bandwidth level. The
-// same products in the same order, and the same silu (silu_times): the same bits. Single-stream
-// decode of the bundled model, switched in one process, `decode_layers` timed (2 threads, the
-// 2-core AVX-512 EPYC): bf16 1.019x and 1.020x at the fast level (12 and 10 alternations, 7 and 8
-// faster), 0.987x and 1.002x at the slow one; fp32 1.023x (16, 10 faster, both levels); with the
-// AVX2 kernels, bf16 1.021x at the slow level (12, 9 faster) and fp32 1.039x (12, 10 faster).
+// core's cache, while the other core waited. The same products in the same order, and the same
+// silu (silu_times): the same bits. Measured: benchmarks/results/cpu/design_choices.json,
+// "gate_up_silu".
 // False where it does not apply (more rows, an intermediate size off the panel width, the scalar
 // build): the caller runs both steps.
 // A projection's panels as the one-row kernels read them (raw: StepPlan gathers them once a call).

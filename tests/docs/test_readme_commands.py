@@ -11,8 +11,8 @@ from helpers import ROOT
 DOCS = [ROOT / "README.md", ROOT / "engine" / "README.md", ROOT / "benchmarks" / "README.md"]
 TEXT = "\n".join(doc.read_text() for doc in DOCS)
 COMMANDS = sorted(set(re.findall(r"(?:^[ \t]+|`)(?:\.venv/bin/)?vkv ([a-z][a-z-]+)", TEXT, re.MULTILINE)))
-# `python benchmarks/NAME.py --flag ...` as the docs show them (a command may wrap across lines)
-BENCHMARKS = re.findall(r"python (benchmarks/\w+\.py)((?:\s+--?[\w-]+(?:\s+[^\s`-][^\s`]*)*)*)", TEXT)
+# `python benchmarks/NAME.py --flag ...` as the docs show them, a command a line
+BENCHMARKS = re.findall(r"python (benchmarks/\w+\.py)((?:[ \t]+--?[\w-]+(?:[ \t]+[^\s`-][^\s`]*)*)*)", TEXT)
 
 
 def vkv(*args: str) -> subprocess.CompletedProcess:

@@ -1,129 +1,156 @@
-"""Every figure a reader is shown comes from a committed result file.
+"""Every figure a reader is shown names the JSON file and field it comes from, and equals it.
 
-benchmarks/README.md is made of sections, each a paragraph that opens in bold and names the
-command that measured it (`--json benchmarks/results/...json`, or the GPU suite's `--out
-benchmarks/results/DIR`, whose record is DIR/suite.json). Every number in a section's
-tables must be a value of that JSON as written (to the digits shown, in the units the table
-uses: ms of seconds, MiB of bytes, % of a fraction), or a ratio of two of its values (the "1.5x"
-cells, "+0.9%"). The front page's results summary quotes figures from those tables only: each
-number there must appear in the benchmarks README. So a figure cannot drift from its file, and a
-table cannot quote a run that left no file."""
+In README.md and benchmarks/README.md a figure is a link whose target is its result file and,
+after `#`, the JSON Pointer (RFC 6901) of its field: `[1.44x](results/cpu/x.json#/rows/1/ratio)`.
+A ratio of two fields of one file is `#/a:/b` (a / b); `*k` after the pointer scales it (1000:
+seconds shown as ms); a list's value is its length; a space in a field's name is %20; a figure
+written with % is its field times 100. The figure must equal the
+value rounded to the digits written. Every number in a results table stands in such a link, but
+in the columns that describe rather than measure (the first column, machine, settings, what the
+comparison leaves out). `check` names each figure that fails: the file missing, the field
+missing, or the value not the one written; the tests below also change a figure, a field and a
+file on purpose and see the check fail."""
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 from helpers import ROOT
 
-RESULTS = ROOT / "benchmarks" / "README.md"
-NUMBER = re.compile(r"(?<![\w.])([-+]?\d[\d,]*(?:\.\d+)?)\s?(x|%)?")
-FRACTION = re.compile(r"(?<![\w.,/])(\d+)/(\d+)(?![\w.,/])")  # "11/32": a share the JSON holds as 0.34375
-# the units a table may show a JSON's value in: as stored, s -> ms, ms -> s, fraction -> %, s -> µs,
-# bytes -> KiB, MiB, GiB, MB, GB
-SCALES = (1, 1e3, 1e-3, 100, 1e6, 1 / 1024, 1 / 1024 ** 2, 1 / 1024 ** 3, 1e-6, 1e-9)
+DOCUMENTS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md"]
+FIGURE = re.compile(r"\[([^\]\[]*?\d[^\]\[]*?)\]\(([^)\s#]+\.json)#([^)\s]+)\)")
+NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
+DESCRIPTIVE = {"machine", "settings", "what it leaves out", "leaves out", "command", "run", "runs", "setup",
+               "workload", "commit", "of what", "date", "notes", "goal"}
 
 
-def sections(text: str) -> list[tuple[str, str]]:
-    """(title, body) for each paragraph that opens in bold, up to the next one or heading."""
-    parts = re.split(r"\n(?=\*\*[^*\n]+\*\*|#)", text)
-    return [(re.match(r"\*\*([^*]+)\*\*", p).group(1), p) for p in parts if p.startswith("**")]
+def resolve(data, pointer: str):
+    node = data
+    for part in pointer.lstrip("/").split("/") if pointer.strip("/") else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
 
 
-def tables(body: str) -> list[list[str]]:
-    """Each table's data cells, row by row: the header, the rule and the first column (each row's
-    label: a layout, a page size, a rate, what was run) left out."""
-    rows, found = [], []
-    for line in body.splitlines() + [""]:
-        if line.startswith("|"):
-            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
-        elif rows:
-            found.append([cell for row in rows[2:] for cell in row[1:]])
-            rows = []
-    return found
+def value_of(path: Path, fragment: str) -> float:
+    """The value a link names: one field, or a ratio of two (`:`), scaled by `*k`."""
+    expression, _, scale = unquote(fragment).partition("*")
+    data = json.loads(path.read_text())
+    nodes = [resolve(data, p) for p in expression.split(":")]
+    parts = [float(len(n) if isinstance(n, list) else n) for n in nodes]
+    value = parts[0] / parts[1] if len(parts) == 2 else parts[0]
+    return value * (float(scale) if scale else 1.0)
 
 
-def leaves(node) -> list[float]:
-    """A JSON's numbers, less raw sample lists (which would match any figure)."""
-    if isinstance(node, dict):
-        return [x for k, v in node.items() if not k.startswith("samples") for x in leaves(v)]
-    if isinstance(node, list):
-        return [x for v in node for x in leaves(v)]
-    return [float(node)] if isinstance(node, (int, float)) and not isinstance(node, bool) else []
-
-
-def shown(value: float, written: str) -> bool:
-    """Whether `value` is `written` to the digits written."""
+def matches(value: float, label: str) -> bool:
+    written = NUMBER.search(label).group(0)
     decimals = len(written.partition(".")[2])
     target = float(written.replace(",", "").lstrip("+"))
+    if "%" in label:
+        value *= 100
     return abs(value - target) <= 0.5 * 10 ** -decimals * (1 + 1e-9) + 1e-12
 
 
-def sourced(written: str, unit: str, values: list[float]) -> bool:
-    """Whether a figure written with `unit` after it ("x", "%", "ms", ...) is one of `values`:
-    as it is, in another unit, or (a ratio, "x", or a change, "+N%") two values divided."""
-    if unit == "x" or (unit == "%" and written[0] in "+-"):
-        ratios = [a / b for a in values for b in values if b]
-        return any(shown(r if unit == "x" else (r - 1) * 100, written) for r in ratios)
-    return any(shown(v * s, written) for v in values for s in SCALES)
+def figures(text: str) -> list[tuple[str, str, str]]:
+    return FIGURE.findall(text)
 
 
-def sections_with_files() -> list[tuple[str, list[Path], list[list[str]]]]:
-    found = []
-    for title, body in sections(RESULTS.read_text()):
-        files = sorted({ROOT / m for m in re.findall(r"--json\s+(benchmarks/results/\S+?\.json)", body)}
-                       | {ROOT / m / "suite.json" for m in re.findall(r"--out\s+(benchmarks/results/[\w.-]+)", body)})
-        found.append((title, files, tables(body)))
-    return found
+def check(document: Path, text: str | None = None) -> list[str]:
+    """What is wrong with the document's figures, one line each (none: every figure is its field)."""
+    text = document.read_text() if text is None else text
+    errors = []
+    for label, target, fragment in figures(text):
+        path = (document.parent / target).resolve()
+        where = f"{document.name}: {label!r} ({target}#{fragment})"
+        if not path.is_file():
+            errors.append(f"{where}: {target} is not there")
+            continue
+        try:
+            value = value_of(path, fragment)
+        except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as exc:
+            errors.append(f"{where}: no such field ({type(exc).__name__}: {exc})")
+            continue
+        if not matches(value, label):
+            errors.append(f"{where}: the field holds {value:.6g}")
+    return errors + unsourced(document, text)
 
 
-SECTIONS = sections_with_files()
+def unsourced(document: Path, text: str) -> list[str]:
+    """Numbers in a results table's measuring columns that are not a sourced figure."""
+    errors, header = [], None
+    for line in text.splitlines() + [""]:
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = [c.lower() for c in cells]
+            continue
+        if set(line) <= set("|-: "):
+            continue
+        for name, cell in zip(header[1:], cells[1:]):
+            if name in DESCRIPTIVE:
+                continue
+            bare = FIGURE.sub("", cell)
+            bare = re.sub(r"\]\([^)]*\)", "]", bare)  # (a link's address holds digits of its own)
+            if re.search(r"(?<![A-Za-z_\d])\d", bare):  # (not a name's digits: fp32, p99, e4m3)
+                errors.append(f"{document.name}: {cells[0]!r}, column {name!r}: {cell!r} has a figure with no source")
+    return errors
 
 
-def test_the_results_have_sections_with_tables():
-    assert sum(bool(t) for _, _, t in SECTIONS) >= 12, [title for title, _, _ in SECTIONS]
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_every_figure_is_the_field_it_names(document):
+    assert figures(document.read_text()), f"{document} shows no sourced figure"
+    assert check(document) == []
 
 
-@pytest.mark.parametrize("title, files, cells", [s for s in SECTIONS if s[2]], ids=[s[0] for s in SECTIONS if s[2]])
-def test_every_table_figure_is_in_its_json(title, files, cells):
-    assert files, f"section {title!r} has tables but names no --json file"
-    values = [x for f in files for x in leaves(json.loads(f.read_text()))]
-    unsourced = []
-    for cell in (cell for table in cells for cell in table):
-        for a, b in FRACTION.findall(cell):
-            if not any(abs(v - int(a) / int(b)) < 1e-9 for v in values):
-                unsourced.append((cell, f"{a}/{b}"))
-        unsourced += [(cell, n + unit) for n, unit in NUMBER.findall(FRACTION.sub("", cell))
-                      if not sourced(n, unit, values)]
-    assert not unsourced, f"{title}: figures not in {[f.name for f in files]}: {unsourced}"
+def test_a_changed_figure_a_missing_field_and_a_moved_file_fail_by_name():
+    document = DOCUMENTS[0]
+    text = document.read_text()
+    label, target, fragment = figures(text)[0]
+    number = NUMBER.search(label).group(0)
+    changed = label.replace(number, number[:-1] + str((int(number[-1]) + 1) % 10), 1)
+    errors = check(document, text.replace(f"[{label}]({target}#{fragment})", f"[{changed}]({target}#{fragment})", 1))
+    assert len(errors) == 1 and target in errors[0] and "the field holds" in errors[0], errors
+    errors = check(document, text.replace(f"({target}#{fragment})", f"({target}#{fragment}/nowhere)", 1))
+    assert len(errors) == 1 and "no such field" in errors[0], errors
+    errors = check(document, text.replace(f"({target}#{fragment})", f"(moved/{target}#{fragment})", 1))
+    assert len(errors) == 1 and "is not there" in errors[0], errors
 
 
-def test_the_front_page_quotes_only_figures_of_the_results():
-    """The summary's figures (and what they are set against) are only numbers that stand in the
-    results' tables, which the test above ties to their JSON."""
-    summary = (ROOT / "README.md").read_text().partition("## Results at a glance")[2].partition("\n## ")[0]
-    figures = [cell for table in tables(summary) for cell in table]
-    assert len(figures) >= 20, summary
-    in_tables = {n for _, _, cells in SECTIONS for table in cells for cell in table for n, _ in NUMBER.findall(cell)}
-    missing = [(cell, n) for cell in figures for n, _ in NUMBER.findall(re.sub(r"`[^`]*`", "", cell))  # `code`: names
-               if n not in in_tables]
-    assert not missing, missing
+def test_a_figure_in_a_table_without_its_source_fails():
+    table = "| question | vkv | machine |\n| --- | --- | --- |\n| speed | 1.50x | 2 vCPUs |\n"
+    errors = check(DOCUMENTS[1], table)
+    assert len(errors) == 1 and "'1.50x' has a figure with no source" in errors[0], errors
 
 
-def github_slug(title: str) -> str:
-    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
-    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+def anchors(document: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings."""
+    heads = re.findall(r"^#+ (.*)$", document.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
 
 
-def test_every_link_into_the_results_lands_on_its_section():
-    """A link `benchmarks/README.md#name` from any page of the repository names a heading of the
-    results or an `<a id="name">` set before the bold paragraph it means (GitHub gives bold
-    paragraphs no anchor, so without one the link opens the page's top)."""
-    text = RESULTS.read_text()
-    targets = {github_slug(m) for m in re.findall(r"^#+\s+(.*)$", text, re.M)} | set(re.findall(r'<a id="([\w-]+)"></a>', text))
-    pages = [p for p in ROOT.rglob("*.md") if not {".venv", ".git", "node_modules"} & set(p.relative_to(ROOT).parts)]
-    links = {(p.relative_to(ROOT).as_posix(), name) for p in pages
-             for name in re.findall(r"benchmarks/README\.md#([\w-]+)", p.read_text())}
-    assert links
-    assert not [(page, name) for page, name in sorted(links) if name not in targets]
+def test_every_link_in_the_documents_reaches_its_file_and_heading():
+    history = ROOT / "benchmarks" / "results" / "HISTORY.md"
+    broken = []
+    for document in DOCUMENTS + [ROOT / "engine" / "README.md", history]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", document.read_text()):
+            path, _, fragment = target.partition("#")
+            if target.startswith(("http://", "https://")):
+                continue
+            file = (document.parent / path).resolve() if path else document
+            if not file.exists():
+                broken.append(f"{document.name}: {target}: no such file")
+            elif fragment and file.suffix == ".md" and fragment not in anchors(file):
+                broken.append(f"{document.name}: {target}: no such heading")
+    assert broken == []
+
+
+def test_every_result_file_is_listed_once_in_the_history():
+    results = ROOT / "benchmarks" / "results"
+    listed = re.findall(r"\]\(([^)\s]+\.json)\)", (results / "HISTORY.md").read_text())
+    present = sorted(str(p.relative_to(results)) for p in results.rglob("*.json"))
+    assert sorted(listed) == present
