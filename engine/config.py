@@ -172,6 +172,7 @@ class ModelArgs:
     attention_backend: str | None = None  # one of ATTENTION_BACKENDS; default: best present
     enable_sleep_mode: bool = False  # weights in pages that sleep(level=2) gives back (engine/models/weight_pages.py)
     seed: int = 0  # a random:<preset> model's weights
+    quantization: str | None = None  # "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 weights kept in their blocks
 
     def __post_init__(self):
         self.check_model()
@@ -189,6 +190,16 @@ class ModelArgs:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}: "
                              f"choose one of {ATTENTION_BACKENDS}")
+        if self.quantization not in (None, "gguf"):
+            raise ValueError(f"unknown quantization {self.quantization!r}: 'gguf' (a .gguf model's blocks as stored)")
+        if self.quantization == "gguf":
+            if self.model is not None and not str(self.model).endswith(".gguf"):
+                raise ValueError("quantization='gguf' serves a .gguf file (or the bundled model); "
+                                 f"{self.model!r} is not one")
+            if self.device.type != "cpu":
+                raise ValueError("quantization='gguf' runs on the CPU so far")
+            if self.enable_sleep_mode:
+                raise ValueError("quantization='gguf' with enable_sleep_mode is not wired: the blocks are not in pages")
 
 
 @dataclass
@@ -334,7 +345,8 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
           enable_sleep_mode (model)      x tensor_parallel_size
           KV tiers, kv_pool (cache)      x enable_prefix_caching, kv_layout, tensor_parallel_size
           KV events (cache)              x enable_prefix_caching
-          tensor_parallel_size           x device, enable_lora"""
+          tensor_parallel_size           x device, enable_lora
+          quantization (model)           x tensor_parallel_size, enable_lora"""
         if self.kv_layout is None:
             # On the CPU per_layer is the faster (design_choices.json, "cpu_default_layout"): the
             # host maps 4 KiB page-table entries, and an interleaved token
@@ -364,6 +376,8 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora with tensor_parallel_size > 1 is not wired: the adapters' deltas "
                              "would need sharding like the weights")
+        if self.quantization and (self.tensor_parallel_size > 1 or self.enable_lora):
+            raise ValueError("quantization='gguf' with tensor parallelism or LoRA is not wired yet")
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -434,6 +448,9 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
         g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
         g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        g.add_argument("--quantization", default=None, choices=["gguf"],
+                       help="gguf: keep a .gguf model's Q8_0 / Q4_0 / Q4_1 weights in their blocks (CPU; "
+                            "default: dequantized once to the dtype)")
         g.add_argument("--enable-sleep-mode", action="store_true", help="keep the weights in pages that "
                        "sleep level 2 gives back (RL loops; costs start time: off by default)")
         g.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, choices=SCHEDULING_POLICIES,
@@ -484,7 +501,7 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = ("model", "device", "dtype", "kv_cache_dtype", "kv_layout", "kv_cache_memory", "page_size", "block_size",
                  "max_num_seqs", "max_model_len", "max_num_batched_tokens", "attention_backend",
-                 "enable_prefix_caching", "enable_sleep_mode", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
+                 "enable_prefix_caching", "enable_sleep_mode", "quantization", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
                  "kv_offloading_size", "kv_offloading_path", "kv_offloading_path_size", "kv_pool",
                  "tensor_parallel_size", "distributed_init", "tensor_parallel_workers", "map_ahead_tokens", "speculative_config",
                  "num_scheduler_steps", "kv_events_config", "data_parallel_rank", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")

@@ -51,17 +51,36 @@ def weights_load_once():
     load, loaded = rank.load_model, {}
 
     def load_once(spec, cfg, device, dtype, seed=0, tp=(0, 1), compute_dtype=None, sleep_mode=False,
-                  greedy_pick=False):
+                  greedy_pick=False, quantization=None):
         if tp != (0, 1) or sleep_mode:  # (weights that sleep are one engine's)
-            return load(spec, cfg, device, dtype, seed, tp, compute_dtype, sleep_mode, greedy_pick)
-        key = (spec, str(device), dtype, seed, compute_dtype, greedy_pick)
+            return load(spec, cfg, device, dtype, seed, tp, compute_dtype, sleep_mode, greedy_pick, quantization)
+        key = (spec, str(device), dtype, seed, compute_dtype, greedy_pick, quantization)
         if key not in loaded or loaded[key].weights_version:  # never share weights updated in place
-            loaded[key] = load(spec, cfg, device, dtype, seed, tp, compute_dtype, greedy_pick=greedy_pick)
+            loaded[key] = load(spec, cfg, device, dtype, seed, tp, compute_dtype, greedy_pick=greedy_pick,
+                               quantization=quantization)
         return loaded[key]
 
     rank.load_model = load_once
     yield
     rank.load_model = load
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tokenizer_loads_once():
+    """Every engine of a test run over the same model shares one tokenizer (the engine only reads
+    it): building one reads and parses its files, a fifth of a small engine's start."""
+    import engine.core.llm_engine as llm_engine
+
+    load, loaded = llm_engine.load_tokenizer, {}
+
+    def load_once(spec):
+        if spec not in loaded:
+            loaded[spec] = load(spec)
+        return loaded[spec]
+
+    llm_engine.load_tokenizer = load_once
+    yield
+    llm_engine.load_tokenizer = load
 
 
 @pytest.fixture

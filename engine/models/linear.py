@@ -62,11 +62,14 @@ class Linear(nn.Module):
         self.pick: torch.Tensor | None = None  # bf16 panels beside fp32 ones; int8 beside bf16 ones
         self.pick_bounds: torch.Tensor | None = None  # [n] fp64
         self.pick_scales: torch.Tensor | None = None  # [n] fp32: each row's int8 scale
+        self.gguf = None  # a GgufWeight (engine/models/gguf_weights.py): the weight in a GGUF file's blocks
         self.tied = False
 
     def pack(self) -> str:
         """Reorder the weight for the device's fastest GEMM if one applies; returns the path
         taken (a refusal by oneDNN falls back to F.linear, with its reason)."""
+        if self.gguf is not None:
+            return f"GGUF {self.gguf.type_name} blocks, unpacked in registers (float32 arithmetic)"
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return "torch F.linear"
@@ -83,6 +86,8 @@ class Linear(nn.Module):
         """Pack the weight, in dtype, into the column panels of vkv's GEMM (the native kernels
         must be built; fp32 arithmetic); the plain weight is dropped as `pack` drops it, unless
         `pack` comes next (drop=False: panels for decode beside oneDNN's bf16 weight)."""
+        if self.gguf is not None:
+            return self.pack()
         w = self.weight.detach()
         n, k = w.shape  # a tensor-parallel shard's, not in_features x out_features
         width = torch.ops.vkv.panel_width()
@@ -134,6 +139,8 @@ class Linear(nn.Module):
         the plain weight (if kept), the panels, oneDNN's packed weight (that one whole: start 0
         and every row). No tensor is replaced, so whatever holds one
         (the one-call decode path) stays valid (engine/models/weights.py)."""
+        if self.gguf is not None:
+            raise ValueError("a weight held in GGUF blocks is not updated in place")
         end = start + w.shape[0]
         if self.weight.numel():
             self.weight.data[start:end].copy_(w)
@@ -162,7 +169,21 @@ class Linear(nn.Module):
         """Share `weight` (an embedding's) instead of owning one; packing keeps it."""
         self.weight, self.tied = weight, True
 
+    def hold_gguf(self, weight) -> None:
+        """Keep the weight in a GGUF file's blocks (a GgufWeight of [out, in]); no plain copy."""
+        if (weight.rows.shape[0], weight.k) != (self.out_features, self.in_features):
+            raise ValueError(f"a {weight.rows.shape[0]} x {weight.k} GGUF weight for a {self.out_features} x "
+                             f"{self.in_features} projection")
+        self.gguf = weight
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gguf is not None:
+            rows = x.reshape(-1, self.in_features).float().contiguous()
+            out = rows.new_empty(rows.shape[0], self.out_features)
+            bias = None if self.bias is None else self.bias.float()
+            torch.ops.vkv.linear_gguf(rows, self.gguf.rows, self.gguf.type, bias, out)
+            return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.panels is not None and (self.packed is None or x.numel() <= FEW_ROWS * x.shape[-1]):
             rows = x.reshape(-1, self.panels.shape[1]).float().contiguous()  # (fp32 arithmetic)
             out = rows.new_empty(rows.shape[0], self.panels_n)

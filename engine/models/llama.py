@@ -28,6 +28,7 @@ from torch import nn
 import vmm
 from engine.models import ops
 from engine.models.config import ModelConfig
+from engine.models.gguf_weights import GgufWeight
 from engine.models.huge_pages import onto_huge_pages
 from engine.models.linear import FEW_ROWS, Linear
 from engine.models.weight_pages import WeightPages
@@ -148,6 +149,33 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward(x, native, lora), residual
 
 
+def fuse(parts: list[torch.Tensor | GgufWeight]) -> torch.Tensor | GgufWeight:
+    """Rows of several projections as one: blocks kept where all share a type, else fp32."""
+    if all(isinstance(p, GgufWeight) for p in parts) and (fused := GgufWeight.cat(parts)) is not None:
+        return fused
+    return torch.cat([p.dequantized() if isinstance(p, GgufWeight) else p for p in parts])
+
+
+def ext_error() -> str:
+    import ext
+    return ext.cpu_kernels_error() or "not on this device"
+
+
+class GgufEmbedding(nn.Module):
+    """A token embedding kept in a GGUF file's blocks: each lookup unpacks its rows."""
+
+    def __init__(self, weight: GgufWeight):
+        super().__init__()
+        self.gguf, self.embedding_dim = weight, weight.k
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # (its dtype: the output's)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1).long().contiguous()
+        out = torch.empty(ids.shape[0], self.embedding_dim)
+        torch.ops.vkv.dequantize_gguf(self.gguf.rows, self.gguf.type, ids, out)
+        return out.view(*input_ids.shape, self.embedding_dim).to(self.weight.dtype)
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -175,8 +203,9 @@ class LlamaForCausalLM(nn.Module):
         self.fingerprint = b""  # what the weights are (loader.py `load_model`; a fresh random one after `apply`)
         self.pages: WeightPages | None = None  # the weights in pages that sleep (sleep mode; set by `prepare`)
 
-    def load_checkpoint(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a Hugging Face state dict: q/k/v and gate/up projections are fused here."""
+    def load_checkpoint(self, state: dict[str, torch.Tensor | GgufWeight]) -> None:
+        """Load a Hugging Face state dict: q/k/v and gate/up projections are fused here. A matrix
+        given as a GgufWeight (engine/models/gguf_weights.py) stays in its blocks."""
         state = dict(state)
         for i in range(self.config.num_layers):
             pre = f"model.layers.{i}."
@@ -185,16 +214,34 @@ class LlamaForCausalLM(nn.Module):
                 for kind in ("weight", "bias"):
                     names = [f"{pre}{p}.{kind}" for p in parts]
                     if all(n in state for n in names):
-                        state[f"{pre}{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+                        state[f"{pre}{fused}.{kind}"] = fuse([state.pop(n) for n in names])
+        blocks = {name: state.pop(name) for name in list(state) if isinstance(state[name], GgufWeight)}
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
+            blocks.pop("lm_head.weight", None)
         missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
-        missing = [k for k in missing if not (self.config.tie_word_embeddings and k == "lm_head.weight")]
+        missing = [k for k in missing if k not in blocks and not (self.config.tie_word_embeddings and k == "lm_head.weight")]
         if missing or unexpected:
             raise ValueError(f"weights do not fit a {self.config.model_type} model "
                              f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
+        for name, weight in blocks.items():
+            if name == "model.embed_tokens.weight":
+                if (weight.rows.shape[0], weight.k) != (self.config.vocab_size, self.config.hidden_size):
+                    raise ValueError(f"a {weight.rows.shape[0]} x {weight.k} GGUF token embedding for a "
+                                     f"{self.config.vocab_size} x {self.config.hidden_size} model")
+                self.model.embed_tokens = GgufEmbedding(weight)
+            else:
+                self.get_submodule(name.removesuffix(".weight")).hold_gguf(weight)
         if self.config.tie_word_embeddings:
-            self.lm_head.tie(self.model.embed_tokens.weight)
+            if isinstance(self.model.embed_tokens, GgufEmbedding):
+                self.lm_head.hold_gguf(self.model.embed_tokens.gguf)
+            else:
+                self.lm_head.tie(self.model.embed_tokens.weight)
+
+    @property
+    def gguf_blocks(self) -> bool:
+        """Whether any weight stays in a GGUF file's blocks."""
+        return any(getattr(m, "gguf", None) is not None for m in self.modules())
 
     def shard(self, rank: int, world: int) -> None:
         """Keep rank's share of every layer (see the note above); before `prepare`. A shard's
@@ -222,21 +269,26 @@ class LlamaForCausalLM(nn.Module):
             self.to(dtype=compute_dtype)
         self.eval()
         self.native = ops.native(device) is not None and compute_dtype in (torch.float32, torch.bfloat16)
+        if self.gguf_blocks and not (self.native and device.type == "cpu"):
+            raise ValueError("weights in GGUF blocks need the CPU and vkv's native kernels "
+                             f"({ext_error()}); serve the file without quantization='gguf'")
+        if self.gguf_blocks and (sleep_mode or self.sharded):
+            raise ValueError("weights in GGUF blocks: no sleep mode or tensor parallelism yet")
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         panels = self.native and compute_dtype == torch.float32  # vkv's GEMM (engine/models/linear.py)
         beside = (self.native and compute_dtype == torch.bfloat16 and not self.sharded  # decode's bf16 panels
-                  and self._fits(linears, dtype))
+                  and not self.gguf_blocks and self._fits(linears, dtype))
         # decode_layers runs every norm, the last one's too, under one eps
         norms = [self.model.norm, *(n for layer in self.model.layers
                                     for n in (layer.input_layernorm, layer.post_attention_layernorm))]
         one_call = (panels or beside) and not self.config.qk_norm and not self.sharded \
-            and len({norm.eps for norm in norms}) == 1
+            and len({norm.eps for norm in norms}) == 1 and not self.gguf_blocks  # (it reads panels only)
         for module in linears if beside else ():
             module.pack_panels(dtype, drop=False)
         paths = sorted({module.pack_panels(dtype) if panels else module.pack() for module in linears})
         if greedy_pick and one_call:  # multi-step decode picks from half the LM head's bytes
             self.lm_head.pack_pick()
-        if (panels or beside) and device.type == "cpu":  # before sleep mode's move
+        if (panels or beside) and device.type == "cpu" and not self.gguf_blocks:  # before sleep mode's move
             paths.append(onto_huge_pages([t for m in linears for t in (m.panels, m.pick) if t is not None]))
         if sleep_mode:  # before anything takes views of the weights
             self.pages = WeightPages(self, vmm.make_backend(device.type if device.type == "cuda" else "host",

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.models.config import ModelConfig
+from engine.models.gguf_weights import read_gguf
 from engine.models.llama import LlamaForCausalLM
 from engine.models.presets import PRESETS
 
@@ -153,12 +154,25 @@ def read_config(path: Path) -> ModelConfig:
 
 def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                seed: int = 0, tp: tuple[int, int] = (0, 1), compute_dtype: torch.dtype | None = None,
-               sleep_mode: bool = False, greedy_pick: bool = False) -> LlamaForCausalLM:
+               sleep_mode: bool = False, greedy_pick: bool = False, quantization: str | None = None) -> LlamaForCausalLM:
     """The model on device in dtype (computing in compute_dtype, default dtype); with tp =
     (rank, world), rank's tensor-parallel share; with sleep_mode, its weights in pages that can
-    be given back (engine/models/weight_pages.py); greedy_pick: see LlamaForCausalLM.prepare."""
+    be given back (engine/models/weight_pages.py); greedy_pick: see LlamaForCausalLM.prepare;
+    quantization "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 weights kept in their blocks
+    (engine/models/gguf_weights.py)."""
     path = checkpoint_dir(spec)
-    if path is None:
+    if quantization == "gguf":
+        gguf = bundled_gguf() if spec is None else Path(spec).expanduser()
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        try:
+            model.load_checkpoint(read_gguf(gguf, cfg.num_heads, cfg.num_kv_heads))
+        except (ValueError, RuntimeError) as exc:
+            raise ValueError(f"{gguf}: {exc}") from None
+        # what the weights are: the file's bytes, as stored (its blocks compute in another order
+        # than the dequantized checkpoint's fp32 copy, so the two never share KV pages)
+        model.fingerprint = hashlib.sha256(b"gguf blocks\0" + _file_digest(gguf).encode()).digest()
+    elif path is None:
         torch.manual_seed(seed)
         with torch.device(device):
             model = LlamaForCausalLM(cfg).to(dtype)

@@ -179,6 +179,47 @@ def test_the_panel_gemm_equals_f_linear(weights):
             assert torch.equal(panels(x[-1:]), got[-1:])
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_gguf_blocks_unpack_to_the_formats_definition(kind, rows):
+    """linear_gguf against x times gguf-py's `dequantize` of the same blocks (the format's
+    definition), in fp64: within fp32's accumulation bound gamma_{k+2} sum|x||w| (each block's
+    sum scaled, plus its offset term); dequantize_gguf's rows equal the oracle's bit for bit."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+    qtype = GGMLQuantizationType[kind]
+    n, k = 37, 576  # n not a multiple of the kernel's 4 rows; k 18 blocks
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)).numpy()
+    w[3] = 0.0  # an all-zero row: scale 0
+    blocks = quants.quantize(w, qtype)
+    exact = torch.from_numpy(quants.dequantize(blocks, qtype).astype(np.float64))
+    raw = torch.from_numpy(np.ascontiguousarray(blocks)).view(torch.uint8)
+    x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    out = torch.empty(rows, n)
+    torch.ops.vkv.linear_gguf(x, raw, int(qtype), bias, out)
+    reference = x.double() @ exact.T + bias.double()
+    u, terms = 2.0 ** -24, k + 2
+    bound = terms * u / (1 - terms * u) * (x.double().abs() @ exact.abs().T + bias.double().abs())
+    assert ((out.double() - reference).abs() <= bound).all()
+    picked = torch.tensor([0, n - 1, 3, 3])
+    rows_out = torch.empty(4, k)
+    torch.ops.vkv.dequantize_gguf(raw, int(qtype), picked, rows_out)
+    assert torch.equal(rows_out.double(), exact[picked])
+
+
+def test_gguf_blocks_of_the_wrong_shape_or_type_are_refused():
+    raw = torch.zeros(4, 20, dtype=torch.uint8)  # 4 rows of one Q4_1 block
+    out = torch.empty(1, 4)
+    torch.ops.vkv.linear_gguf(torch.zeros(1, 32), raw, 3, None, out)
+    for x, kind, message in ((torch.zeros(1, 64), 3, "blocks of its type"), (torch.zeros(1, 32), 12, "GGUF type 12"),
+                             (torch.zeros(1, 32), 8, "blocks of its type")):
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.vkv.linear_gguf(x, raw, kind, None, out)
+    with pytest.raises(RuntimeError, match="row 4 of 4"):
+        torch.ops.vkv.dequantize_gguf(raw, 3, torch.tensor([4]), torch.empty(1, 32))
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_the_last_logits_in_one_call_equal_the_steps_they_replace(dtype):
     """After decode_layers (fp32 x and residual), `last_logits` gives what the model's Python took

@@ -1,0 +1,113 @@
+"""A GGUF file's weights as it stores them: Q8_0, Q4_0 and Q4_1 tensors stay in their blocks.
+
+Rationale. Served through the dequantized checkpoint (loader.py), a GGUF at Q4_1 becomes fp32:
+6.4x its bytes in memory, and every decode step reads 6.4x what the file holds. With
+`quantization="gguf"` (vLLM's name for serving a GGUF file) the projections and the token
+embedding keep the file's blocks, and the native kernels unpack them in registers
+(ext/cpu/gguf_blocks.cpp, Note [GGUF weights as they are stored]).
+
+Approach. `read_gguf` maps the file's tensor names to the Hugging Face names the model loads,
+keeps each Q8_0 / Q4_0 / Q4_1 matrix as a `GgufWeight` (its rows' bytes, uint8 [N, K / 32 *
+block bytes], and its type), and dequantizes the others with gguf-py (norms in F32; k-quants,
+which have no kernel here yet). llama.cpp's converter permutes the rows of Llama's and Mistral's
+q and k projections for its rotary layout; transformers' loader undoes it on the values, and
+here the same permutation moves whole rows of blocks, so both load the same matrix.
+
+Limitations. CPU only, with the native kernels built (else the loader refuses it by name and
+the dequantized checkpoint serves); a quantized model runs its decode steps layer by layer (the
+one-call step reads panels); no sleep mode, weight updates, LoRA or tensor parallelism over
+blocks (each refused by name); the tokenizer and config still come from the converted
+checkpoint directory.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # ggml's Q4_0, Q4_1, Q8_0: bytes of a block of 32 weights
+
+NAMES = [  # the file's name -> the Hugging Face name
+    (r"token_embd\.weight", "model.embed_tokens.weight"),
+    (r"output_norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.attn_q\.(weight|bias)", r"model.layers.\1.self_attn.q_proj.\2"),
+    (r"blk\.(\d+)\.attn_k\.(weight|bias)", r"model.layers.\1.self_attn.k_proj.\2"),
+    (r"blk\.(\d+)\.attn_v\.(weight|bias)", r"model.layers.\1.self_attn.v_proj.\2"),
+    (r"blk\.(\d+)\.attn_output\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
+    (r"blk\.(\d+)\.attn_q_norm\.weight", r"model.layers.\1.self_attn.q_norm.weight"),
+    (r"blk\.(\d+)\.attn_k_norm\.weight", r"model.layers.\1.self_attn.k_norm.weight"),
+    (r"blk\.(\d+)\.ffn_gate\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
+    (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.up_proj.weight"),
+    (r"blk\.(\d+)\.ffn_down\.weight", r"model.layers.\1.mlp.down_proj.weight"),
+]
+
+
+@dataclass
+class GgufWeight:
+    """A matrix [n, k] in a GGUF file's blocks: `rows` uint8 [n, k / 32 * block bytes], `type` ggml's id."""
+    rows: torch.Tensor
+    type: int
+    k: int
+
+    @property
+    def type_name(self) -> str:
+        return {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}[self.type]
+
+    def dequantized(self) -> torch.Tensor:
+        """[n, k] fp32, as gguf-py's `dequantize` gives it (the format's definition)."""
+        from gguf import GGMLQuantizationType, quants
+        return torch.from_numpy(quants.dequantize(self.rows.numpy(), GGMLQuantizationType(self.type)).copy())
+
+    @staticmethod
+    def cat(parts: list[GgufWeight]) -> GgufWeight | None:
+        """Rows of several matrices of one type and width, one after another (a fused projection)."""
+        if len({(p.type, p.k) for p in parts}) != 1:
+            return None
+        return GgufWeight(torch.cat([p.rows for p in parts]), parts[0].type, parts[0].k)
+
+
+def hf_name(name: str) -> str:
+    for pattern, replacement in NAMES:
+        if re.fullmatch(pattern, name):
+            return re.sub(pattern, replacement, name)
+    raise ValueError(f"tensor {name!r} has no place in a Llama-family model")
+
+
+def unpermute_rows(n: int, heads: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's rotary permutation of a q or k projection of n rows
+    over `heads` heads (transformers' `reverse_permute_weights`, on row indices)."""
+    return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(2, 1).reshape(n)
+
+
+def read_gguf(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor | GgufWeight]:
+    """The file's weights by Hugging Face name: a GgufWeight for each Q8_0 / Q4_0 / Q4_1 matrix,
+    an fp32 tensor for everything else."""
+    from gguf import GGMLQuantizationType, GGUFReader, quants
+
+    reader = GGUFReader(path)
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field else ""
+    state: dict[str, torch.Tensor | GgufWeight] = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        kind = int(tensor.tensor_type)
+        shape = [int(d) for d in reversed(tensor.shape.tolist())]  # GGUF lists the fastest dimension first
+        if kind in BLOCK_BYTES and len(shape) == 2:
+            data = np.asarray(tensor.data).view(np.uint8).reshape(shape[0], -1)
+            value: torch.Tensor | GgufWeight = GgufWeight(torch.from_numpy(data.copy()), kind, shape[1])
+        else:
+            array = np.asarray(tensor.data) if kind in (0, 1) else quants.dequantize(tensor.data, GGMLQuantizationType(kind))
+            value = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
+        heads = {"q_proj": num_heads, "k_proj": num_kv_heads}.get(name.split(".")[-2])
+        if arch in ("llama", "mistral") and heads and name.endswith("weight"):
+            order = torch.from_numpy(unpermute_rows(shape[0], heads))
+            value = (GgufWeight(value.rows[order].contiguous(), value.type, value.k) if isinstance(value, GgufWeight)
+                     else value[order].contiguous())
+        state[name] = value
+    return state

@@ -1,0 +1,160 @@
+// torch.ops.vkv.linear_gguf and dequantize_gguf: x W^T and W's rows, W as a GGUF file stores it.
+#include "common.h"
+#include "ops.h"
+
+#include <c10/util/Half.h>
+
+#include <vector>
+
+namespace vkv {
+
+// Note [GGUF weights as they are stored]
+// Rationale: a GGUF at Q8_0 or Q4_1 holds 1.06 or 0.625 bytes a weight; dequantized to fp32 it is
+// 4, so a model served from it took 4-6x its file's memory, and a decode step, bound by the
+// weights' bytes, read 4-6x what llama.cpp reads.
+// Approach: the weight stays in the file's blocks, row after row ([N, K / 32 blocks]), and each
+// block is unpacked in registers where it is used. A row's 32 weights of a block are
+//   Q8_0  {fp16 d; int8 q[32]}          w = d * q
+//   Q4_0  {fp16 d; uint8 q[16]}         w = d * (q - 8), q's low nibbles then its high ones
+//   Q4_1  {fp16 d, m; uint8 q[16]}      w = d * q + m
+// (ggml's block_q8_0, block_q4_0, block_q4_1; gguf-py's `dequantize` is the tests' oracle).
+// A dot product with x sums each block as d * sum(q x) + c * sum(x), c = m for Q4_1 and -8 d for
+// Q4_0, in fp32, with x's sums a block computed once a row of x.
+// Implementation: linear_gguf splits W's rows among the threads; each takes 4 rows at a time,
+// unpacks them into fp32 in its own buffer (in L1: 4 x K floats), and multiplies every row of x
+// with them (so a prefill of many rows unpacks each weight once). dequantize_gguf writes whole
+// rows (the token embedding's lookups). The AVX2 path unpacks 8 weights an instruction chain;
+// the scalar one is its reference.
+// Limitations: Q4_K and the other k-quants are not here yet (the loader dequantizes them); the
+// one-call decode step (decode_step.cpp) reads panels only, so a quantized model decodes layer
+// by layer; x is fp32.
+
+enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type ids
+constexpr int64_t kBlock = 32;
+
+int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+    default: TORCH_CHECK(false, "GGUF type ", type, " is not one vkv reads as stored (Q4_0, Q4_1, Q8_0)");
+  }
+  return 0;
+}
+
+VKV_INLINE float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// One row of K weights, K / 32 blocks from `row`, as fp32 into out.
+void unpack_row(const uint8_t* row, int64_t type, int64_t K, float* out) {
+  const int64_t bytes = block_bytes(type);
+  for (int64_t b = 0; b < K / kBlock; ++b, row += bytes, out += kBlock) {
+    const float d = half_at(row);
+    if (type == kQ8_0) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(row + 2);
+#if defined(__AVX2__)
+      const __m256 vd = _mm256_set1_ps(d);
+      for (int j = 0; j < kBlock; j += 8) {
+        const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8))));
+      }
+#else
+      for (int j = 0; j < kBlock; ++j) out[j] = d * static_cast<float>(q[j]);
+#endif
+      continue;
+    }
+    const float c = type == kQ4_1 ? half_at(row + 2) : -8.0f * d;  // w = d * q + c
+    const uint8_t* q = row + (type == kQ4_1 ? 4 : 2);
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+    const __m256 vd = _mm256_set1_ps(d), vc = _mm256_set1_ps(c);
+    const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    for (int j = 0; j < 4; ++j) {
+      const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
+      _mm256_storeu_ps(out + 8 * j, _mm256_fmadd_ps(vd, v, vc));
+    }
+#else
+    for (int j = 0; j < 16; ++j) {
+      out[j] = std::fma(d, static_cast<float>(q[j] & 0x0F), c);
+      out[j + 16] = std::fma(d, static_cast<float>(q[j] >> 4), c);
+    }
+#endif
+  }
+}
+
+// sum over k of a[k] b[k], in fp32 (8 lanes, then their sum, on AVX2).
+VKV_INLINE float dot(const float* a, const float* b, int64_t K) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), acc1);
+  }
+  const __m256 acc = _mm256_add_ps(acc0, acc1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float total = _mm_cvtss_f32(s);
+  for (; k < K; ++k) total = std::fma(a[k], b[k], total);
+  return total;
+#else
+  float total = 0.0f;
+  for (int64_t k = 0; k < K; ++k) total = std::fma(a[k], b[k], total);
+  return total;
+#endif
+}
+
+void check_gguf(const at::Tensor& w, int64_t type, int64_t K) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "a GGUF weight is [rows, bytes] uint8");
+  TORCH_CHECK(K > 0 && K % kBlock == 0 && w.size(1) == K / kBlock * block_bytes(type),
+              "a GGUF weight's rows hold K / 32 blocks of its type (K = ", K, ", ", w.size(1), " bytes a row)");
+}
+
+void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const std::optional<at::Tensor>& bias,
+                 at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x is [rows, K] fp32");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_gguf(w, type, K);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.scalar_type() == at::kFloat &&
+                  out.is_contiguous(), "out is [rows, N] fp32");
+  TORCH_CHECK(!bias || (bias->numel() == N && bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+              "bias is [N] fp32");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* xp = x.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = w.size(1);
+  constexpr int64_t kRows = 4;
+  at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> rows(kRows * K);
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t n0 = t * kRows, count = std::min(kRows, N - n0);
+      for (int64_t r = 0; r < count; ++r) unpack_row(wp + (n0 + r) * row_bytes, type, K, rows.data() + r * K);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < count; ++r)
+          op[m * N + n0 + r] = dot(xp + m * K, rows.data() + r * K, K) + (bp ? bp[n0 + r] : 0.0f);
+    }
+  });
+}
+
+void dequantize_gguf(const at::Tensor& w, int64_t type, const at::Tensor& rows, at::Tensor out) {
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows are int64 indices");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows.size(0) && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "out is [len(rows), K] fp32");
+  const int64_t K = out.size(1), N = w.size(0);
+  check_gguf(w, type, K);
+  const int64_t* index = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i) TORCH_CHECK(index[i] >= 0 && index[i] < N, "row ", index[i], " of ", N);
+  at::parallel_for(0, rows.size(0), 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i)
+      unpack_row(w.data_ptr<uint8_t>() + index[i] * w.size(1), type, K, out.data_ptr<float>() + i * K);
+  });
+}
+
+}  // namespace vkv
