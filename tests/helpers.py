@@ -245,3 +245,13 @@ def checkpoint(path, seed: int) -> dict[str, torch.Tensor]:
     (path / "config.json").write_text(json.dumps(SHAPE))
     save_file(tensors, str(path / "model.safetensors"))
     return tensors
+
+
+def wait_until(predicate, seconds: float, what: str, every: float = 0.1):
+    """predicate()'s first true value within `seconds` (asked every `every` s); else fail naming `what`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(every)
+    raise AssertionError(f"not within {seconds} s: {what}")

@@ -22,6 +22,7 @@ checkpoint directory.
 from __future__ import annotations
 
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +89,13 @@ def unpermute_rows(n: int, heads: int) -> np.ndarray:
 def read_gguf(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor | GgufWeight]:
     """The file's weights by Hugging Face name: a GgufWeight for each Q8_0 / Q4_0 / Q4_1 matrix,
     an fp32 tensor for everything else."""
+    try:
+        return _read(path, num_heads, num_kv_heads)
+    except (IndexError, KeyError, TypeError, OverflowError, struct.error, EOFError) as exc:  # (and ValueError)
+        raise ValueError(f"not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+
+
+def _read(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor | GgufWeight]:
     from gguf import GGMLQuantizationType, GGUFReader, quants
 
     reader = GGUFReader(path)

@@ -156,11 +156,6 @@ def fuse(parts: list[torch.Tensor | GgufWeight]) -> torch.Tensor | GgufWeight:
     return torch.cat([p.dequantized() if isinstance(p, GgufWeight) else p for p in parts])
 
 
-def ext_error() -> str:
-    import ext
-    return ext.cpu_kernels_error() or "not on this device"
-
-
 class GgufEmbedding(nn.Module):
     """A token embedding kept in a GGUF file's blocks: each lookup unpacks its rows."""
 
@@ -269,26 +264,29 @@ class LlamaForCausalLM(nn.Module):
             self.to(dtype=compute_dtype)
         self.eval()
         self.native = ops.native(device) is not None and compute_dtype in (torch.float32, torch.bfloat16)
-        if self.gguf_blocks and not (self.native and device.type == "cpu"):
+        blocks = self.gguf_blocks  # (then no panels: the one-call step and huge pages read panels only)
+        if blocks and not (self.native and device.type == "cpu"):
+            import ext
             raise ValueError("weights in GGUF blocks need the CPU and vkv's native kernels "
-                             f"({ext_error()}); serve the file without quantization='gguf'")
-        if self.gguf_blocks and (sleep_mode or self.sharded):
+                             f"({ext.cpu_kernels_error() or 'not on this device'}); "
+                             "serve the file without quantization='gguf'")
+        if blocks and (sleep_mode or self.sharded):
             raise ValueError("weights in GGUF blocks: no sleep mode or tensor parallelism yet")
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         panels = self.native and compute_dtype == torch.float32  # vkv's GEMM (engine/models/linear.py)
         beside = (self.native and compute_dtype == torch.bfloat16 and not self.sharded  # decode's bf16 panels
-                  and not self.gguf_blocks and self._fits(linears, dtype))
+                  and not blocks and self._fits(linears, dtype))
         # decode_layers runs every norm, the last one's too, under one eps
         norms = [self.model.norm, *(n for layer in self.model.layers
                                     for n in (layer.input_layernorm, layer.post_attention_layernorm))]
         one_call = (panels or beside) and not self.config.qk_norm and not self.sharded \
-            and len({norm.eps for norm in norms}) == 1 and not self.gguf_blocks  # (it reads panels only)
+            and len({norm.eps for norm in norms}) == 1 and not blocks
         for module in linears if beside else ():
             module.pack_panels(dtype, drop=False)
         paths = sorted({module.pack_panels(dtype) if panels else module.pack() for module in linears})
         if greedy_pick and one_call:  # multi-step decode picks from half the LM head's bytes
             self.lm_head.pack_pick()
-        if (panels or beside) and device.type == "cpu" and not self.gguf_blocks:  # before sleep mode's move
+        if (panels or beside) and device.type == "cpu" and not blocks:  # before sleep mode's move
             paths.append(onto_huge_pages([t for m in linears for t in (m.panels, m.pick) if t is not None]))
         if sleep_mode:  # before anything takes views of the weights
             self.pages = WeightPages(self, vmm.make_backend(device.type if device.type == "cuda" else "host",

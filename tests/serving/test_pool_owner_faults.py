@@ -19,19 +19,10 @@ from engine.serving.dp.front_door import FrontDoor
 from engine.serving.dp.replicas import ReplicaSet
 from engine.serving.options import ServerOptions
 from engine.worker.parallel import free_port
-from helpers import child_env, serving
+from helpers import child_env, serving, wait_until
 
 KEY = "sk-owner"
 MODEL = ["--model", "random:smollm2-kv", "--max-model-len", "512"]
-
-
-def wait_until(predicate, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"not within {seconds} s: {what}")
 
 
 def healthy(url: str) -> bool:

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -20,7 +19,7 @@ from engine import LLM, SamplingParams
 from engine.worker.parallel import free_port
 from engine.top import render, scrape
 import helpers
-from helpers import child_env
+from helpers import child_env, wait_until
 
 KEY = "sk-front"
 MODEL = ["--model", "random:smollm2-kv", "--kv-cache-memory", str(32 << 20), "--max-model-len", "512"]
@@ -43,15 +42,6 @@ def replica_pids(front: subprocess.Popen) -> dict[int, int]:
         except OSError:
             continue
     return pids
-
-
-def wait_until(predicate, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"not within {seconds} s: {what}")
 
 
 @contextlib.contextmanager
