@@ -11,9 +11,11 @@ pages and its weights' pages go; --sleep-level 1 keeps the weights), wakes its w
 (`wake_up(["weights"])`, empty pages at the same addresses), takes the trainer's weights, and wakes
 its KV cache. Reported per round: the mean and max absolute difference between vkv's and the
 trainer's logprobs of the sampled tokens (before the step: the same weights); the seconds to
-sleep, wake and update; the memory the process holds awake and asleep (every page its memfd
-pools hold, and apart from it its anonymous resident memory, the trainer's included); and, once,
-the seconds a fresh engine takes to start on the same weights, with sleep mode and without.
+sleep, wake and update, beside the copy floor (the seconds to copy the same new weights once into
+fresh memory, in vkv's dtype, measured the same round); the memory the process holds awake and
+asleep (the KV cache's memfd pool and the weights' pages, and apart from them its anonymous
+resident memory, the trainer's included); and, once, the seconds a fresh engine takes to start
+on the same weights, with sleep mode and without.
 
     python benchmarks/rl_loop.py --json benchmarks/results/cpu/rl_loop.json --plot benchmarks/results/cpu/rl_loop.png
     python benchmarks/rl_loop.py --dtype bfloat16 --json benchmarks/results/cpu/rl_loop_bf16.json --plot ...
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -32,17 +35,21 @@ from common import machine_info, save  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models.loader import checkpoint_dir  # noqa: E402
+from vmm.host import resident_bytes  # noqa: E402
 
 PROMPTS = ["Count from one to ten:", "The year the war ended was", "My phone number is", "Add 17 and 25:",
            "The answer to the puzzle is", "In 1969, the crew"]
 
 
-def held_bytes() -> tuple[int, int]:
-    """What the process holds: its anonymous resident memory (the trainer's too), and the pages
-    of its memfd pools (the KV pool's and the weights', committed whether mapped or not)."""
+def held_bytes(llm) -> tuple[int, int]:
+    """What the process holds: its anonymous resident memory apart from the weights' pages (the
+    trainer's included), and the pages of the engine's pools: the KV cache's memfd (committed
+    whether mapped or not) and the weights' range (private memory: what is resident)."""
+    pages = llm.engine.model.pages
+    weights = resident_bytes(pages.range.addr, pages.range.nbytes) if pages else 0
     with open("/proc/self/status") as f:
-        anon = next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon"))
-    pools = 0
+        anon = next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon")) - weights
+    pools = weights
     for fd in os.listdir("/proc/self/fd"):
         try:
             if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:vkv-pages"):
@@ -50,6 +57,10 @@ def held_bytes() -> tuple[int, int]:
         except OSError:
             continue
     return anon, pools
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -99,25 +110,31 @@ def main(argv: list[str] | None = None) -> dict:
         (loss / len(rewards)).backward()
         optimizer.step()
         trainer.eval()
-        awake = held_bytes()
+        state = trainer.state_dict()
+        floor = time.perf_counter()
+        fresh = {name: t.to(getattr(torch, args.dtype), copy=True) for name, t in state.items()}
+        copy_s = time.perf_counter() - floor
+        del fresh
+        awake = held_bytes(llm)
         t0 = time.perf_counter()
         llm.sleep(args.sleep_level)
         t1 = time.perf_counter()
-        asleep = held_bytes()
+        asleep = held_bytes(llm)
         llm.wake_up(["weights"])
         t2 = time.perf_counter()
-        llm.update_weights_from_tensor(trainer.state_dict())
+        llm.update_weights_from_tensor(state)
         t3 = time.perf_counter()
         llm.wake_up(["kv_cache"])
         t4 = time.perf_counter()
         rounds.append({"round": r, "mean_reward": sum(rewards) / len(rewards), "logprob_gap_mean": sum(gaps) / len(gaps),
                        "logprob_gap_max": max(gaps), "sleep_s": t1 - t0, "wake_s": (t2 - t1) + (t4 - t3),
-                       "update_s": t3 - t2, "anon_awake_bytes": awake[0], "anon_asleep_bytes": asleep[0],
+                       "update_s": t3 - t2, "copy_floor_s": copy_s,
+                       "wake_and_update_over_copy": (t4 - t1) / copy_s, "anon_awake_bytes": awake[0], "anon_asleep_bytes": asleep[0],
                        "pools_awake_bytes": awake[1], "pools_asleep_bytes": asleep[1]})
         print(f"round {r}: reward {rounds[-1]['mean_reward']:.3f}, logprob gap mean {rounds[-1]['logprob_gap_mean']:.2e} "
               f"max {rounds[-1]['logprob_gap_max']:.2e}; sleep {t1 - t0:.3f} s, wake {t2 - t1 + t4 - t3:.3f} s, update "
-              f"{t3 - t2:.3f} s (a fresh start: {fresh_start_s:.2f} s, {fresh_start_plain_s:.2f} s without sleep mode); "
-              f"memfd pools {awake[1] >> 20} -> {asleep[1] >> 20} MiB, anonymous {awake[0] >> 20} -> {asleep[0] >> 20} MiB",
+              f"{t3 - t2:.3f} s (copy floor {copy_s:.3f} s; a fresh start: {fresh_start_s:.2f} s, {fresh_start_plain_s:.2f} s without sleep mode); "
+              f"pools {awake[1] >> 20} -> {asleep[1] >> 20} MiB, anonymous {awake[0] >> 20} -> {asleep[0] >> 20} MiB",
               flush=True)
     weights = llm.engine.model.pages.nbytes if llm.engine.model.pages else 0
     kv = llm.engine.kv.pool.num_pages * llm.engine.kv.pool.page_size
@@ -129,8 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
               "sleep_level": args.sleep_level, "dtype": args.dtype, "fresh_start_s": fresh_start_s,
               "fresh_start_without_sleep_mode_s": fresh_start_plain_s, "rounds": rounds,
               "weights_bytes": weights, "kv_bytes": kv,
-              "pools_dropped_over_weights_and_kv": [(x["pools_awake_bytes"] - x["pools_asleep_bytes"]) / (weights + kv)
-                                                    for x in rounds],
+              "pools_asleep_bytes_max": max(x["pools_asleep_bytes"] for x in rounds),
+              "wake_and_update_over_copy": spread([x["wake_and_update_over_copy"] for x in rounds]),
               "wake_and_update_over_fresh_start": [(x["wake_s"] + x["update_s"]) / fresh_start_s for x in rounds],
               "wake_and_update_over_fresh_start_without_sleep_mode": [(x["wake_s"] + x["update_s"]) / fresh_start_plain_s
                                                                        for x in rounds],
@@ -154,8 +171,8 @@ def plot(result: dict, path: str) -> None:
     axes[0].set_ylabel("|vkv - trainer| logprob")
     axes[0].legend(fontsize=8)
     width = 0.25
-    axes[1].bar([i - width for i in x], [r["update_s"] for r in rounds], width, label="update in place")
-    axes[1].bar(x, [r["sleep_s"] + r["wake_s"] for r in rounds], width, label="sleep + wake")
+    axes[1].bar([i - width for i in x], [r["wake_s"] + r["update_s"] for r in rounds], width, label="wake + update")
+    axes[1].bar(x, [r["copy_floor_s"] for r in rounds], width, label="copy into fresh memory (floor)")
     axes[1].bar([i + width for i in x], [result["fresh_start_s"]] * len(x), width, label="fresh engine start")
     axes[1].set_xlabel("round")
     axes[1].set_ylabel("seconds")

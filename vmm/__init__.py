@@ -18,10 +18,10 @@ the mappings behind them: `view(check=True)` refuses spans with holes, and a vie
 outlive its reservation. The CUDA backend waits for the device before it unmaps.
 
 Sleep and swap: `PagePool.release_memory` gives every (free) physical page back while every
-reservation, and every view into one, stays valid; `restore_memory` creates them again, so
-nothing built over the addresses is rebuilt. A `SwapSpace` holds page contents in a slower tier
-(a file, pinned host memory) so a page can be unmapped and a fresh one mapped at the same
-address later with the same bytes.
+reservation, and every view into one, stays valid; after `restore_memory` each is created again
+when first taken, so nothing built over the addresses is rebuilt and waking costs nothing. A
+`SwapSpace` holds page contents in a slower tier (a file, pinned host memory) so a page can be
+unmapped and a fresh one mapped at the same address later with the same bytes.
 
 Threads: every pool and reservation method takes the pool's lock, so a worker thread may map
 while another thread computes. All memory goes back at `release()`/`close()`, on garbage
@@ -50,7 +50,7 @@ from vmm.errors import (AlreadyMapped, BackendUnavailable, DoubleFree, Invariant
                         NotMapped, OutOfRange, PartialUnmap, PoolExhausted, ReservationReleased, UnmappedAccess,
                         VmmError)
 from vmm.attach import AttachedPool
-from vmm.host import HostBackend
+from vmm.host import HostBackend, PrivateHostBackend
 from vmm.pool import PageAllocator, PagePool, Pool, PoolStats
 from vmm.reservation import Reservation
 from vmm.owner import PoolOwner
@@ -59,16 +59,19 @@ from vmm.swap import SlotStore, SwapSpace
 
 
 def make_backend(name: str, page_size: int | None = None, device: int = 0, shareable: bool = False) -> Backend:
-    """`host` or `cuda`; page_size None means 2 MiB on the host and the granularity on CUDA;
-    shareable: CUDA pages that can be exported to other processes (host pages always can)."""
+    """`host`, `host-private` or `cuda`; page_size None means 2 MiB on the host and the granularity
+    on CUDA; shareable: CUDA pages that can be exported to other processes (host pages always can;
+    `host-private` pages never: vmm/host.py)."""
     if name == "host":
         return HostBackend(page_size or 2 << 20)
+    if name == "host-private":
+        return PrivateHostBackend(page_size or 2 << 20)
     if name == "cuda":
         return CudaBackend(device, page_size, shareable)
-    raise ValueError(f"unknown backend {name!r}: choose 'host' or 'cuda'")
+    raise ValueError(f"unknown backend {name!r}: choose 'host', 'host-private' or 'cuda'")
 
 
-__all__ = ["Backend", "HostBackend", "CudaBackend", "cuda_unavailable_reason", "make_backend",
+__all__ = ["Backend", "HostBackend", "PrivateHostBackend", "CudaBackend", "cuda_unavailable_reason", "make_backend",
            "PageAllocator", "PagePool", "Pool", "Tenant", "PoolOwner", "AttachedPool", "PoolStats", "Reservation", "SharedPool", "PoolShare", "SlotStore", "SwapSpace", "VmmError", "BackendUnavailable",
            "PoolExhausted", "DoubleFree", "NotMapped", "AlreadyMapped", "OutOfRange",
            "UnmappedAccess", "ReservationReleased", "InvariantViolation", "PartialUnmap"]

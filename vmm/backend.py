@@ -85,9 +85,5 @@ class Backend(ABC):
     def synchronize(self) -> None:
         """Wait until every kernel that may read mapped memory is done (no-op on the host)."""
 
-    def populate(self, addr: int, nbytes: int) -> None:
-        """Fault in a mapped run now, in one call, rather than one OS page at a time at first
-        touch (a hint: a no-op where the system has no such call)."""
-
     def close(self) -> None:
         """Release backend-wide resources; called once, after every page and range is gone."""

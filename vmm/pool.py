@@ -1,4 +1,5 @@
-"""The physical page pool: every page created once, up front, then handed out and taken back.
+"""The physical page pool: every page created up front, then handed out and taken back; after a
+sleep (`release_memory`), each is created again when it is first taken.
 
 A page is either free (in `free_ids`, reference count 0) or referenced. Its reference count is
 the number of mappings of it plus the explicit holds on it (`alloc` and `hold` each take one).
@@ -36,7 +37,7 @@ class Pool(Protocol):
     """What reservations and KV caches use of a pool, whichever of the three it is."""
     page_size: int
     backend: Backend
-    handles: list  # the backend's handle of each page, by id
+    handles: list  # the backend's handle of each page, by id (a PagePool's: None until first taken after a wake)
     ref_counts: list[int]  # (a sequence) each page's references, by id
     lock: threading.RLock  # taken by every call that changes the pool or its mappings
 
@@ -106,7 +107,15 @@ class PageAllocator:
         with self.lock:
             if n > len(self.free_ids):
                 raise PoolExhausted(f"need {n} pages, {len(self.free_ids)} of {self.num_pages} free")
-            return [self.alloc() for _ in range(n)]
+            pages: list[int] = []
+            try:
+                for _ in range(n):
+                    pages.append(self.alloc())
+            except BaseException:  # (a PagePool that cannot create a page after a wake)
+                for page in pages:
+                    self.drop(page)
+                raise
+            return pages
 
     def _check_id(self, page: int) -> None:
         if not 0 <= page < len(self.ref_counts):  # a negative id would index from the end
@@ -173,7 +182,8 @@ class PageAllocator:
 
 
 class PagePool(PageAllocator):
-    """Physical pages from a backend behind the allocator's ids, all created up front."""
+    """Physical pages from a backend behind the allocator's ids, all created up front (after a
+    wake: at first `alloc`)."""
 
     def __init__(self, backend: Backend, num_pages: int):
         limit = backend.max_mapped_pages()
@@ -200,20 +210,29 @@ class PagePool(PageAllocator):
             _release_all(self.backend, self.handles)
 
     def restore_memory(self) -> None:
-        """Wake: create the pages again (their contents are undefined, as new pages' are). On
-        failure the pages made so far are released again and the pool stays asleep."""
+        """Wake: nothing is created now; each page is created when `alloc` first takes it (its
+        contents undefined, as a new page's are), so waking costs nothing and a KV cache pays
+        for the pages its requests use, when they use them."""
         with self.lock:
             if not self.asleep:
                 return
             _release_all(self.backend, self.handles)  # what a failed release_memory left
-            try:
-                for _ in range(self.num_pages):
-                    self.handles.append(self.backend.create_page())
-            except BaseException:
-                _release_all(self.backend, self.handles)
-                raise
+            self.handles.extend([None] * self.num_pages)
             self.free_ids.extend(range(self.num_pages))
             self.asleep = False
+
+    def alloc(self) -> int:
+        """Take a free page; the caller holds its one reference. A page not created since the
+        pool woke is created now (PoolExhausted if the system has no memory for it)."""
+        with self.lock:
+            page = super().alloc()
+            if self.handles[page] is None:
+                try:
+                    self.handles[page] = self.backend.create_page()
+                except BaseException:
+                    super().drop(page)
+                    raise
+            return page
 
     def audit(self, reservations: Iterable, held: Mapping[int, int] = {}) -> None:
         """Each page's count equals its mappings in `reservations` plus its holds in `held`."""
@@ -239,7 +258,9 @@ def expected_refs(reservations: Iterable, held: Mapping[int, int]) -> Counter:
 
 
 def _release_all(backend: Backend, handles: list) -> None:
-    """Release from the end, each handle forgotten once it is released (a retry goes on)."""
+    """Release from the end, each handle forgotten once it is released (a retry goes on); a page
+    not created since a wake (None) has nothing to release."""
     while handles:
-        backend.release_page(handles[-1])
+        if handles[-1] is not None:
+            backend.release_page(handles[-1])
         handles.pop()

@@ -20,7 +20,7 @@ Who writes what: the model's `prepare` calls it once, before sleep mode moves th
 
 Limitations. Where the kernel has THP off (`never`), refuses the advice or the arena cannot be
 allocated, the panels stay where they are and the returned line says why. Sleep mode then moves
-every weight into memfd pages, which get no huge pages (`shmem_enabled` is usually `never`). The kernel may still back
+every weight into pages of its own, advised the same way (vmm's `PrivateHostBackend`). The kernel may still back
 part of the span with 4 KiB pages (fragmented memory); `AnonHugePages` in /proc/self/smaps says.
 """
 from __future__ import annotations
@@ -30,18 +30,9 @@ import ctypes.util
 
 import torch
 
+from vmm.host import MADV_HUGEPAGE, thp_mode
+
 HUGE = 2 << 20
-MADV_HUGEPAGE = 14
-THP = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def thp_mode() -> str:
-    """The kernel's transparent huge page mode: always, madvise, never, or unknown."""
-    try:
-        with open(THP) as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "unknown"
 
 
 def onto_huge_pages(tensors: list[torch.Tensor]) -> str:

@@ -289,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
         if (panels or beside) and device.type == "cpu" and not blocks:  # before sleep mode's move
             paths.append(onto_huge_pages([t for m in linears for t in (m.panels, m.pick) if t is not None]))
         if sleep_mode:  # before anything takes views of the weights
-            self.pages = WeightPages(self, vmm.make_backend(device.type if device.type == "cuda" else "host",
+            self.pages = WeightPages(self, vmm.make_backend("cuda" if device.type == "cuda" else "host-private",
                                                             device=device.index or 0))
         if one_call:
             self.decode = [layer.decode_weights() for layer in self.model.layers]

@@ -10,14 +10,17 @@ rebuilt. vkv's KV cache already sleeps that way (level 1, vmm's `release_memory`
 weights on the same footing.
 
 Approach. With sleep mode on (`EngineConfig.enable_sleep_mode`), once the model is prepared
-every tensor an update writes (each parameter, and the GEMM panels the kernels read) is moved into one `vmm.Reservation` over a page pool
-of its own (host: memfd pages; CUDA: `cuMemCreate`). Each tensor keeps its Python object: its
-storage is `set_` to its slice of the reservation, so whoever holds it (a tied lm_head, the
-one-call decode path's per-layer lists) holds valid memory. `release()` unmaps every page and
-gives the pool's pages back: the process's memory really drops. `restore()` creates pages and
-maps them at the same addresses: every tensor is valid again, its values zero (host) or
-undefined (CUDA) until new weights are written (`update_weights_from_*`, `reload_weights`),
-which the engine asks for before it generates again.
+every tensor an update writes (each parameter, and the GEMM panels the kernels read) is moved
+into one `vmm.Reservation` over a page pool of its own (CUDA: `cuMemCreate`; host: private
+anonymous pages advised onto 2 MiB pages, `vmm.PrivateHostBackend`: the weights are mapped once
+and never shared, and shared memory gets no huge pages where `shmem_enabled` is `never`). Each
+tensor keeps its Python object: its storage is `set_` to its slice of the reservation, so
+whoever holds it (a tied lm_head, the one-call decode path's per-layer lists) holds valid
+memory. `release()` unmaps every page and gives the pool's pages back: the process's memory
+really drops. `restore()` maps pages at the same addresses: every tensor is valid again, its
+values zero (host: faulted in by the update that writes them) or undefined (CUDA) until new
+weights are written (`update_weights_from_*`, `reload_weights`), which the engine asks for
+before it generates again.
 
 Implementation. Tensors are grouped by storage (a tied weight and its alias move once), each
 storage at a 64-byte-aligned offset. Who writes what: `WeightPages` alone maps, unmaps and
@@ -28,9 +31,9 @@ storage is switched only after its bytes are copied, and a half-made pool is rel
 Limitations. oneDNN's packed weights (bf16 arithmetic on a CPU that has it; no native kernels)
 are opaque tensors that cannot live in a reservation: `release()` drops them (and trims the
 C heap so their memory leaves the process) and `restore()` makes new ones, held only by their
-`Linear`. Sleep mode is off by default: moving the weights costs start time, and the host's
-shared memory gets no transparent huge pages (`shmem_enabled` is usually `never`); decode runs
-within noise of the heap's (benchmarks/results/cpu/design_choices.json, "weight_pages").
+`Linear`. Sleep mode is off by default: moving the weights costs start time. Where the kernel
+refuses huge pages the weights sit on 4 KiB pages (slower decode and wake-up: the design
+choices' "weight_pages" and "wake_at_copy_floor" in benchmarks/results/cpu/design_choices.json).
 Tensor-parallel ranks are other processes: level 2 is refused there.
 """
 from __future__ import annotations
@@ -110,9 +113,9 @@ class WeightPages:
         self.state = "empty"
 
     def _map(self) -> None:
-        """Every page, faulted in at once: the weights are all written right after."""
+        """Every page, mapped: the copy of the weights that follows faults them in (faulting
+        them first with MADV_POPULATE_WRITE made a wake and update 1.3x slower on the host)."""
         self.range.map_new(0, self.range.num_pages)
-        self.pool.backend.populate(self.range.addr, self.range.nbytes)
 
     def filled(self) -> None:
         """Every weight was written since `restore` (the engine checked the update was whole)."""

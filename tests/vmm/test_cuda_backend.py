@@ -270,7 +270,7 @@ def test_a_release_that_fails_part_way_can_be_retried_and_loses_no_page():
     with pytest.raises(vmm.VmmError):
         pool.release_memory()
     assert pool.asleep and pool.num_free == 0
-    pool.restore_memory()  # what was left is released, every page made anew
+    pool.restore_memory()  # what was left is released; each page is made anew when first taken
     assert not pool.asleep and pool.num_free == 4 and len(pool.handles) == 4
     pool.close()
     backend.close()

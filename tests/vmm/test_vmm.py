@@ -248,3 +248,62 @@ def test_a_swap_out_that_fails_part_way_frees_the_slots_it_took_and_unmaps_nothi
     kv.audit()
     assert kv.swap_out(seq) and len(kv.layout.swapped_pages(seq)) == 4
     kv.close()
+
+
+def test_a_woken_pool_creates_each_page_when_first_taken(backend, monkeypatch):
+    """Waking costs nothing: restore_memory creates no page; alloc creates each at first use, and
+    a creation that fails gives back what the same alloc_many took."""
+    pool = vmm.PagePool(backend, 4)
+    res = vmm.Reservation(pool, 4 * pool.page_size)
+    res.map_new(0, 2)
+    res.unmap(0, 2)
+    pool.release_memory()
+    pool.restore_memory()
+    assert pool.handles == [None] * 4 and pool.num_free == 4 and not pool.asleep
+    pages = res.map_new(0, 2)
+    assert sorted(i for i, h in enumerate(pool.handles) if h is not None) == sorted(pages)
+    page_view(res, 1).fill_(77)
+    assert torch.all(page_view(res, 1) == 77)
+    made = []
+
+    def create_once():  # the system has memory for one more page only
+        if made:
+            raise vmm.PoolExhausted("no memory")
+        made.append(1)
+        return real()
+
+    real = backend.create_page
+    monkeypatch.setattr(backend, "create_page", create_once)
+    with pytest.raises(vmm.PoolExhausted):
+        res.map_new(2, 2)
+    assert pool.num_free == 2 and res.mapped_pages() == dict(zip((0, 1), pages))
+    pool.audit([res])
+    res.release()
+    pool.release_memory()  # pages never created have nothing to give back
+    assert pool.asleep
+    pool.close()
+
+
+def test_private_host_pages_live_in_their_one_mapping():
+    """PrivateHostBackend (the weights' in sleep mode): 2 MiB-aligned ranges, memory that comes
+    with the mapping and goes with it, no second mapping of a page, no copy into one."""
+    from vmm.host import resident_bytes
+    backend = vmm.make_backend("host-private")
+    pool = vmm.PagePool(backend, 3)
+    a, b = vmm.Reservation(pool, 3 * pool.page_size), vmm.Reservation(pool, pool.page_size)
+    assert a.addr % (2 << 20) == 0
+    pages = a.map_new(0, 3)
+    assert resident_bytes(a.addr, a.nbytes) == 0  # nothing touched yet
+    page_view(a, 1).fill_(5)
+    assert torch.all(page_view(a, 1) == 5) and resident_bytes(a.addr, a.nbytes) >= pool.page_size
+    with pytest.raises(vmm.AlreadyMapped, match="one place"):
+        backend.map(b.addr, [pool.handles[pages[0]]])
+    with pytest.raises(vmm.VmmError, match="nothing is copied"):  # (copy-on-write, swap)
+        backend.copy_page(pool.handles[pages[2]], a.addr)
+    a.unmap(0, 3)
+    assert resident_bytes(a.addr, a.nbytes) == 0
+    a.map_new(0, 3)
+    assert torch.all(page_view(a, 1) == 0)  # fresh memory: the old bytes went with the mapping
+    pool.audit([a, b])
+    a.release(), b.release()
+    pool.close()
