@@ -255,3 +255,17 @@ def wait_until(predicate, seconds: float, what: str, every: float = 0.1):
             return value
         time.sleep(every)
     raise AssertionError(f"not within {seconds} s: {what}")
+
+
+def k_quant_blocks(kind: str, n: int, k: int, g: torch.Generator):
+    """n rows of k weights as random Q4_K or Q6_K super-blocks (gguf-py quantizes neither): every
+    bit pattern of the quants and packed scales, fp16 scales of a trained model's size, row 3's
+    scales zero."""
+    import numpy as np
+    size, scale_at = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}[kind]
+    blocks = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=g)
+    for at in scale_at:  # d (and Q4_K's dmin): fp16 in [1e-4, 1e-2)
+        scales = (10 ** (torch.rand(n, k // 256, generator=g) * 2 - 4)).half()
+        scales[3] = 0
+        blocks[:, :, at:at + 2] = scales.view(torch.uint8).view(n, k // 256, 2)
+    return np.ascontiguousarray(blocks.view(n, -1).numpy())

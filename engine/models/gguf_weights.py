@@ -1,4 +1,4 @@
-"""A GGUF file's weights as it stores them: Q8_0, Q4_0 and Q4_1 tensors stay in their blocks.
+"""A GGUF file's weights as it stores them: Q8_0, Q4_0, Q4_1, Q4_K and Q6_K tensors stay in their blocks.
 
 Rationale. Served through the dequantized checkpoint (loader.py), a GGUF at Q4_1 becomes fp32:
 6.4x its bytes in memory, and every decode step reads 6.4x what the file holds. With
@@ -7,17 +7,18 @@ embedding keep the file's blocks, and the native kernels unpack them in register
 (ext/cpu/gguf_blocks.cpp, Note [GGUF weights as they are stored]).
 
 Approach. `read_gguf` maps the file's tensor names to the Hugging Face names the model loads,
-keeps each Q8_0 / Q4_0 / Q4_1 matrix as a `GgufWeight` (its rows' bytes, uint8 [N, K / 32 *
-block bytes], and its type), and dequantizes the others with gguf-py (norms in F32; k-quants,
-which have no kernel here yet). llama.cpp's converter permutes the rows of Llama's and Mistral's
+keeps each Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrix as a `GgufWeight` (its rows' bytes, uint8
+[N, K / block weights * block bytes], and its type), and dequantizes the others with gguf-py
+(norms in F32; the k-quants without a kernel here: Q2_K, Q3_K, Q5_K). llama.cpp's converter permutes the rows of Llama's and Mistral's
 q and k projections for its rotary layout; transformers' loader undoes it on the values, and
 here the same permutation moves whole rows of blocks, so both load the same matrix.
 
 Limitations. CPU only, with the native kernels built (else the loader refuses it by name and
 the dequantized checkpoint serves); a quantized model runs its decode steps layer by layer (the
 one-call step reads panels); no sleep mode, weight updates, LoRA or tensor parallelism over
-blocks (each refused by name); the tokenizer and config still come from the converted
-checkpoint directory.
+blocks (each refused by name); a fused projection whose parts differ in type (a Q4_K_M file's
+Q6_K v beside Q4_K q and k, in some layers) is dequantized whole; the tokenizer and config
+still come from the converted checkpoint directory.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # ggml's Q4_0, Q4_1, Q8_0: bytes of a block of 32 weights
+# ggml's Q4_0, Q4_1, Q8_0 (blocks of 32 weights), Q4_K and Q6_K (super-blocks of 256): id -> name
+TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
 
 NAMES = [  # the file's name -> the Hugging Face name
     (r"token_embd\.weight", "model.embed_tokens.weight"),
@@ -58,7 +60,7 @@ class GgufWeight:
 
     @property
     def type_name(self) -> str:
-        return {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}[self.type]
+        return TYPES[self.type]
 
     def dequantized(self) -> torch.Tensor:
         """[n, k] fp32, as gguf-py's `dequantize` gives it (the format's definition)."""
@@ -87,7 +89,7 @@ def unpermute_rows(n: int, heads: int) -> np.ndarray:
 
 
 def read_gguf(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor | GgufWeight]:
-    """The file's weights by Hugging Face name: a GgufWeight for each Q8_0 / Q4_0 / Q4_1 matrix,
+    """The file's weights by Hugging Face name: a GgufWeight for each matrix of a type in TYPES,
     an fp32 tensor for everything else."""
     try:
         return _read(path, num_heads, num_kv_heads)
@@ -106,7 +108,7 @@ def _read(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tens
         name = hf_name(tensor.name)
         kind = int(tensor.tensor_type)
         shape = [int(d) for d in reversed(tensor.shape.tolist())]  # GGUF lists the fastest dimension first
-        if kind in BLOCK_BYTES and len(shape) == 2:
+        if kind in TYPES and len(shape) == 2:
             data = np.asarray(tensor.data).view(np.uint8).reshape(shape[0], -1)
             value: torch.Tensor | GgufWeight = GgufWeight(torch.from_numpy(data.copy()), kind, shape[1])
         else:

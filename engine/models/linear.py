@@ -69,7 +69,8 @@ class Linear(nn.Module):
         """Reorder the weight for the device's fastest GEMM if one applies; returns the path
         taken (a refusal by oneDNN falls back to F.linear, with its reason)."""
         if self.gguf is not None:
-            return f"GGUF {self.gguf.type_name} blocks, unpacked in registers (float32 arithmetic)"
+            where = "a super-block at a time" if self.gguf.type_name.endswith("_K") else "in registers"
+            return f"GGUF {self.gguf.type_name} blocks, unpacked {where} (float32 arithmetic)"
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return "torch F.linear"

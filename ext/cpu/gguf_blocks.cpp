@@ -17,34 +17,41 @@ namespace vkv {
 //   Q8_0  {fp16 d; int8 q[32]}          w = d * q
 //   Q4_0  {fp16 d; uint8 q[16]}         w = d * (q - 8), q's low nibbles then its high ones
 //   Q4_1  {fp16 d, m; uint8 q[16]}      w = d * q + m
-// (ggml's block_q8_0, block_q4_0, block_q4_1; gguf-py's `dequantize` is the tests' oracle).
-// A dot product with x sums each block as d * sum(q x) + c * sum(x), c = m for Q4_1 and -8 d for
-// Q4_0, in fp32, with x's sums a block computed once a row of x.
+// (ggml's block_q8_0, block_q4_0, block_q4_1; gguf-py's `dequantize` is the tests' oracle), each
+// weight rounded once (d * q is exact; d * q + c one FMA), then multiplied with x in fp32. Q4_K
+// and Q6_K (what a Q4_K_M file holds) pack 256 weights a super-block (unpack_super below), each
+// unpacked into 1 KiB of L1 and read from there.
 // Implementation: linear_gguf splits W's rows among the threads. For one row of x (decode), each
-// weight row's blocks are unpacked in registers and multiplied with x there (row_dot: its kernel time
-// in the bundled model's decode 0.61x the unpack-to-memory path's, AVX2 EPYC). For more rows, each thread
-// takes 4 weight rows at a time, unpacks them into fp32 in its own buffer (in L1: 4 x K floats),
-// and multiplies every row of x with them (so a prefill of many rows unpacks each weight once). dequantize_gguf writes whole
-// rows (the token embedding's lookups). The AVX2 path unpacks 8 weights an instruction chain;
-// the scalar one is its reference.
-// Limitations: Q4_K and the other k-quants are not here yet (the loader dequantizes them); the
-// one-call decode step (decode_step.cpp) reads panels only, so a quantized model decodes layer
-// by layer; x is fp32, so each weight costs two fp32 FMAs (on a Zen 1 core, whose 256-bit
-// operations are two halves, that bounds decode well below the quantized bytes' bandwidth;
-// llama.cpp quantizes x to int8 and sums in integers).
+// weight row's blocks are unpacked in registers and multiplied with x there (row_dot: its kernel
+// time in the bundled model's decode 0.61x the unpack-to-memory path's, AVX2 EPYC). For more rows,
+// each thread takes 4 weight rows at a time, unpacks them into fp32 in its own buffer (in L1: 4 x K
+// floats), and multiplies every row of x with them (so a prefill of many rows unpacks each weight
+// once). dequantize_gguf writes whole rows (the token embedding's lookups). The AVX2 path unpacks 8
+// weights an instruction chain; the scalar one is its reference.
+// Limitations: the other k-quants (Q2_K, Q3_K, Q5_K) are not here (the loader dequantizes them),
+// and Q4_K / Q6_K unpack with plain loops the compiler vectorizes; the one-call decode step
+// (decode_step.cpp) reads panels only, so a quantized model decodes layer by layer; x is fp32, so
+// each weight costs two fp32 FMAs (on a Zen 1 core, whose 256-bit operations are two halves, that
+// bounds decode well below the quantized bytes' bandwidth; llama.cpp quantizes x to int8 and sums
+// in integers).
 
-enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type ids
-constexpr int64_t kBlock = 32;
+enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // ggml's type ids
+constexpr int64_t kBlock = 32, kSuper = 256;  // weights a block holds; a k-quant's super-block
 
+// Bytes of one block of `block_weights(type)` weights.
 int64_t block_bytes(int64_t type) {
   switch (type) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
     case kQ8_0: return 34;
-    default: TORCH_CHECK(false, "GGUF type ", type, " is not one vkv reads as stored (Q4_0, Q4_1, Q8_0)");
+    case kQ4_K: return 144;
+    case kQ6_K: return 210;
+    default: TORCH_CHECK(false, "GGUF type ", type, " is not one vkv reads as stored (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)");
   }
   return 0;
 }
+
+int64_t block_weights(int64_t type) { return type == kQ4_K || type == kQ6_K ? kSuper : kBlock; }
 
 VKV_INLINE float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -56,9 +63,59 @@ VKV_INLINE float half_at(const uint8_t* p) {
 #endif
 }
 
-// One row of K weights, K / 32 blocks from `row`, as fp32 into out.
+// One k-quant super-block of 256 weights as fp32 into out, in gguf-py's order of operations.
+// Every product here is exact in fp32 (an fp16 scale times a 6- or 8-bit one times a 4- or 6-bit
+// quant needs at most 24 bits), so Q4_K's one subtraction is its only rounding, as in gguf-py.
+//   Q4_K {fp16 d, dmin; uint8 scales[12]; uint8 q[128]}: 8 groups of 32, group g's 6-bit scale
+//        s_g and min m_g packed in `scales`; w = (d s_g) q - dmin m_g, q the low nibbles of 32
+//        bytes for an even group, their high nibbles for the odd one after it
+//   Q6_K {uint8 ql[128], qh[64]; int8 scales[16]; fp16 d}: 16 groups of 16, w = (d scale) (q - 32),
+//        q's low 4 bits from ql and high 2 from qh
+void unpack_super(const uint8_t* block, int64_t type, float* out) {
+  if (type == kQ4_K) {
+    const float d = half_at(block), dmin = half_at(block + 2);
+    const uint8_t* s = block + 4;
+    const uint8_t* q = block + 16;
+    for (int j = 0; j < 8; j += 2, q += 32, out += 64) {
+      float scale[2], low[2];
+      for (int h = 0; h < 2; ++h) {
+        const int g = j + h;
+        const int sc = g < 4 ? s[g] & 63 : (s[g + 4] & 0x0F) | ((s[g - 4] >> 6) << 4);
+        const int m = g < 4 ? s[g + 4] & 63 : (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
+        scale[h] = d * static_cast<float>(sc);
+        low[h] = dmin * static_cast<float>(m);
+      }
+      for (int l = 0; l < 32; ++l) {
+        out[l] = scale[0] * static_cast<float>(q[l] & 0x0F) - low[0];
+        out[l + 32] = scale[1] * static_cast<float>(q[l] >> 4) - low[1];
+      }
+    }
+    return;
+  }
+  const uint8_t* ql = block;
+  const uint8_t* qh = block + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+  const float d = half_at(block + 208);
+  for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, out += 128) {
+    float scale[8];
+    for (int i = 0; i < 8; ++i) scale[i] = d * static_cast<float>(sc[i]);
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      out[l] = scale[is] * static_cast<float>(((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32);
+      out[l + 32] = scale[is + 2] * static_cast<float>(((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32);
+      out[l + 64] = scale[is + 4] * static_cast<float>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+      out[l + 96] = scale[is + 6] * static_cast<float>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+    }
+  }
+}
+
+// One row of K weights from `row` (K / 32 blocks, or K / 256 super-blocks), as fp32 into out.
 void unpack_row(const uint8_t* row, int64_t type, int64_t K, float* out) {
   const int64_t bytes = block_bytes(type);
+  if (block_weights(type) == kSuper) {
+    for (int64_t b = 0; b < K / kSuper; ++b) unpack_super(row + b * bytes, type, out + b * kSuper);
+    return;
+  }
   for (int64_t b = 0; b < K / kBlock; ++b, row += bytes, out += kBlock) {
     const float d = half_at(row);
     if (type == kQ8_0) {
@@ -165,8 +222,9 @@ void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const f
 
 void check_gguf(const at::Tensor& w, int64_t type, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "a GGUF weight is [rows, bytes] uint8");
-  TORCH_CHECK(K > 0 && K % kBlock == 0 && w.size(1) == K / kBlock * block_bytes(type),
-              "a GGUF weight's rows hold K / 32 blocks of its type (K = ", K, ", ", w.size(1), " bytes a row)");
+  const int64_t per = block_weights(type);
+  TORCH_CHECK(K > 0 && K % per == 0 && w.size(1) == K / per * block_bytes(type), "a GGUF weight's rows hold K / ",
+              per, " blocks of its type (K = ", K, ", ", w.size(1), " bytes a row)");
 }
 
 void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const std::optional<at::Tensor>& bias,
@@ -188,7 +246,7 @@ void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const s
     if (type == kQ8_0) rows_dot<kQ8_0>(wp, row_bytes, N, K, xp, bp, op);
     if (type == kQ4_1) rows_dot<kQ4_1>(wp, row_bytes, N, K, xp, bp, op);
     if (type == kQ4_0) rows_dot<kQ4_0>(wp, row_bytes, N, K, xp, bp, op);
-    return;
+    if (block_weights(type) == kBlock) return;  // (k-quants: the path below, one row of x)
   }
 #endif
   constexpr int64_t kRows = 4;

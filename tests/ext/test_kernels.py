@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import ext
 from engine.models import ops
 from engine.worker.attention import StepAttention
-from helpers import ROOT, TESTS, child_env, make_batch
+from helpers import ROOT, TESTS, child_env, k_quant_blocks, make_batch
 
 pytestmark = pytest.mark.skipif(ext.cpu_kernels() is None, reason=f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -184,20 +184,24 @@ def test_the_panel_gemm_equals_f_linear(weights):
             assert torch.equal(panels(x[-1:]), got[-1:])
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 7])
 def test_gguf_blocks_unpack_to_the_formats_definition(kind, rows):
     """linear_gguf against x times gguf-py's `dequantize` of the same blocks (the format's
-    definition), in fp64: within fp32's accumulation bound gamma_{k+2} sum|x||w| (each block's
-    sum scaled, plus its offset term); dequantize_gguf's rows equal the oracle's bit for bit."""
+    definition), in fp64: within fp32's accumulation bound gamma_{k+2} sum|x||w| (each weight
+    rounded once as the format defines it, then summed); dequantize_gguf's rows equal the
+    oracle's bit for bit."""
     import numpy as np
     from gguf import GGMLQuantizationType, quants
     qtype = GGMLQuantizationType[kind]
-    n, k = 37, 576  # n not a multiple of the kernel's 4 rows; k 18 blocks
+    n, k = 37, 576 if kind[-1] != "K" else 768  # n not a multiple of the kernel's 4 rows; k 18 blocks, or 3 super-blocks
     g = torch.Generator().manual_seed(rows)
-    w = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)).numpy()
-    w[3] = 0.0  # an all-zero row: scale 0
-    blocks = quants.quantize(w, qtype)
+    if kind[-1] == "K":
+        blocks = k_quant_blocks(kind, n, k, g)
+    else:
+        w = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)).numpy()
+        w[3] = 0.0  # an all-zero row: scale 0
+        blocks = quants.quantize(w, qtype)
     exact = torch.from_numpy(quants.dequantize(blocks, qtype).astype(np.float64))
     raw = torch.from_numpy(np.ascontiguousarray(blocks)).view(torch.uint8)
     x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
@@ -217,7 +221,7 @@ def test_gguf_blocks_of_the_wrong_shape_or_type_are_refused():
     raw = torch.zeros(4, 20, dtype=torch.uint8)  # 4 rows of one Q4_1 block
     out = torch.empty(1, 4)
     torch.ops.vkv.linear_gguf(torch.zeros(1, 32), raw, 3, None, out)
-    for x, kind, message in ((torch.zeros(1, 64), 3, "blocks of its type"), (torch.zeros(1, 32), 12, "GGUF type 12"),
+    for x, kind, message in ((torch.zeros(1, 64), 3, "blocks of its type"), (torch.zeros(1, 32), 13, "GGUF type 13"),
                              (torch.zeros(1, 32), 8, "blocks of its type")):
         with pytest.raises(RuntimeError, match=message):
             torch.ops.vkv.linear_gguf(x, raw, kind, None, out)

@@ -1,6 +1,7 @@
 """A GGUF file served as it is stored (quantization="gguf"): the bundled model's Q4_1 projections
 and Q8_0 embedding stay in their blocks, load as the same matrices transformers' loader gives,
-and the engine scores and generates as the dequantized checkpoint does."""
+and the engine scores and generates as the dequantized checkpoint does; a Q4_K_M file's Q4_K and
+Q6_K matrices stay in theirs."""
 import pytest
 import torch
 
@@ -8,7 +9,10 @@ import ext
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.models.gguf_weights import GgufWeight, read_gguf
+from engine.models.gguf_weights import unpermute_rows
+from engine.models.linear import Linear
 from engine.models.loader import bundled_gguf, checkpoint_dir, load_config, read_checkpoint
+from helpers import k_quant_blocks
 
 pytestmark = pytest.mark.skipif(ext.cpu_kernels() is None, reason=f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
 
@@ -25,6 +29,40 @@ def test_the_files_blocks_are_the_matrices_transformers_loads():
     for name, value in blocks.items():
         plain = value.dequantized() if isinstance(value, GgufWeight) else value
         assert torch.equal(plain, state[name]), name
+
+
+def test_a_files_k_quant_matrices_stay_in_their_blocks_and_multiply_as_the_format_defines(tmp_path):
+    """What a Q4_K_M file holds (the bundled model's rows are too short for k-quants: 576 is not a
+    multiple of 256): a Llama q projection at Q4_K and a v projection at Q6_K, written by gguf-py,
+    come back in their blocks, the q rows un-permuted whole; each Linear over them gives x W^T with
+    W gguf-py's dequantization (within fp32's accumulation bound)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+    g = torch.Generator().manual_seed(5)
+    q, v = k_quant_blocks("Q4_K", 16, 512, g), k_quant_blocks("Q6_K", 8, 512, g)
+    writer = GGUFWriter(tmp_path / "k.gguf", "llama")
+    writer.add_tensor("blk.0.attn_q.weight", q, raw_dtype=GGMLQuantizationType.Q4_K)
+    writer.add_tensor("blk.0.attn_v.weight", v, raw_dtype=GGMLQuantizationType.Q6_K)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    state = read_gguf(tmp_path / "k.gguf", num_heads=4, num_kv_heads=2)
+    for name, raw, kind, heads in (("q_proj", q, "Q4_K", 4), ("v_proj", v, "Q6_K", None)):
+        weight = state[f"model.layers.0.self_attn.{name}.weight"]
+        assert isinstance(weight, GgufWeight) and weight.type_name == kind and weight.k == 512
+        exact = quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
+        if heads:
+            exact = exact[unpermute_rows(len(exact), heads)]
+        assert torch.equal(weight.dequantized().double(), torch.from_numpy(exact))
+        linear = Linear(512, len(exact))
+        linear.hold_gguf(weight)
+        assert linear.pack().startswith(f"GGUF {kind} blocks, unpacked a super-block at a time")
+        x = torch.randn(3, 512, generator=g)
+        for rows in (x[:1], x):  # decode's one row, and a prefill's several
+            got, want = linear(rows).double(), rows.double() @ torch.from_numpy(exact).T
+            terms, u = 512 + 2, 2.0 ** -24
+            bound = terms * u / (1 - terms * u) * (rows.double().abs() @ torch.from_numpy(np.abs(exact)).T)
+            assert ((got - want).abs() <= bound).all(), kind
 
 
 def test_served_in_blocks_it_scores_and_generates_as_the_dequantized_model():
