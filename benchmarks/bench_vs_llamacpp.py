@@ -37,6 +37,11 @@ tokens: ext/cpu/greedy_pick.cpp's Note [An exact greedy pick from half the LM he
 streams fewer bytes a token than the model's file: its share of the bandwidth bound is taken over
 what it streams (`vkv_bytes_per_token`).
 
+`--dtypes gguf` runs both engines on the file as it is stored (Q4_1 projections, a Q8_0
+embedding that is also the LM head): vkv with `quantization="gguf"` (fp32 activations, the
+blocks unpacked to fp32; not vkv's default, which dequantizes the file), llama.cpp with its own
+kernels for those types (activations quantized to int8 per block of 32).
+
 `--isa avx2` measures both engines as an AVX2 CPU would run them, on a wider one: llama.cpp
 built again without its native flags (AVX2, FMA, F16C; no AVX-512) into its own cache folder,
 and vkv under VKV_CPU_ISA=avx2 (its AVX2 kernels, and the bf16 path of a CPU without native
@@ -73,7 +78,7 @@ CMAKE = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGM
          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
          "-DLLAMA_BUILD_APP=OFF", f"-DLLAMA_BUILD_NUMBER={VERSION.split('.')[0]}", "-DCMAKE_INSTALL_RPATH=$ORIGIN",
          "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON"]
-DTYPES = {"float32": "F32", "bfloat16": "BF16"}
+DTYPES = {"float32": "F32", "bfloat16": "BF16", "gguf": None}  # gguf: the file as stored, in both engines
 # --isa avx2: llama.cpp's x86 options for an AVX2 CPU (GGML_NATIVE off: nothing else is switched on)
 AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
               "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
@@ -115,8 +120,11 @@ def llamacpp(root: Path, isa: str = "native") -> Path:
     return bin_dir
 
 
-def converted(bin_dir: Path, root: Path, kind: str) -> Path:
-    """The bundled GGUF written as `kind` (F32, BF16) by llama.cpp's own llama-quantize."""
+def converted(bin_dir: Path, root: Path, kind: str | None) -> Path:
+    """The bundled GGUF written as `kind` (F32, BF16) by llama.cpp's own llama-quantize; None:
+    the file itself (Q4_1 projections, a Q8_0 embedding)."""
+    if kind is None:
+        return bundled_gguf()
     out = root / "models" / f"{bundled_gguf().stem}.{kind.lower()}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -171,8 +179,10 @@ def main(argv: list[str] | None = None) -> dict:
         shapes = [(p, s) for p in prompts for s in seqs]
         # prefix caching off: every repeat computes its prompts again, as llama-batched-bench does (the
         # prompts of a shape are the same in every repeat)
-        with LLM(kv_cache_memory=3 << 29, dtype=dtype, max_num_seqs=max(seqs), max_model_len=1024,
-                 enable_prefix_caching=False, num_scheduler_steps=args.num_scheduler_steps) as llm:
+        stored = DTYPES[dtype] is None  # vkv serves the file's blocks (quantization="gguf"), fp32 activations
+        with LLM(model=str(model) if stored else None, quantization="gguf" if stored else None,
+                 kv_cache_memory=3 << 29, dtype="float32" if stored else dtype, max_num_seqs=max(seqs),
+                 max_model_len=1024, enable_prefix_caching=False, num_scheduler_steps=args.num_scheduler_steps) as llm:
             vkv_run(llm, 16, 8, 2)  # first-call costs, untimed
             path = llm.engine.model.gemm_path
             pick = llm.engine.model.lm_head.pick  # multi-step decode reads the LM head's half-size copy instead
@@ -210,7 +220,9 @@ def main(argv: list[str] | None = None) -> dict:
                                   + " ".join(f for f in cmake_flags(args.isa) if f.startswith("-DGGML_")
                                              and f != "-DGGML_CUDA=OFF"),
               "vkv_commit": _commit(), "vkv_num_scheduler_steps": args.num_scheduler_steps, "model": "bundled SmolLM2-135M-Instruct: Q4_1 weights widened to F32 / BF16 "
-              "(llama.cpp: llama-quantize; vkv: its own conversion)", "rows": rows}
+              "(llama.cpp: llama-quantize; vkv: its own conversion); dtype gguf: the file as stored in both "
+              "(vkv: quantization='gguf', fp32 activations; llama.cpp: its Q4_1 / Q8_0 kernels, int8 activations)",
+              "rows": rows}
     save(result, args.json_path, args.plot_path, plot)
     return result
 
