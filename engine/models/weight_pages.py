@@ -114,7 +114,7 @@ class WeightPages:
 
     def _map(self) -> None:
         """Every page, mapped: the copy of the weights that follows faults them in (faulting
-        them first with MADV_POPULATE_WRITE made a wake and update 1.3x slower on the host)."""
+        them in first costs more: design_choices.json, "wake_at_copy_floor")."""
         self.range.map_new(0, self.range.num_pages)
 
     def filled(self) -> None:

@@ -22,12 +22,12 @@ namespace vkv {
 // and Q6_K (what a Q4_K_M file holds) pack 256 weights a super-block (unpack_super below), each
 // unpacked into 1 KiB of L1 and read from there.
 // Implementation: linear_gguf splits W's rows among the threads. For one row of x (decode), each
-// weight row's blocks are unpacked in registers and multiplied with x there (row_dot: its kernel
-// time in the bundled model's decode 0.61x the unpack-to-memory path's, AVX2 EPYC). For more rows,
-// each thread takes 4 weight rows at a time, unpacks them into fp32 in its own buffer (in L1: 4 x K
-// floats), and multiplies every row of x with them (so a prefill of many rows unpacks each weight
-// once). dequantize_gguf writes whole rows (the token embedding's lookups). The AVX2 path unpacks 8
-// weights an instruction chain; the scalar one is its reference.
+// weight row's blocks are unpacked in registers and multiplied with x there (row_dot; measured in
+// benchmarks/results/cpu/design_choices.json, "gguf_row_dot"). For more rows, each thread takes 4
+// weight rows at a time, unpacks them into fp32 in its own buffer (4 x K floats), and multiplies
+// every row of x with them (so a prefill of many rows unpacks each weight once). dequantize_gguf
+// writes whole rows (the token embedding's lookups). The AVX2 path unpacks 8 weights an instruction
+// chain; the scalar one is its reference.
 // Limitations: the other k-quants (Q2_K, Q3_K, Q5_K) are not here (the loader dequantizes them),
 // and Q4_K / Q6_K unpack with plain loops the compiler vectorizes; the one-call decode step
 // (decode_step.cpp) reads panels only, so a quantized model decodes layer by layer; x is fp32, so
