@@ -46,7 +46,7 @@ behind it: the library cannot stop a kernel from reading past what is mapped.
 """
 from vmm.backend import Backend
 from vmm.cuda import CudaBackend, unavailable_reason as cuda_unavailable_reason
-from vmm.errors import (AlreadyMapped, BackendUnavailable, DoubleFree, InvariantViolation,
+from vmm.errors import (AlreadyMapped, BackendUnavailable, DoubleFree, InvariantViolation, NoMemory,
                         NotMapped, OutOfRange, PartialUnmap, PoolExhausted, ReservationReleased, UnmappedAccess,
                         VmmError)
 from vmm.attach import AttachedPool
@@ -74,4 +74,4 @@ def make_backend(name: str, page_size: int | None = None, device: int = 0, share
 __all__ = ["Backend", "HostBackend", "PrivateHostBackend", "CudaBackend", "cuda_unavailable_reason", "make_backend",
            "PageAllocator", "PagePool", "Pool", "Tenant", "PoolOwner", "AttachedPool", "PoolStats", "Reservation", "SharedPool", "PoolShare", "SlotStore", "SwapSpace", "VmmError", "BackendUnavailable",
            "PoolExhausted", "DoubleFree", "NotMapped", "AlreadyMapped", "OutOfRange",
-           "UnmappedAccess", "ReservationReleased", "InvariantViolation", "PartialUnmap"]
+           "UnmappedAccess", "ReservationReleased", "InvariantViolation", "PartialUnmap", "NoMemory"]

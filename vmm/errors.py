@@ -13,6 +13,11 @@ class PoolExhausted(VmmError):
     """The physical page pool has no free page left."""
 
 
+class NoMemory(VmmError):
+    """The system has no memory for a page a woken pool creates at its first use. Not
+    PoolExhausted: the pool has free ids, so waiting for room would wait forever."""
+
+
 class DoubleFree(VmmError):
     """A reference was dropped from a page that holds none."""
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from vmm.backend import Backend
-from vmm.errors import DoubleFree, InvariantViolation, OutOfRange, PoolExhausted
+from vmm.errors import DoubleFree, InvariantViolation, NoMemory, OutOfRange, PoolExhausted
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +111,7 @@ class PageAllocator:
             try:
                 for _ in range(n):
                     pages.append(self.alloc())
-            except BaseException:  # (a PagePool that cannot create a page after a wake)
+            except BaseException:  # (NoMemory: a PagePool that cannot create a page after a wake)
                 for page in pages:
                     self.drop(page)
                 raise
@@ -223,14 +223,16 @@ class PagePool(PageAllocator):
 
     def alloc(self) -> int:
         """Take a free page; the caller holds its one reference. A page not created since the
-        pool woke is created now (PoolExhausted if the system has no memory for it)."""
+        pool woke is created now (NoMemory if the system has none for it)."""
         with self.lock:
             page = super().alloc()
             if self.handles[page] is None:
                 try:
                     self.handles[page] = self.backend.create_page()
-                except BaseException:
+                except BaseException as exc:
                     super().drop(page)
+                    if isinstance(exc, PoolExhausted):  # (the host backend's word for a failed commit)
+                        raise NoMemory(f"cannot create page {page} of a woken pool: {exc}") from exc
                     raise
             return page
 

@@ -80,8 +80,15 @@ class Intake:
                         seq.request_id, len(seq), seq.num_computed_tokens)
             seq.num_computed_tokens = len(seq) - 1  # its logits sample the next token
         n = min(seq.num_pending_tokens, budget)
-        if not self.kv.ensure_mapped(seq, seq.num_computed_tokens + n):
-            self.kv.release(seq, keep_pages=False)
-            seq.num_computed_tokens = 0
-            return None
-        return n
+        try:  # (an error, not only a shortage, gives back what admit took: vmm.NoMemory after a wake)
+            if self.kv.ensure_mapped(seq, seq.num_computed_tokens + n):
+                return n
+        except BaseException:
+            self._unplace(seq)
+            raise
+        self._unplace(seq)
+        return None
+
+    def _unplace(self, seq: Sequence) -> None:
+        self.kv.release(seq, keep_pages=False)
+        seq.num_computed_tokens = 0

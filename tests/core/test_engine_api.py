@@ -247,6 +247,37 @@ def test_sleep_releases_the_kv_memory_and_wake_up_changes_nothing(kv_layout):
     assert_pool_whole(llm)
 
 
+@pytest.mark.parametrize("created", [0, 3])
+def test_a_page_the_system_cannot_give_after_a_wake_fails_the_request_clearly_and_leaks_nothing(monkeypatch, created):
+    """Pages come back at their first use after a wake (vmm.PagePool.restore_memory): when the
+    system has no memory for one (at admission: 0 created; mid-decode: 3), the request fails with
+    vmm.NoMemory at once (not a wait for room that would never come), nothing stays held, and
+    once memory is there again the engine answers as before."""
+    import vmm
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(model="random:tiny", kv_cache_memory=1 << 20, page_size=4096) as llm:
+        before = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        llm.sleep()
+        llm.wake_up()
+        backend, made = llm.engine.kv.pool.backend, []
+        create = backend.create_page
+
+        def short_of_memory():
+            if len(made) >= created:
+                raise vmm.PoolExhausted("cannot commit a host page: No space left on device")
+            made.append(1)
+            return create()
+
+        monkeypatch.setattr(backend, "create_page", short_of_memory)
+        with pytest.raises(vmm.NoMemory, match="No space left"):
+            llm.generate(["The capital of France is"], greedy, use_tqdm=False)
+        assert_pool_whole(llm)
+        assert not llm.engine.kv.handles
+        monkeypatch.setattr(backend, "create_page", create)
+        assert llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0].token_ids == before
+        assert_pool_whole(llm)
+
+
 def test_a_client_with_nothing_running_gets_a_seat_from_the_one_holding_them_all():
     """Client A's burst holds every seat; client B's one request runs within two steps (a
     sequence of A's is preempted, and recomputed later: A's outputs do not change)."""
