@@ -172,7 +172,7 @@ class ModelArgs:
     attention_backend: str | None = None  # one of ATTENTION_BACKENDS; default: best present
     enable_sleep_mode: bool = False  # weights in pages that sleep(level=2) gives back (engine/models/weight_pages.py)
     seed: int = 0  # a random:<preset> model's weights
-    quantization: str | None = None  # "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 weights kept in their blocks
+    quantization: str | None = None  # "gguf": a GGUF file's weights kept in their blocks (gguf_weights.TYPES)
 
     def __post_init__(self):
         self.check_model()
@@ -449,7 +449,7 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
         g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--quantization", default=None, choices=["gguf"],
-                       help="gguf: keep a .gguf model's Q8_0 / Q4_0 / Q4_1 weights in their blocks (CPU; "
+                       help="gguf: keep a .gguf model's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights in their blocks (CPU; "
                             "default: dequantized once to the dtype)")
         g.add_argument("--enable-sleep-mode", action="store_true", help="keep the weights in pages that "
                        "sleep level 2 gives back (RL loops; costs start time: off by default)")

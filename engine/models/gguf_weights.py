@@ -53,7 +53,8 @@ NAMES = [  # the file's name -> the Hugging Face name
 
 @dataclass
 class GgufWeight:
-    """A matrix [n, k] in a GGUF file's blocks: `rows` uint8 [n, k / 32 * block bytes], `type` ggml's id."""
+    """A matrix [n, k] in a GGUF file's blocks: `rows` uint8 [n, k / block weights * block bytes],
+    `type` ggml's id (one of TYPES)."""
     rows: torch.Tensor
     type: int
     k: int

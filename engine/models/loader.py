@@ -158,7 +158,7 @@ def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: 
     """The model on device in dtype (computing in compute_dtype, default dtype); with tp =
     (rank, world), rank's tensor-parallel share; with sleep_mode, its weights in pages that can
     be given back (engine/models/weight_pages.py); greedy_pick: see LlamaForCausalLM.prepare;
-    quantization "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 weights kept in their blocks
+    quantization "gguf": a GGUF file's weights of the types in gguf_weights.TYPES kept in their blocks
     (engine/models/gguf_weights.py)."""
     path = checkpoint_dir(spec)
     if quantization == "gguf":

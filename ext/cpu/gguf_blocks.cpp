@@ -109,6 +109,48 @@ void unpack_super(const uint8_t* block, int64_t type, float* out) {
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+template <int64_t kType>
+constexpr int64_t kBytes = kType == kQ8_0 ? 34 : kType == kQ4_1 ? 20 : 18;
+
+// A 32-weight block's weights as 4 x 8 lanes: d * q (exact), or d * q + c in one rounding.
+template <int64_t kType>
+VKV_INLINE void block_lanes(const uint8_t* block, __m256 w[4]) {
+  const __m256 vd = _mm256_set1_ps(half_at(block));
+  if constexpr (kType == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+    for (int j = 0; j < 4; ++j) {
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j));
+      w[j] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
+    }
+  } else {  // q's low nibbles are weights 0-15, its high ones 16-31
+    const __m256 vc = _mm256_set1_ps(kType == kQ4_1 ? half_at(block + 2) : -8.0f * half_at(block));
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (kType == kQ4_1 ? 4 : 2)));
+    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+    const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), vc);
+  }
+}
+
+template <int64_t kType>
+void unpack_blocks(const uint8_t* row, int64_t K, float* out) {
+  __m256 w[4];
+  for (int64_t b = 0; b < K / kBlock; ++b, row += kBytes<kType>, out += kBlock) {
+    block_lanes<kType>(row, w);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + 8 * j, w[j]);
+  }
+}
+
+// The sum of 8 lanes: halves, then pairs, then the last two.
+VKV_INLINE float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 // One row of K weights from `row` (K / 32 blocks, or K / 256 super-blocks), as fp32 into out.
 void unpack_row(const uint8_t* row, int64_t type, int64_t K, float* out) {
   const int64_t bytes = block_bytes(type);
@@ -116,40 +158,26 @@ void unpack_row(const uint8_t* row, int64_t type, int64_t K, float* out) {
     for (int64_t b = 0; b < K / kSuper; ++b) unpack_super(row + b * bytes, type, out + b * kSuper);
     return;
   }
+#if defined(__AVX2__) && defined(__FMA__)
+  if (type == kQ8_0) return unpack_blocks<kQ8_0>(row, K, out);
+  if (type == kQ4_1) return unpack_blocks<kQ4_1>(row, K, out);
+  return unpack_blocks<kQ4_0>(row, K, out);
+#else
   for (int64_t b = 0; b < K / kBlock; ++b, row += bytes, out += kBlock) {
     const float d = half_at(row);
     if (type == kQ8_0) {
       const int8_t* q = reinterpret_cast<const int8_t*>(row + 2);
-#if defined(__AVX2__)
-      const __m256 vd = _mm256_set1_ps(d);
-      for (int j = 0; j < kBlock; j += 8) {
-        const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j));
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8))));
-      }
-#else
       for (int j = 0; j < kBlock; ++j) out[j] = d * static_cast<float>(q[j]);
-#endif
       continue;
     }
     const float c = type == kQ4_1 ? half_at(row + 2) : -8.0f * d;  // w = d * q + c
     const uint8_t* q = row + (type == kQ4_1 ? 4 : 2);
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
-    const __m256 vd = _mm256_set1_ps(d), vc = _mm256_set1_ps(c);
-    const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
-    for (int j = 0; j < 4; ++j) {
-      const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
-      _mm256_storeu_ps(out + 8 * j, _mm256_fmadd_ps(vd, v, vc));
-    }
-#else
     for (int j = 0; j < 16; ++j) {
       out[j] = std::fma(d, static_cast<float>(q[j] & 0x0F), c);
       out[j + 16] = std::fma(d, static_cast<float>(q[j] >> 4), c);
     }
-#endif
   }
+#endif
 }
 
 // sum over k of a[k] b[k], in fp32 (8 lanes, then their sum, on AVX2).
@@ -161,11 +189,7 @@ VKV_INLINE float dot(const float* a, const float* b, int64_t K) {
     acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc0);
     acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), acc1);
   }
-  const __m256 acc = _mm256_add_ps(acc0, acc1);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  float total = _mm_cvtss_f32(s);
+  float total = sum8(_mm256_add_ps(acc0, acc1));
   for (; k < K; ++k) total = std::fma(a[k], b[k], total);
   return total;
 #else
@@ -182,34 +206,13 @@ VKV_INLINE float dot(const float* a, const float* b, int64_t K) {
 // each 8-lane group of a block summed in its own accumulator (four independent chains).
 template <int64_t kType>
 float row_dot(const uint8_t* row, int64_t K, const float* x) {
-  constexpr int64_t bytes = kType == kQ8_0 ? 34 : kType == kQ4_1 ? 20 : 18;
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t b = 0; b < K / kBlock; ++b, row += bytes, x += kBlock) {
-    const __m256 vd = _mm256_set1_ps(half_at(row));
-    if constexpr (kType == kQ8_0) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(row + 2);
-      for (int j = 0; j < 4; ++j) {
-        const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j));
-        const __m256 w = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
-        acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 8 * j), acc[j]);
-      }
-    } else {
-      const __m256 vc = _mm256_set1_ps(kType == kQ4_1 ? half_at(row + 2) : -8.0f * half_at(row));
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (kType == kQ4_1 ? 4 : 2)));
-      const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
-      const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
-      const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
-      for (int j = 0; j < 4; ++j) {
-        const __m256 w = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), vc);
-        acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 8 * j), acc[j]);
-      }
-    }
+  __m256 w[4];
+  for (int64_t b = 0; b < K / kBlock; ++b, row += kBytes<kType>, x += kBlock) {
+    block_lanes<kType>(row, w);
+    for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + 8 * j), acc[j]);
   }
-  const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  return sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
 template <int64_t kType>
