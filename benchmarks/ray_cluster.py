@@ -64,13 +64,15 @@ class LocalRayCluster:
         return mine - {os.getpid()}
 
     def stop(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        """TERM, then KILL what is left after 2 s (a throwaway cluster: some of Ray's processes
+        outlive a TERM by 10 s and more, and nothing of this one is kept)."""
+        for sig, grace in ((signal.SIGTERM, 2), (signal.SIGKILL, 10)):
             for pid in self._pids():
                 try:
                     os.kill(pid, sig)
                 except OSError:
                     pass
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + grace
             while self._pids() and time.monotonic() < deadline:
                 time.sleep(0.2)
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -265,7 +265,7 @@ os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, before any 
 import torch
 from engine import LLM, SamplingParams
 llm = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=1, num_scheduler_steps=8)
-params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 runs = {}
 for threads in (1, 2, 1, 2):
     torch.set_num_threads(threads)
