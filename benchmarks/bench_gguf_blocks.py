@@ -1,19 +1,26 @@
 """A GGUF served in its blocks (quantization="gguf") against the same file dequantized (the
-default): resident memory, single-stream decode, and how far the two score one text apart.
+default): resident memory, single-stream decode, and held-out perplexity.
 
     python benchmarks/bench_gguf_blocks.py --repeats 3 --json benchmarks/results/cpu/gguf_blocks.json --plot benchmarks/results/cpu/gguf_blocks.png
 
-Each configuration runs in a process of its own, alternating, `--repeats` times: the process's
-resident memory (VmRSS) once the engine is built, minus the same process's before the engine
-(Python, torch and the engine's modules), and the decode rate of one greedy stream of
-`--tokens` tokens after a 4-token prompt (wall time of `generate`, prefill included). Defaults
-otherwise (fp32, one step a native call, prefix caching on). The model is the bundled
-SmolLM2-135M-Instruct Q4_1 GGUF unless --model names another .gguf file.
+Configurations: "gguf" (blocks; x quantized to int8 blocks and summed in integers for Q8_0 / Q4_0
+/ Q4_1 weights, as llama.cpp computes), "gguf-fp32-x" (blocks, x kept in fp32: every weight as
+the format defines it, each product in fp32; not an option of the engine, the benchmark sets
+GgufWeight.quantizes_x), and "plain" (the file dequantized to fp32, the default). Each runs in a
+process of its own, alternating, `--repeats` times: the process's resident memory (VmRSS) once
+the engine is built, minus the same process's before the engine (Python, torch and the engine's
+modules), and the decode rate of one greedy stream of `--tokens` tokens after a 4-token prompt
+(wall time of `generate`, prefill included). Perplexity (once per configuration: it is
+deterministic) over `--texts` held-out texts: first replies of ShareGPT conversations from the
+dataset's end, up to 511 tokens each (prompt_logprobs, every token after the first). Defaults
+otherwise (fp32, prefix caching on). The model is the bundled SmolLM2-135M-Instruct Q4_1 GGUF
+unless --model names another .gguf file.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -24,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, save  # noqa: E402
 
-TEXT = "The capital of France is Paris. It is known for the Eiffel Tower and"
+CONFIGS = {"gguf": ("gguf", True), "gguf-fp32-x": ("gguf", False), "plain": (None, None)}
 
 
 def rss_mib() -> float:
@@ -32,8 +39,18 @@ def rss_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-def child(model: str | None, quantization: str | None, tokens: int) -> dict:
+def held_out(tokenizer, count: int) -> list[list[int]]:
+    from sharegpt import load_conversations
+    replies = [tokenizer.encode(reply)[:511] for _, reply in load_conversations()[-4 * count:]]
+    return [r for r in replies if len(r) >= 64][:count]
+
+
+def child(model: str | None, config: str, tokens: int, texts: int) -> dict:
     from engine import LLM, SamplingParams
+    from engine.models.gguf_weights import GgufWeight
+    quantization, quantizes_x = CONFIGS[config]
+    if quantizes_x is False:  # every weight as the format defines it, x in fp32
+        GgufWeight.quantizes_x = property(lambda self: False)
     before = rss_mib()
     llm = LLM(model=model, quantization=quantization, kv_cache_memory=32 << 20, max_model_len=512)
     built = rss_mib()
@@ -41,10 +58,14 @@ def child(model: str | None, quantization: str | None, tokens: int) -> dict:
     start = time.perf_counter()
     out = llm.generate([[1, 504, 3458, 314]], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
     seconds = time.perf_counter() - start
-    scored = llm.generate([TEXT], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
-    logprobs = [lp[t].logprob for t, lp in zip(scored.prompt_token_ids[1:], scored.prompt_logprobs[1:])]
-    return {"weights_and_engine_mib": built - before, "decode_tok_per_s": len(out[0].outputs[0].token_ids) / seconds,
-            "gemm": llm.stats().platform["gemm"], "logprobs": logprobs}
+    row = {"weights_and_engine_mib": built - before, "decode_tok_per_s": len(out[0].outputs[0].token_ids) / seconds,
+           "gemm": llm.stats().platform["gemm"]}
+    if texts:
+        scored = llm.generate(held_out(llm.tokenizer, texts), SamplingParams(max_tokens=1, prompt_logprobs=0),
+                              use_tqdm=False)
+        logprobs = [r[t].logprob for o in scored for t, r in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
+        row |= {"perplexity": math.exp(-sum(logprobs) / len(logprobs)), "scored_tokens": len(logprobs)}
+    return row
 
 
 def main() -> None:
@@ -54,15 +75,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json")
     p.add_argument("--plot")
-    p.add_argument("--child", choices=["gguf", "plain"], help=argparse.SUPPRESS)
+    p.add_argument("--texts", type=int, default=16, help="held-out texts for perplexity")
+    p.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.model, "gguf" if args.child == "gguf" else None, args.tokens)))
+        print(json.dumps(child(args.model, args.child, args.tokens, args.texts)))
         return
-    runs = {"gguf": [], "plain": []}
-    for _ in range(args.repeats):
+    runs = {kind: [] for kind in CONFIGS}
+    for repeat in range(args.repeats):
         for kind in runs:
-            argv = [sys.executable, __file__, "--child", kind, "--tokens", str(args.tokens)]
+            argv = [sys.executable, __file__, "--child", kind, "--tokens", str(args.tokens),
+                    "--texts", str(args.texts if repeat == 0 else 0)]
             if args.model:
                 argv += ["--model", args.model]
             done = subprocess.run(argv, capture_output=True, text=True, check=True)
@@ -74,19 +97,25 @@ def main() -> None:
                          "decode_tok_per_s_range": [min(r["decode_tok_per_s"] for r in rs),
                                                     max(r["decode_tok_per_s"] for r in rs)],
                          "gemm": rs[0]["gemm"]}
-    a, b = runs["gguf"][0]["logprobs"], runs["plain"][0]["logprobs"]
+        if "perplexity" in rs[0]:
+            summary[kind] |= {"perplexity": rs[0]["perplexity"], "scored_tokens": rs[0]["scored_tokens"]}
     from engine.models.loader import bundled_gguf
     path = args.model or str(bundled_gguf())
+    ppl = {kind: summary[kind].get("perplexity") for kind in CONFIGS}
     result = {"benchmark": "gguf_blocks", "machine": machine_info(), "command": " ".join(["python"] + sys.argv),
               "model": os.path.basename(path), "file_mib": os.path.getsize(path) / 2 ** 20,
-              "settings": {"tokens": args.tokens, "repeats": args.repeats, "dtype": "float32",
-                           "note": "defaults otherwise; each configuration in its own process, alternating"},
+              "settings": {"tokens": args.tokens, "repeats": args.repeats, "dtype": "float32", "texts": args.texts,
+                           "note": "defaults otherwise; each configuration in its own process, alternating; "
+                                   "gguf-fp32-x is not an engine option (the benchmark sets it)"},
               "summary": summary,
               "memory_ratio_plain_over_gguf": summary["plain"]["weights_and_engine_mib"]
               / summary["gguf"]["weights_and_engine_mib"],
               "decode_ratio_gguf_over_plain": summary["gguf"]["decode_tok_per_s"] / summary["plain"]["decode_tok_per_s"],
-              "max_logprob_difference": max(abs(x - y) for x, y in zip(a, b)),
-              "runs": {k: [{kk: vv for kk, vv in r.items() if kk != "logprobs"} for r in rs] for k, rs in runs.items()}}
+              "decode_ratio_gguf_over_fp32_x": summary["gguf"]["decode_tok_per_s"]
+              / summary["gguf-fp32-x"]["decode_tok_per_s"],
+              "perplexity_ratio_gguf_over_plain": ppl["gguf"] / ppl["plain"] if args.texts else None,
+              "perplexity_ratio_fp32_x_over_plain": ppl["gguf-fp32-x"] / ppl["plain"] if args.texts else None,
+              "runs": runs}
     print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "runs")}, indent=1))
     save(result, args.json, args.plot, plot)
 
@@ -96,13 +125,20 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     s = result["summary"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    names = ["GGUF blocks", "dequantized (fp32)"]
-    left.bar(names, [s["gguf"]["weights_and_engine_mib"], s["plain"]["weights_and_engine_mib"]], color=["C0", "C1"])
+    kinds = list(s)
+    names = {"gguf": "GGUF blocks\n(int8 x)", "gguf-fp32-x": "GGUF blocks\n(fp32 x)", "plain": "dequantized\n(fp32)"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    left.bar([names[k] for k in kinds], [s[k]["weights_and_engine_mib"] for k in kinds], color=["C0", "C2", "C1"])
     left.axhline(result["file_mib"], color="k", ls="--", lw=1, label="the file")
     left.set_ylabel("MiB resident (engine built)")
     left.legend()
-    right.bar(names, [s["gguf"]["decode_tok_per_s"], s["plain"]["decode_tok_per_s"]], color=["C0", "C1"])
+    rates = [s[k]["decode_tok_per_s"] for k in kinds]
+    spread = [[r - s[k]["decode_tok_per_s_range"][0] for r, k in zip(rates, kinds)],
+              [s[k]["decode_tok_per_s_range"][1] - r for r, k in zip(rates, kinds)]]
+    right.bar([names[k] for k in kinds], rates, yerr=spread, capsize=4, color=["C0", "C2", "C1"])
+    for i, k in enumerate(kinds):
+        if s[k].get("perplexity"):
+            right.text(i, rates[i] / 2, f"ppl {s[k]['perplexity']:.3f}", ha="center", color="white")
     right.set_ylabel("decode tok/s (single stream)")
     fig.suptitle(f"{result['model']}, {result['machine'].get('cpu_model', '')}, median of {result['settings']['repeats']}")
     fig.tight_layout()

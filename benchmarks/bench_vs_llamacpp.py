@@ -38,9 +38,9 @@ streams fewer bytes a token than the model's file: its share of the bandwidth bo
 what it streams (`vkv_bytes_per_token`).
 
 `--dtypes gguf` runs both engines on the file as it is stored (Q4_1 projections, a Q8_0
-embedding that is also the LM head): vkv with `quantization="gguf"` (fp32 activations, the
-blocks unpacked to fp32; not vkv's default, which dequantizes the file), llama.cpp with its own
-kernels for those types (activations quantized to int8 per block of 32).
+embedding that is also the LM head): vkv with `quantization="gguf"` (not vkv's default, which
+dequantizes the file), llama.cpp with its own kernels for those types; both quantize activations
+to int8 per block of 32 and sum the products in integers.
 
 `--isa avx2` measures both engines as an AVX2 CPU would run them, on a wider one: llama.cpp
 built again without its native flags (AVX2, FMA, F16C; no AVX-512) into its own cache folder,
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
         shapes = [(p, s) for p in prompts for s in seqs]
         # prefix caching off: every repeat computes its prompts again, as llama-batched-bench does (the
         # prompts of a shape are the same in every repeat)
-        stored = DTYPES[dtype] is None  # vkv serves the file's blocks (quantization="gguf"), fp32 activations
+        stored = DTYPES[dtype] is None  # vkv serves the file's blocks (quantization="gguf")
         with LLM(model=str(model) if stored else None, quantization="gguf" if stored else None,
                  kv_cache_memory=3 << 29, dtype="float32" if stored else dtype, max_num_seqs=max(seqs),
                  max_model_len=1024, enable_prefix_caching=False, num_scheduler_steps=args.num_scheduler_steps) as llm:
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
                                              and f != "-DGGML_CUDA=OFF"),
               "vkv_commit": _commit(), "vkv_num_scheduler_steps": args.num_scheduler_steps, "model": "bundled SmolLM2-135M-Instruct: Q4_1 weights widened to F32 / BF16 "
               "(llama.cpp: llama-quantize; vkv: its own conversion); dtype gguf: the file as stored in both "
-              "(vkv: quantization='gguf', fp32 activations; llama.cpp: its Q4_1 / Q8_0 kernels, int8 activations)",
+              "(vkv: quantization='gguf'; llama.cpp: its Q4_1 / Q8_0 kernels; both with int8 activations)",
               "rows": rows}
     save(result, args.json_path, args.plot_path, plot)
     return result

@@ -4,7 +4,9 @@ Rationale. Served through the dequantized checkpoint (loader.py), a GGUF at Q4_1
 6.4x its bytes in memory, and every decode step reads 6.4x what the file holds. With
 `quantization="gguf"` (vLLM's name for serving a GGUF file) the projections and the token
 embedding keep the file's blocks, and the native kernels unpack them in registers
-(ext/cpu/gguf_blocks.cpp, Note [GGUF weights as they are stored]).
+(ext/cpu/gguf_blocks.cpp, Note [GGUF weights as they are stored]); against Q8_0, Q4_0 and Q4_1
+blocks, x is rounded to int8 blocks and the products summed in integers, as llama.cpp computes
+(`GgufWeight.quantizes_x`).
 
 Approach. `read_gguf` maps the file's tensor names to the Hugging Face names the model loads,
 keeps each Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrix as a `GgufWeight` (its rows' bytes, uint8
@@ -62,6 +64,12 @@ class GgufWeight:
     @property
     def type_name(self) -> str:
         return TYPES[self.type]
+
+    @property
+    def quantizes_x(self) -> bool:
+        """Whether x meets it as int8 blocks with integer sums (llama.cpp's arithmetic for the
+        32-weight blocks: ext/cpu/gguf_blocks.cpp, XBlocks); the k-quants multiply in fp32."""
+        return self.type_name in ("Q8_0", "Q4_0", "Q4_1")
 
     def dequantized(self) -> torch.Tensor:
         """[n, k] fp32, as gguf-py's `dequantize` gives it (the format's definition)."""

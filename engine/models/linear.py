@@ -70,7 +70,8 @@ class Linear(nn.Module):
         taken (a refusal by oneDNN falls back to F.linear, with its reason)."""
         if self.gguf is not None:
             where = "a super-block at a time" if self.gguf.type_name.endswith("_K") else "in registers"
-            return f"GGUF {self.gguf.type_name} blocks, unpacked {where} (float32 arithmetic)"
+            how = "int8 activations, integer sums" if self.gguf.quantizes_x else "float32 arithmetic"
+            return f"GGUF {self.gguf.type_name} blocks, unpacked {where} ({how})"
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return "torch F.linear"
@@ -183,7 +184,7 @@ class Linear(nn.Module):
             rows = x.reshape(-1, self.in_features).float().contiguous()
             out = rows.new_empty(rows.shape[0], self.out_features)
             bias = None if self.bias is None else self.bias.float()
-            torch.ops.vkv.linear_gguf(rows, self.gguf.rows, self.gguf.type, bias, out)
+            torch.ops.vkv.linear_gguf(rows, self.gguf.rows, self.gguf.type, bias, out, self.gguf.quantizes_x)
             return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.panels is not None and (self.packed is None or x.numel() <= FEW_ROWS * x.shape[-1]):
             rows = x.reshape(-1, self.panels.shape[1]).float().contiguous()  # (fp32 arithmetic)

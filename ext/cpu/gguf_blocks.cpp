@@ -4,6 +4,7 @@
 
 #include <c10/util/Half.h>
 
+#include <limits>
 #include <vector>
 
 namespace vkv {
@@ -18,22 +19,28 @@ namespace vkv {
 //   Q4_0  {fp16 d; uint8 q[16]}         w = d * (q - 8), q's low nibbles then its high ones
 //   Q4_1  {fp16 d, m; uint8 q[16]}      w = d * q + m
 // (ggml's block_q8_0, block_q4_0, block_q4_1; gguf-py's `dequantize` is the tests' oracle), each
-// weight rounded once (d * q is exact; d * q + c one FMA), then multiplied with x in fp32. Q4_K
+// weight rounded once (d * q is exact; d * q + c one FMA) where it is unpacked to fp32; served,
+// these three meet x rounded to int8 and sum in integers (below), as llama.cpp computes. Q4_K
 // and Q6_K (what a Q4_K_M file holds) pack 256 weights a super-block (unpack_super below), each
 // unpacked into 1 KiB of L1 and read from there.
-// Implementation: linear_gguf splits W's rows among the threads. For one row of x (decode), each
-// weight row's blocks are unpacked in registers and multiplied with x there (row_dot; measured in
-// benchmarks/results/cpu/design_choices.json, "gguf_row_dot"). For more rows, each thread takes 4
-// weight rows at a time, unpacks them into fp32 in its own buffer (4 x K floats), and multiplies
-// every row of x with them (so a prefill of many rows unpacks each weight once). dequantize_gguf
-// writes whole rows (the token embedding's lookups). The AVX2 path unpacks 8 weights an instruction
-// chain; the scalar one is its reference.
+// Implementation: linear_gguf splits W's rows among the threads. With quantize_x (what Linear asks
+// for Q8_0, Q4_0 and Q4_1 weights), each row of x is first rounded to int8 blocks of 32 with a
+// scale (XBlocks: ggml's Q8_1, as llama.cpp's CPU backend quantizes activations), and each block's
+// products are summed in integers (maddubs: 32 products in two instructions instead of a fp32
+// unpack and four FMAs); four weight rows at a time share each block of x (rows4_q8). The error
+// this adds is rounding x, half its block's step times |w|: the tests' bound. Every row of x is
+// computed alone, so a sequence's output does not depend on its batch. Without quantize_x (the
+// k-quants, and the fp32 reference): for one row of x, each weight row's blocks are unpacked in
+// registers and multiplied with x there (row_dot); for more rows, each thread takes 4 weight rows
+// at a time, unpacks them into fp32 in its own buffer (4 x K floats), and multiplies every row of
+// x with them. dequantize_gguf writes whole rows (the token embedding's lookups). The AVX2 paths
+// are the fast ones; the scalar ones are their reference (x rounded alike: nearest, ties to even).
+// Measured in benchmarks/results/cpu/design_choices.json ("gguf_row_dot") and gguf_blocks.json.
 // Limitations: the other k-quants (Q2_K, Q3_K, Q5_K) are not here (the loader dequantizes them),
-// and Q4_K / Q6_K unpack with plain loops the compiler vectorizes; the one-call decode step
-// (decode_step.cpp) reads panels only, so a quantized model decodes layer by layer; x is fp32, so
-// each weight costs two fp32 FMAs (on a Zen 1 core, whose 256-bit operations are two halves, that
-// bounds decode well below the quantized bytes' bandwidth; llama.cpp quantizes x to int8 and sums
-// in integers).
+// and Q4_K / Q6_K unpack with plain loops the compiler vectorizes and multiply in fp32 (llama.cpp
+// quantizes x to Q8_K for them); no VNNI or AMX int8 path yet (AVX2's maddubs on every x86 CPU
+// with AVX2); the one-call decode step (decode_step.cpp) reads panels only, so a quantized model
+// decodes layer by layer.
 
 enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // ggml's type ids
 constexpr int64_t kBlock = 32, kSuper = 256;  // weights a block holds; a k-quant's super-block
@@ -223,6 +230,160 @@ void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const f
 }
 #endif
 
+// Rows of x as int8 blocks of 32, ggml's Q8_1 for activations: d = max|x| / 127, q = x / d rounded
+// to the nearest (ties to even), s = d * sum(q). A block with a NaN or an infinity gets d = NaN, so
+// every output it touches is NaN, as the fp32 path's would be non-finite. The AVX2 and scalar
+// paths compute the same q, d and s bit for bit (max and the one product x * (1 / d) are exact or
+// rounded once alike).
+struct XBlocks {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+void quantize_rows(const float* x, int64_t M, int64_t K, XBlocks& out) {
+  const int64_t blocks = K / kBlock;
+  out.q.resize(M * K);
+  out.d.resize(M * blocks);
+  out.s.resize(M * blocks);
+  at::parallel_for(0, M * blocks, 256, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      const float* v = x + b * kBlock;
+      int8_t* q = out.q.data() + b * kBlock;
+      float amax = 0.0f;
+      bool finite = true;
+      for (int j = 0; j < kBlock; ++j) {
+        finite &= std::isfinite(v[j]);
+        amax = std::max(amax, std::fabs(v[j]));
+      }
+      if (!finite) {
+        std::fill(q, q + kBlock, 0);
+        out.d[b] = out.s[b] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      int32_t sum = 0;
+#if defined(__AVX2__)
+      const __m256 vid = _mm256_set1_ps(id);
+      __m256i i32[4];
+      for (int j = 0; j < 4; ++j) i32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), vid));
+      const __m256i i16 = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
+      const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16, i16b),
+                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), i8);
+      for (int j = 0; j < kBlock; ++j) sum += q[j];
+#else
+      for (int j = 0; j < kBlock; ++j) {
+        q[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
+        sum += q[j];
+      }
+#endif
+      out.d[b] = d;
+      out.s[b] = d * static_cast<float>(sum);
+    }
+  });
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// A block's 32 weights as bytes in x's order: Q4's nibbles u (w = d * u + c), Q8_0's q (w = d * q).
+template <int64_t kType>
+VKV_INLINE __m256i block_bytes_of(const uint8_t* block) {
+  if constexpr (kType == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+  } else {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (kType == kQ4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask));
+  }
+}
+
+// sum_j w_j q_j over a block, as 8 int32 lanes: u8 x s8 pairs (maddubs; at most 2 x 15 x 127, or
+// 2 x 128 x 127 for Q8_0 through |w| and q's sign, no saturation), then pairs of those.
+template <int64_t kType>
+VKV_INLINE __m256i block_isums(const uint8_t* block, __m256i x) {
+  const __m256i w = block_bytes_of<kType>(block);
+  const __m256i pairs = kType == kQ8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+                                       : _mm256_maddubs_epi16(w, x);
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+#endif
+
+// Four weight rows' dot products with one row of x in XBlocks: per block, d_w d_x sum(u q) + c_w s_x
+// (c_w = m for Q4_1, -8 d_w for Q4_0, 0 for Q8_0). The integer sums are exact, each block's scale
+// product rounded once, the terms summed in fp32. Four rows at a time load each block of x once
+// and keep eight independent chains of sums (a row alone would wait on its sums' latency).
+template <int64_t kType>
+void rows4_q8(const uint8_t* const row[4], int64_t K, const int8_t* q, const float* d, const float* s, float out[4]) {
+  const int64_t blocks = K / kBlock;
+  float c_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t b = 0; b < blocks; ++b, q += kBlock) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    for (int r = 0; r < 4; ++r) {
+      const uint8_t* block = row[r] + b * kBytes<kType>;
+      const float dw = half_at(block);
+      const __m256 sums = _mm256_cvtepi32_ps(block_isums<kType>(block, x));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[b]), sums, acc[r]);
+      if constexpr (kType != kQ8_0)
+        c_sum[r] = std::fma(kType == kQ4_1 ? half_at(block + 2) : -8.0f * dw, s[b], c_sum[r]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) out[r] = sum8(acc[r]) + c_sum[r];
+#else
+  const int64_t bytes = block_bytes(kType);
+  for (int r = 0; r < 4; ++r) {
+    float total = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = row[r] + b * bytes;
+      const int8_t* x = q + b * kBlock;
+      const float dw = half_at(block);
+      int32_t isum = 0;
+      if (kType == kQ8_0) {
+        const int8_t* w = reinterpret_cast<const int8_t*>(block + 2);
+        for (int j = 0; j < kBlock; ++j) isum += w[j] * x[j];
+      } else {
+        const uint8_t* u = block + (kType == kQ4_1 ? 4 : 2);
+        for (int j = 0; j < 16; ++j) isum += (u[j] & 0x0F) * x[j] + (u[j] >> 4) * x[j + 16];
+      }
+      total = std::fma(dw * d[b], static_cast<float>(isum), total);
+      if (kType != kQ8_0) c_sum[r] = std::fma(kType == kQ4_1 ? half_at(block + 2) : -8.0f * dw, s[b], c_sum[r]);
+    }
+    out[r] = total + c_sum[r];
+  }
+#endif
+}
+
+template <int64_t kType>
+void rows_dot_q8(const XBlocks& xq, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N,
+                 const float* bias, float* out) {
+  constexpr int64_t kRows = 4;  // weight rows a task takes, read from L1 for every row of x after the first
+  const int64_t blocks = K / kBlock;
+  at::parallel_for(0, (N + kRows - 1) / kRows, M == 1 ? 4 : 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo * kRows; n < std::min(N, hi * kRows); n += kRows) {
+      const int64_t count = std::min(kRows, N - n);
+      const uint8_t* rows[kRows];
+      for (int64_t r = 0; r < kRows; ++r) rows[r] = w + (n + std::min(r, count - 1)) * row_bytes;  // (the last again)
+      for (int64_t m = 0; m < M; ++m) {
+        float dots[kRows];
+        rows4_q8<kType>(rows, K, xq.q.data() + m * K, xq.d.data() + m * blocks, xq.s.data() + m * blocks, dots);
+        for (int64_t r = 0; r < count; ++r) out[m * N + n + r] = dots[r] + (bias ? bias[n + r] : 0.0f);
+      }
+    }
+  });
+}
+
+// x W^T with x's rows quantized to int8 (XBlocks) and summed in integers, as llama.cpp's CPU
+// backend computes with Q8_0 / Q4_0 / Q4_1 weights: each row of out depends on its own row of x
+// alone, whatever the number of rows.
+void linear_q8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t type,
+               const float* bias, float* out) {
+  XBlocks xq;
+  quantize_rows(x, M, K, xq);
+  if (type == kQ8_0) return rows_dot_q8<kQ8_0>(xq, M, K, w, row_bytes, N, bias, out);
+  if (type == kQ4_1) return rows_dot_q8<kQ4_1>(xq, M, K, w, row_bytes, N, bias, out);
+  return rows_dot_q8<kQ4_0>(xq, M, K, w, row_bytes, N, bias, out);
+}
+
 void check_gguf(const at::Tensor& w, int64_t type, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "a GGUF weight is [rows, bytes] uint8");
   const int64_t per = block_weights(type);
@@ -231,7 +392,7 @@ void check_gguf(const at::Tensor& w, int64_t type, int64_t K) {
 }
 
 void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const std::optional<at::Tensor>& bias,
-                 at::Tensor out) {
+                 at::Tensor out, bool quantize_x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x is [rows, K] fp32");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_gguf(w, type, K);
@@ -244,6 +405,10 @@ void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const s
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
+  if (quantize_x) {
+    TORCH_CHECK(block_weights(type) == kBlock, "x is quantized to int8 for Q8_0, Q4_0 and Q4_1 weights only");
+    return linear_q8(xp, M, K, wp, row_bytes, N, type, bp, op);
+  }
 #if defined(__AVX2__) && defined(__FMA__)
   if (M == 1) {  // decode: each row's blocks unpacked in registers (row_dot)
     if (type == kQ8_0) rows_dot<kQ8_0>(wp, row_bytes, N, K, xp, bp, op);

@@ -19,7 +19,8 @@
 //   row_max              each row's maximum and its first index, as torch.max(x, -1) (greedy)
 //   greedy_pick          row_max of h's logits under fp32 panels, from their bf16 copy and a bound
 //   lora_segments        out[rows] += (x[rows] A^T) B for each LoRA adapter's segment of rows
-//   linear_gguf          x W^T, W in a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks, unpacked in registers
+//   linear_gguf          x W^T, W in a GGUF file's blocks, unpacked in registers; with quantize_x,
+//                        x's rows as int8 blocks and integer sums (llama.cpp's arithmetic)
 //   dequantize_gguf      rows of such a W, as fp32 (a quantized embedding's lookups)
 //
 // Compiled once per machine by ext/__init__.py with -O3 -march=native -ffp-contract=off
@@ -69,7 +70,7 @@ TORCH_LIBRARY(vkv, m) {
   m.def("time_decode_stages(bool on) -> ()", &time_decode_stages);  // decode_layers' stage clock
   m.def("decode_stage_times(bool reset) -> Dict(str, float)", &decode_stage_times);  // its sums (us), "steps"
   m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()");
-  m.def("linear_gguf(Tensor x, Tensor w, int type, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("linear_gguf(Tensor x, Tensor w, int type, Tensor? bias, Tensor(a!) out, bool quantize_x=False) -> ()");
   m.def("dequantize_gguf(Tensor w, int type, Tensor rows, Tensor(a!) out) -> ()");
 }
 

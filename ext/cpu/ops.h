@@ -21,7 +21,7 @@ void silu_and_mul(const at::Tensor& gate_up, at::Tensor out);
 void linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias, at::Tensor out);
 int64_t panel_width();
 void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const std::optional<at::Tensor>& bias,
-                 at::Tensor out);
+                 at::Tensor out, bool quantize_x);
 void dequantize_gguf(const at::Tensor& w, int64_t type, const at::Tensor& rows, at::Tensor out);
 std::string ahead_hint();
 void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms, at::TensorList post_norms,

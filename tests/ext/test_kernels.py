@@ -217,6 +217,50 @@ def test_gguf_blocks_unpack_to_the_formats_definition(kind, rows):
     assert torch.equal(rows_out.double(), exact[picked])
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_times_int8_activations_stay_within_the_quantization_step(kind):
+    """linear_gguf with quantize_x: each row of x as int8 blocks of 32 (d = max|x| / 127, q = x / d
+    rounded), summed in integers. Against x times gguf-py's `dequantize` in fp64, the error is at
+    most what rounding x moves, d (1/2 + 2^-14) per element (the 2^-14 for d's and 1/d's own
+    rounding, 127 ulps at most), times |w|, plus fp32's accumulation bound over the terms. A row's
+    output is the same bit for bit alone or in any batch, and a NaN in a row makes that row, alone,
+    NaN."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+    qtype = GGMLQuantizationType[kind]
+    n, k = 37, 576
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)).numpy()
+    w[3] = 0.0
+    blocks = quants.quantize(w, qtype)
+    exact = torch.from_numpy(quants.dequantize(blocks, qtype).astype(np.float64))
+    raw = torch.from_numpy(np.ascontiguousarray(blocks)).view(torch.uint8)
+    x, bias = torch.randn(9, k, generator=g), torch.randn(n, generator=g)
+    x[0, :32] *= 1000  # one block's step far wider than the others'
+    x[1, 32:64] = 0.0  # a block of zeros: d = 0
+    x[2] = torch.randint(-3, 4, (k,), generator=g).float() / 8  # values on the grid: exactly representable
+    out = torch.empty(9, n)
+    torch.ops.vkv.linear_gguf(x, raw, int(qtype), bias, out, True)
+    xb = x.double().view(9, k // 32, 32)
+    half_step = (xb.abs().amax(-1, keepdim=True) / 127 * (0.5 + 2.0 ** -14)).expand_as(xb).reshape(9, k)
+    u, terms = 2.0 ** -24, k + 3
+    gamma = terms * u / (1 - terms * u)
+    bound = half_step @ exact.abs().T + gamma * ((x.double().abs() + half_step) @ exact.abs().T + bias.double().abs())
+    reference = x.double() @ exact.T + bias.double()
+    assert ((out.double() - reference).abs() <= bound).all()
+    assert (out.double() - reference).abs().max() > 1e-3  # (x is rounded: not the fp32 path's error)
+    for rows in (slice(4, 5), slice(0, 3), slice(6, 9)):
+        alone = torch.empty(rows.stop - rows.start, n)
+        torch.ops.vkv.linear_gguf(x[rows].contiguous(), raw, int(qtype), bias, alone, True)
+        assert torch.equal(alone, out[rows])
+    x[4, 100] = float("nan")
+    torch.ops.vkv.linear_gguf(x, raw, int(qtype), bias, out, True)
+    assert out[4].isnan().all() and not out[torch.arange(9) != 4].isnan().any()
+    with pytest.raises(RuntimeError, match="Q8_0, Q4_0 and Q4_1 weights only"):
+        q4k = torch.from_numpy(k_quant_blocks("Q4_K", 4, 256, g)).view(torch.uint8)
+        torch.ops.vkv.linear_gguf(torch.zeros(1, 256), q4k, 12, None, torch.empty(1, 4), True)
+
+
 def test_gguf_blocks_of_the_wrong_shape_or_type_are_refused():
     raw = torch.zeros(4, 20, dtype=torch.uint8)  # 4 rows of one Q4_1 block
     out = torch.empty(1, 4)
