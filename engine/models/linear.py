@@ -171,6 +171,13 @@ class Linear(nn.Module):
         """Share `weight` (an embedding's) instead of owning one; packing keeps it."""
         self.weight, self.tied = weight, True
 
+    def step_weight(self) -> tuple[torch.Tensor, int]:
+        """The weight as the native `decode_layers` takes it, and its rows: the panels, or GGUF
+        blocks of 32 weights as a [N, K / 32, block bytes] view (the bytes name the type)."""
+        if self.gguf is not None:
+            return self.gguf.rows.view(self.gguf.rows.shape[0], self.gguf.k // 32, -1), self.gguf.rows.shape[0]
+        return self.panels, self.panels_n
+
     def hold_gguf(self, weight) -> None:
         """Keep the weight in a GGUF file's blocks (a GgufWeight of [out, in]); no plain copy."""
         if (weight.rows.shape[0], weight.k) != (self.out_features, self.in_features):

@@ -134,13 +134,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def decode_weights(self) -> tuple:
-        """The layer's weights as the native `decode_layers` takes them (the projections' panels;
-        norms and bias in fp32: copies under bf16 arithmetic, which `weights.apply` makes again)."""
+        """The layer's weights as the native `decode_layers` takes them (the projections' panels or
+        GGUF blocks: Linear.step_weight; norms and bias in fp32: copies under bf16 arithmetic, which
+        `weights.apply` makes again)."""
         a, m = self.self_attn, self.mlp
         bias = None if a.qkv_proj.bias is None else a.qkv_proj.bias.float()
         return (self.input_layernorm.weight.float(), self.post_attention_layernorm.weight.float(),
-                self.input_layernorm.eps, a.qkv_proj.panels, bias, a.o_proj.panels, m.gate_up_proj.panels,
-                m.down_proj.panels, a.num_heads, a.num_kv_heads)
+                self.input_layernorm.eps, a.qkv_proj.step_weight()[0], bias, a.o_proj.step_weight()[0],
+                m.gate_up_proj.step_weight()[0], m.down_proj.step_weight()[0], a.num_heads, a.num_kv_heads)
 
     def forward(self, x, residual, attn, native: bool, lora=None):
         x, residual = self.input_layernorm.forward(x, residual, native)
@@ -190,6 +191,7 @@ class LlamaForCausalLM(nn.Module):
         self.inv_freq = rope_inv_freq(cfg)  # fp32 on purpose: not a buffer, so .to(dtype) skips it
         self.native = False  # run the native small ops (set by `prepare`)
         self.decode: list[tuple] = []  # per layer, the weights of the one-call decode path (set by `prepare`)
+        self.multi_step = False  # whether that path can also run several greedy steps (`greedy_steps`)
         self.gemm_path = "torch F.linear"  # what the projections run on (set by `prepare`)
         self.rank = 0  # tensor-parallel rank: only rank 0 computes logits
         self.sharded = False  # a tensor-parallel shard (`shard`)
@@ -264,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
             self.to(dtype=compute_dtype)
         self.eval()
         self.native = ops.native(device) is not None and compute_dtype in (torch.float32, torch.bfloat16)
-        blocks = self.gguf_blocks  # (then no panels: the one-call step and huge pages read panels only)
+        blocks = self.gguf_blocks  # (no panels for them; no huge pages: those move panels only)
         if blocks and not (self.native and device.type == "cpu"):
             import ext
             raise ValueError("weights in GGUF blocks need the CPU and vkv's native kernels "
@@ -279,12 +281,14 @@ class LlamaForCausalLM(nn.Module):
         # decode_layers runs every norm, the last one's too, under one eps
         norms = [self.model.norm, *(n for layer in self.model.layers
                                     for n in (layer.input_layernorm, layer.post_attention_layernorm))]
+        # (a step takes GGUF blocks of 32 weights, as Linear serves them: x rounded to int8)
+        steps_blocks = all(m.gguf is None or m.gguf.quantizes_x for m in linears)
         one_call = (panels or beside) and not self.config.qk_norm and not self.sharded \
-            and len({norm.eps for norm in norms}) == 1 and not blocks
+            and len({norm.eps for norm in norms}) == 1 and steps_blocks
         for module in linears if beside else ():
             module.pack_panels(dtype, drop=False)
         paths = sorted({module.pack_panels(dtype) if panels else module.pack() for module in linears})
-        if greedy_pick and one_call:  # multi-step decode picks from half the LM head's bytes
+        if greedy_pick and one_call and not blocks:  # multi-step decode picks from half the LM head's bytes
             self.lm_head.pack_pick()
         if (panels or beside) and device.type == "cpu" and not blocks:  # before sleep mode's move
             paths.append(onto_huge_pages([t for m in linears for t in (m.panels, m.pick) if t is not None]))
@@ -293,6 +297,7 @@ class LlamaForCausalLM(nn.Module):
                                                             device=device.index or 0))
         if one_call:
             self.decode = [layer.decode_weights() for layer in self.model.layers]
+            self.multi_step = not blocks  # (its steps read the embedding's rows and the LM head's panels)
         self.gemm_path = "; ".join(paths) + (f" (steps of <= {FEW_ROWS} rows: every layer in one native call"
                                              + (", bf16 panels in fp32 arithmetic" if beside else "") + ")"
                                              if self.decode else "")
@@ -318,7 +323,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.model.embed_tokens.forward(input_ids), None  # no hooks: .forward, not __call__
         args = self._one_call(input_ids, attn) if lora is None else None
         if args is not None:  # a few rows: every layer, the last norm and the LM head in one native call
-            logits = torch.empty(logits_indices.shape[0], self.lm_head.panels_n)
+            logits = torch.empty(logits_indices.shape[0], self.lm_head.step_weight()[1])
             self._decode_layers(x, args, logits_indices, logits)
             return logits  # (bf16: rounded where the layer-by-layer path's bf16 tensors round them)
         for layer in self.model.layers:
@@ -335,7 +340,7 @@ class LlamaForCausalLM(nn.Module):
         argmax would pick them; [steps, rows] int64, -1 after the step where every row has picked
         one of stop_ids, -2 where a row's logits were not finite. None where the one-call path
         cannot run the step (then nothing was computed)."""
-        args = self._one_call(input_ids, attn)
+        args = self._one_call(input_ids, attn) if self.multi_step else None
         if args is None:
             return None
         rows, head = input_ids.shape[0], self.lm_head
@@ -356,5 +361,6 @@ class LlamaForCausalLM(nn.Module):
         norms_in, norms_post, eps, qkv, qkv_bias, o, gate_up, down, heads, kv_heads = zip(*self.decode)
         torch.ops.vkv.decode_layers(x.float(), torch.empty(x.shape, dtype=torch.float32), norms_in, norms_post, eps[0],
                                     qkv, qkv_bias, o, gate_up, down, heads[0], kv_heads[0], *args, rows,
-                                    self.model.norm.weight, self.lm_head.panels, self.compute_dtype == torch.bfloat16,
+                                    self.model.norm.weight, self.lm_head.step_weight()[0],
+                                    self.compute_dtype == torch.bfloat16,
                                     logits, *greedy)

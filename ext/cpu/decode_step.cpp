@@ -19,7 +19,8 @@ namespace vkv {
 //   x, residual = add_rms_norm(x, residual)   x = silu_and_mul(x W_gu^T) W_down^T
 //
 // x and residual are [rows, hidden] fp32, updated in place: x ends as the last layer's output.
-// The weights are the projections' panels (linear_panels), a list entry per layer, as are the
+// The weights are the projections' panels (linear_panels), or a GGUF file's blocks of 32 weights
+// (`project`: Linear's int8-x arithmetic; decode_layer's path only), a list entry per layer, as are the
 // caches; the step's intermediates are allocated once and reused by every layer. Given `logits`
 // (and rows, the final norm's weight, the LM head's panels), the call ends with last_logits, the
 // final norm under the layers' eps (one rms_norm_eps in a Llama config): each return from a call
@@ -327,28 +328,28 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
   clock.lap(kContext);
   input_norm_of(s, x, residual, first, input_norm);
   clock.lap(kNorms);
-  linear_panels(x, qkv_weight, qkv_bias, s.qkv);
+  project(x, qkv_weight, qkv_bias, s.qkv);
   clock.lap(kQkv);
   rope_store(s.q, s.k, s.v, s.positions, s.cos_sin, k_cache, v_cache, s.block_table, s.block_size, s.token_seq);
   clock.lap(kRope);
   if (!attention_then_o(s, o_weight, k_cache, v_cache, clock)) {
     attention(s.q, k_cache, v_cache, s.block_table, s.block_size, s.q_start, s.q_len, s.ctx_len, s.scale, s.attended);
     clock.lap(kAttention);
-    linear_panels(s.attended.view({x.size(0), -1}), o_weight, std::nullopt, s.h);
+    project(s.attended.view({x.size(0), -1}), o_weight, std::nullopt, s.h);
     clock.lap(kO);
   }
   add_rms_norm(s.h, residual, post_norm, s.eps);
   clock.lap(kNorms);
   if (!gate_up_silu(s.h, gate_up_weight, s.act)) {
-    linear_panels(s.h, gate_up_weight, std::nullopt, s.gate_up);
+    project(s.h, gate_up_weight, std::nullopt, s.gate_up);
     silu_and_mul(s.gate_up, s.act);
   }
   clock.lap(kGateUp);
-  if (next_k_cache) {
+  if (next_k_cache && down_weight.scalar_type() != at::kByte) {
     NextContext next(step_keys(s), context_ref(*next_k_cache, *next_v_cache));
     linear_panels_then(s.act, down_weight, std::nullopt, x, &next);
   } else {
-    linear_panels(s.act, down_weight, std::nullopt, x);
+    project(s.act, down_weight, std::nullopt, x);
   }
   clock.lap(kDown);
 }
@@ -677,7 +678,7 @@ void last_logits(const at::Tensor& x, const at::Tensor& residual, const at::Tens
                  double eps, const at::Tensor& panels, bool bf16, at::Tensor out) {
   at::Tensor h = x.new_empty({rows.numel(), x.size(1)});
   final_hidden(x, residual, rows, norm, eps, bf16, h);
-  linear_panels(h, panels, std::nullopt, out);
+  project(h, panels, std::nullopt, out);
   if (bf16) out.copy_(out.to(at::kBFloat16));
 }
 
@@ -735,7 +736,7 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
               o_weights.size() == L && gate_up_weights.size() == L && down_weights.size() == L &&
               k_caches.size() == L && v_caches.size() == L, "one entry per layer in every list");
   const int64_t M = x.size(0), D = k_caches[0].size(3), nq = num_heads * D, nk = num_kv_heads * D;
-  const int64_t inter = down_weights[0].size(1);
+  const int64_t inter = weight_inputs(down_weights[0]);
   const int64_t steps = tokens ? tokens->size(0) : 1;
   if (tokens) {
     TORCH_CHECK(logits && rows && rows->numel() == M && embed && embed->dim() == 2 && embed->size(1) == x.size(1),
@@ -764,7 +765,7 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
   at::Tensor hidden = x.new_empty({rows ? rows->numel() : 0, x.size(1)});  // the last norm's rows
   std::vector<char> stopped(M, 0);
   for (size_t i = 0; i < L; ++i)
-    TORCH_CHECK(down_weights[i].size(1) == inter && k_caches[i].size(3) == D, "every layer has the same shapes");
+    TORCH_CHECK(weight_inputs(down_weights[i]) == inter && k_caches[i].size(3) == D, "every layer has the same shapes");
   const int64_t* stop = stop_ids ? stop_ids->data_ptr<int64_t>() : nullptr;
   const int64_t num_stops = stop_ids ? stop_ids->numel() : 0;
   std::optional<StepPlan> plan = plan_of(s, x, residual, input_norms, post_norms, qkv_weights, qkv_biases, o_weights,

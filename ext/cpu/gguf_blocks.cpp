@@ -39,8 +39,8 @@ namespace vkv {
 // Limitations: the other k-quants (Q2_K, Q3_K, Q5_K) are not here (the loader dequantizes them),
 // and Q4_K / Q6_K unpack with plain loops the compiler vectorizes and multiply in fp32 (llama.cpp
 // quantizes x to Q8_K for them); no VNNI or AMX int8 path yet (AVX2's maddubs on every x86 CPU
-// with AVX2); the one-call decode step (decode_step.cpp) reads panels only, so a quantized model
-// decodes layer by layer.
+// with AVX2); decode_layers (decode_step.cpp) takes Q8_0 / Q4_0 / Q4_1 blocks (project) in its
+// layer-by-layer path, not in its one parallel region or its multi-step loop (panels only there).
 
 enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // ggml's type ids
 constexpr int64_t kBlock = 32, kSuper = 256;  // weights a block holds; a k-quant's super-block
@@ -429,6 +429,21 @@ void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const s
     }
   });
 }
+
+// A projection in decode_layers: vkv's panels (fp32 or bf16, [P, K, panel width]), or a GGUF file's
+// Q8_0 / Q4_0 / Q4_1 blocks as a [N, K / 32, block bytes] uint8 view (34, 18 or 20 bytes a block
+// name the type), multiplied as Linear serves them (int8 x).
+void project(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor out) {
+  if (w.scalar_type() != at::kByte) return linear_panels(x, w, bias, out);
+  TORCH_CHECK(w.dim() == 3 && w.size(1) * kBlock == x.size(1), "GGUF blocks in a step: [N, K / 32, block bytes]");
+  const int64_t bytes = w.size(2);
+  TORCH_CHECK(bytes == 34 || bytes == 18 || bytes == 20, "GGUF blocks in a step: Q8_0, Q4_0 or Q4_1 (", bytes,
+              " bytes a block)");
+  linear_gguf(x, w.view({w.size(0), -1}), bytes == 34 ? kQ8_0 : bytes == 18 ? kQ4_0 : kQ4_1, bias, out, true);
+}
+
+// The inputs a projection's weight multiplies: K of panels [P, K, width] or of blocks [N, K / 32, bytes].
+int64_t weight_inputs(const at::Tensor& w) { return w.scalar_type() == at::kByte ? w.size(1) * kBlock : w.size(1); }
 
 void dequantize_gguf(const at::Tensor& w, int64_t type, const at::Tensor& rows, at::Tensor out) {
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows are int64 indices");

@@ -100,6 +100,18 @@ def test_served_in_blocks_it_scores_and_generates_as_the_dequantized_model(monke
     assert abs(math.exp((sum(logprobs(plain)) - sum(logprobs(served))) / len(moved)) - 1) < 0.01
 
 
+def test_several_steps_a_call_over_blocks_run_one_step_a_call_with_the_same_tokens():
+    """Multi-step decode reads the embedding's rows and the LM head's panels: over blocks, steps of
+    a few rows still run every layer in one call (decode_layers), one step a call, and pick the
+    tokens single steps pick."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    one = LLM(quantization="gguf", kv_cache_memory=16 << 20)
+    several = LLM(quantization="gguf", kv_cache_memory=16 << 20, num_scheduler_steps=8)
+    assert one.engine.model.decode and not several.engine.model.multi_step
+    want = one.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert several.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"model": "random:tiny"}, "serves a .gguf file"),
     ({"quantization": "awq"}, "unknown quantization"),

@@ -146,22 +146,27 @@ def test_native_bf16_runs_onednn_for_batches_and_bf16_panels_in_fp32_for_decode(
 
 
 @pytest.mark.parametrize("rows", [1, 3, FEW_ROWS])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "gguf"])
 def test_the_decode_layers_in_one_native_call_equal_the_layer_by_layer_path(dtype, rows, request):
     """Steps of a few rows run every decoder layer in one native call (`decode_layers`): the same
     kernels in the same order as the layer-by-layer path, so the same logprobs to the bit. In
     bf16 that path is the one for bf16 weights under fp32 arithmetic (a CPU without native bf16;
     forced here, so every CPU checks it). One row (a single stream) takes the gate/up projection
-    with silu folded in (`gate_up_silu`); the layer-by-layer path runs them as two kernels."""
+    with silu folded in (`gate_up_silu`); the layer-by-layer path runs them as two kernels. "gguf"
+    serves the bundled file in its blocks (quantization="gguf"): its projections and LM head are
+    blocks in the call (linear_gguf with int8 x, as Linear runs them)."""
     if ext.cpu_kernels() is None:
         pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
     if dtype == "bfloat16":
         request.getfixturevalue("no_native_bf16")
     if rows == 1:  # on two threads, the layers share one parallel region (layers_in_one_region)
         request.getfixturevalue("two_threads")
-    llm = LLM(dtype=dtype, kv_cache_memory=16 << 20, max_num_seqs=rows)
+    gguf = dtype == "gguf"
+    llm = LLM(dtype="float32" if gguf else dtype, quantization="gguf" if gguf else None, kv_cache_memory=16 << 20,
+              max_num_seqs=rows)
     model = llm.engine.model
     assert model.decode, "the one-call path should be on for the bundled model on the CPU"
+    assert gguf == ("GGUF Q4_1 blocks" in llm.stats().platform["gemm"])
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(rows)]  # at once: steps of that many rows
 
