@@ -6,7 +6,8 @@ default): resident memory, single-stream decode, and held-out perplexity.
 Configurations: "gguf" (blocks; x quantized to int8 blocks and summed in integers for Q8_0 / Q4_0
 / Q4_1 weights, as llama.cpp computes), "gguf-fp32-x" (blocks, x kept in fp32: every weight as
 the format defines it, each product in fp32; not an option of the engine, the benchmark sets
-GgufWeight.quantizes_x), and "plain" (the file dequantized to fp32, the default). Each runs in a
+GgufWeight.quantizes_x; such a model decodes layer by layer, as decode_layers takes int8-x blocks
+only), and "plain" (the file dequantized to fp32, the default). Each runs in a
 process of its own, alternating, `--repeats` times: the process's resident memory (VmRSS) once
 the engine is built, minus the same process's before the engine (Python, torch and the engine's
 modules), and the decode rate of one greedy stream of `--tokens` tokens after a 4-token prompt
