@@ -165,6 +165,10 @@ class GgufEmbedding(nn.Module):
         self.gguf, self.embedding_dim = weight, weight.k
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # (its dtype: the output's)
 
+    def step_weight(self) -> torch.Tensor:
+        """The rows as multi-step decode reads them: blocks of 32 weights, [N, K / 32, block bytes]."""
+        return self.gguf.rows.view(self.gguf.rows.shape[0], self.gguf.k // 32, -1)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).long().contiguous()
         out = torch.empty(ids.shape[0], self.embedding_dim)
@@ -297,7 +301,8 @@ class LlamaForCausalLM(nn.Module):
                                                             device=device.index or 0))
         if one_call:
             self.decode = [layer.decode_weights() for layer in self.model.layers]
-            self.multi_step = not blocks  # (its steps read the embedding's rows and the LM head's panels)
+            embed = self.model.embed_tokens
+            self.multi_step = not isinstance(embed, GgufEmbedding) or embed.gguf.quantizes_x  # (rows read in C++)
         self.gemm_path = "; ".join(paths) + (f" (steps of <= {FEW_ROWS} rows: every layer in one native call"
                                              + (", bf16 panels in fp32 arithmetic" if beside else "") + ")"
                                              if self.decode else "")
@@ -343,10 +348,11 @@ class LlamaForCausalLM(nn.Module):
         args = self._one_call(input_ids, attn) if self.multi_step else None
         if args is None:
             return None
-        rows, head = input_ids.shape[0], self.lm_head
+        rows, head, embed = input_ids.shape[0], self.lm_head, self.model.embed_tokens
+        rows_of = embed.step_weight() if isinstance(embed, GgufEmbedding) else embed.weight
         tokens = torch.empty(steps, rows, dtype=torch.long)
-        self._decode_layers(self.model.embed_tokens.forward(input_ids), args, torch.arange(rows),
-                            torch.empty(rows, head.panels_n), self.model.embed_tokens.weight, tokens,
+        self._decode_layers(embed.forward(input_ids), args, torch.arange(rows),
+                            torch.empty(rows, head.step_weight()[1]), rows_of, tokens,
                             torch.tensor(stop_ids, dtype=torch.long), head.pick, head.pick_bounds, head.pick_scales)
         return tokens
 

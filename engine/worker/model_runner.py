@@ -41,8 +41,8 @@ class ModelRunner:
 
     def runs_steps(self, rows: int) -> bool:
         """Whether several greedy decode steps of `rows` sequences can run in one native call
-        (`run_steps`): the model's one-call decode path with its steps (not over GGUF blocks) and
-        its row limit, the native attention kernel, no sliding window, one rank."""
+        (`run_steps`): the model's one-call decode path with its steps (not over a k-quant
+        embedding) and its row limit, the native attention kernel, no sliding window, one rank."""
         return (bool(self.model.decode) and self.model.multi_step and rows <= FEW_ROWS
                 and self.attention.name == "native" and not self.kv.window and not self.workers)
 

@@ -683,7 +683,8 @@ void last_logits(const at::Tensor& x, const at::Tensor& residual, const at::Tens
 }
 
 // Multi-step decode's next inputs, written out: each row's token embedding into x (a bf16 embedding
-// widens exactly, as the first step's did), positions and context lengths one on. As ATen ops
+// widens exactly, a GGUF one unpacks as dequantize_gguf's lookup did), positions and context
+// lengths one on. As ATen ops
 // (index_select, copy_, two add_) each op's dispatch ran cold, after a step's weights had streamed
 // through the caches: many times what the same ops take in a loop of their own
 // (benchmarks/results/cpu/design_choices.json, "next_inputs_written_out").
@@ -693,7 +694,9 @@ void next_inputs(const at::Tensor& embed, const int64_t* token, at::Tensor& x, c
   float* out = x.data_ptr<float>();
   for (int64_t r = 0; r < M; ++r) {
     TORCH_CHECK(token[r] >= 0 && token[r] < embed.size(0), "a picked token past the embedding's rows");
-    if (embed.scalar_type() == at::kBFloat16) {
+    if (embed.scalar_type() == at::kByte) {
+      blocks_row(embed, token[r], out + r * H);
+    } else if (embed.scalar_type() == at::kBFloat16) {
       const c10::BFloat16* e = embed.data_ptr<c10::BFloat16>() + token[r] * embed.stride(0);
       for (int64_t h = 0; h < H; ++h) out[r * H + h] = load(e[h]);
     } else {
@@ -739,15 +742,18 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
   const int64_t inter = weight_inputs(down_weights[0]);
   const int64_t steps = tokens ? tokens->size(0) : 1;
   if (tokens) {
-    TORCH_CHECK(logits && rows && rows->numel() == M && embed && embed->dim() == 2 && embed->size(1) == x.size(1),
+    TORCH_CHECK(logits && rows && rows->numel() == M && embed && weight_inputs(*embed) == x.size(1),
                 "steps need logits for every row and the embedding");
     TORCH_CHECK(tokens->dim() == 2 && tokens->size(1) == M && tokens->scalar_type() == at::kLong &&
                 tokens->is_contiguous(), "tokens: [steps, rows] int64 contiguous");
     TORCH_CHECK(!stop_ids || stop_ids->scalar_type() == at::kLong, "stop_ids: int64");
     TORCH_CHECK(!pick == !pick_bounds, "the pick's bf16 panels come with their bounds");
-    TORCH_CHECK((embed->scalar_type() == at::kFloat || embed->scalar_type() == at::kBFloat16) &&
-                    embed->stride(1) == 1 && positions.scalar_type() == at::kLong && ctx_len.scalar_type() == at::kInt,
-                "steps: an fp32 or bf16 embedding with contiguous rows, int64 positions, int32 context lengths");
+    TORCH_CHECK((embed->scalar_type() == at::kFloat || embed->scalar_type() == at::kBFloat16 ||
+                 embed->scalar_type() == at::kByte) &&
+                    embed->stride(1) == (embed->dim() == 3 ? embed->size(2) : 1) && positions.scalar_type() == at::kLong &&
+                    ctx_len.scalar_type() == at::kInt,
+                "steps: an fp32 or bf16 embedding with contiguous rows (or GGUF blocks), int64 positions, int32 context "
+                "lengths");
     tokens->fill_(-1);
   }
   // the positions and context lengths move on each step: a copy, so the caller's stay as given

@@ -39,8 +39,9 @@ namespace vkv {
 // Limitations: the other k-quants (Q2_K, Q3_K, Q5_K) are not here (the loader dequantizes them),
 // and Q4_K / Q6_K unpack with plain loops the compiler vectorizes and multiply in fp32 (llama.cpp
 // quantizes x to Q8_K for them); no VNNI or AMX int8 path yet (AVX2's maddubs on every x86 CPU
-// with AVX2); decode_layers (decode_step.cpp) takes Q8_0 / Q4_0 / Q4_1 blocks (project) in its
-// layer-by-layer path, not in its one parallel region or its multi-step loop (panels only there).
+// with AVX2); decode_layers (decode_step.cpp) takes Q8_0 / Q4_0 / Q4_1 blocks (project, blocks_row)
+// in its per-layer path and its multi-step loop, not in its one parallel region (panels only), and
+// its greedy steps pick from the full logits (no half-bytes copy of a blocks LM head).
 
 enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // ggml's type ids
 constexpr int64_t kBlock = 32, kSuper = 256;  // weights a block holds; a k-quant's super-block
@@ -440,6 +441,15 @@ void project(const at::Tensor& x, const at::Tensor& w, const std::optional<at::T
   TORCH_CHECK(bytes == 34 || bytes == 18 || bytes == 20, "GGUF blocks in a step: Q8_0, Q4_0 or Q4_1 (", bytes,
               " bytes a block)");
   linear_gguf(x, w.view({w.size(0), -1}), bytes == 34 ? kQ8_0 : bytes == 18 ? kQ4_0 : kQ4_1, bias, out, true);
+}
+
+// Row r of such a [N, K / 32, block bytes] view, as fp32 (a blocks embedding's row, in multi-step decode).
+void blocks_row(const at::Tensor& w, int64_t r, float* out) {
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && (w.size(2) == 34 || w.size(2) == 18 || w.size(2) == 20),
+              "GGUF blocks in a step: [N, K / 32, block bytes] of Q8_0, Q4_0 or Q4_1");
+  const int64_t bytes = w.size(2);
+  unpack_row(w.data_ptr<uint8_t>() + r * w.stride(0), bytes == 34 ? kQ8_0 : bytes == 18 ? kQ4_0 : kQ4_1,
+             w.size(1) * kBlock, out);
 }
 
 // The inputs a projection's weight multiplies: K of panels [P, K, width] or of blocks [N, K / 32, bytes].

@@ -100,16 +100,20 @@ def test_served_in_blocks_it_scores_and_generates_as_the_dequantized_model(monke
     assert abs(math.exp((sum(logprobs(plain)) - sum(logprobs(served))) / len(moved)) - 1) < 0.01
 
 
-def test_several_steps_a_call_over_blocks_run_one_step_a_call_with_the_same_tokens():
-    """Multi-step decode reads the embedding's rows and the LM head's panels: over blocks, steps of
-    a few rows still run every layer in one call (decode_layers), one step a call, and pick the
-    tokens single steps pick."""
+def test_several_steps_a_call_over_blocks_pick_the_tokens_single_steps_pick(monkeypatch):
+    """Multi-step decode over blocks (num_scheduler_steps=8): each step's layers, its logits from
+    the blocks LM head and the next step's embedding row from the blocks embedding in one native
+    call, the tokens that single steps pick."""
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     one = LLM(quantization="gguf", kv_cache_memory=16 << 20)
     several = LLM(quantization="gguf", kv_cache_memory=16 << 20, num_scheduler_steps=8)
-    assert one.engine.model.decode and not several.engine.model.multi_step
+    assert one.engine.model.decode and several.engine.model.multi_step
     want = one.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids
+    model, ran = several.engine.model, []
+    steps = model.greedy_steps
+    monkeypatch.setattr(model, "greedy_steps", lambda *args: ran.append(steps(*args)) or ran[-1])
     assert several.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert [tokens.shape[0] for tokens in ran] == [8, 8, 3]  # the prompt's step, then 8 + 8 + 3 in three calls
 
 
 @pytest.mark.parametrize("settings, message", [
