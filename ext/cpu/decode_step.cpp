@@ -318,6 +318,17 @@ void input_norm_of(const DecodeStep& s, at::Tensor& x, at::Tensor& residual, boo
   });
 }
 
+// A projection in a step: vkv's panels (fp32 or bf16, [P, K, panel width]), or a GGUF file's blocks
+// of 32 weights (uint8 [N, K / 32, block bytes]: linear_blocks, Linear's int8-x arithmetic).
+void project(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor out) {
+  if (w.scalar_type() == at::kByte) return linear_blocks(x, w, bias, out);
+  linear_panels(x, w, bias, out);
+}
+
+// The inputs such a weight multiplies: K of panels [P, K, width], of blocks [N, K / 32, bytes], or
+// of an embedding's rows [N, K].
+int64_t weight_inputs(const at::Tensor& w) { return w.scalar_type() == at::kByte ? w.size(1) * 32 : w.size(1); }
+
 void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& input_norm,
                   const at::Tensor& post_norm, const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
                   const at::Tensor& o_weight, const at::Tensor& gate_up_weight, const at::Tensor& down_weight,

@@ -39,7 +39,7 @@ namespace vkv {
 // Limitations: the other k-quants (Q2_K, Q3_K, Q5_K) are not here (the loader dequantizes them),
 // and Q4_K / Q6_K unpack with plain loops the compiler vectorizes and multiply in fp32 (llama.cpp
 // quantizes x to Q8_K for them); no VNNI or AMX int8 path yet (AVX2's maddubs on every x86 CPU
-// with AVX2); decode_layers (decode_step.cpp) takes Q8_0 / Q4_0 / Q4_1 blocks (project, blocks_row)
+// with AVX2); decode_layers (decode_step.cpp) takes Q8_0 / Q4_0 / Q4_1 blocks (linear_blocks, blocks_row)
 // in its per-layer path and its multi-step loop, not in its one parallel region (panels only), and
 // its greedy steps pick from the full logits (no half-bytes copy of a blocks LM head).
 
@@ -431,29 +431,26 @@ void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const s
   });
 }
 
-// A projection in decode_layers: vkv's panels (fp32 or bf16, [P, K, panel width]), or a GGUF file's
-// Q8_0 / Q4_0 / Q4_1 blocks as a [N, K / 32, block bytes] uint8 view (34, 18 or 20 bytes a block
-// name the type), multiplied as Linear serves them (int8 x).
-void project(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor out) {
-  if (w.scalar_type() != at::kByte) return linear_panels(x, w, bias, out);
-  TORCH_CHECK(w.dim() == 3 && w.size(1) * kBlock == x.size(1), "GGUF blocks in a step: [N, K / 32, block bytes]");
-  const int64_t bytes = w.size(2);
-  TORCH_CHECK(bytes == 34 || bytes == 18 || bytes == 20, "GGUF blocks in a step: Q8_0, Q4_0 or Q4_1 (", bytes,
-              " bytes a block)");
-  linear_gguf(x, w.view({w.size(0), -1}), bytes == 34 ? kQ8_0 : bytes == 18 ? kQ4_0 : kQ4_1, bias, out, true);
-}
-
-// Row r of such a [N, K / 32, block bytes] view, as fp32 (a blocks embedding's row, in multi-step decode).
-void blocks_row(const at::Tensor& w, int64_t r, float* out) {
+// GGUF blocks of 32 weights as decode_layers takes them: a [N, K / 32, block bytes] uint8 view whose
+// block bytes (34, 18 or 20) name the type (Q8_0, Q4_0 or Q4_1).
+int64_t blocks_type(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && (w.size(2) == 34 || w.size(2) == 18 || w.size(2) == 20),
               "GGUF blocks in a step: [N, K / 32, block bytes] of Q8_0, Q4_0 or Q4_1");
-  const int64_t bytes = w.size(2);
-  unpack_row(w.data_ptr<uint8_t>() + r * w.stride(0), bytes == 34 ? kQ8_0 : bytes == 18 ? kQ4_0 : kQ4_1,
-             w.size(1) * kBlock, out);
+  return w.size(2) == 34 ? kQ8_0 : w.size(2) == 18 ? kQ4_0 : kQ4_1;
 }
 
-// The inputs a projection's weight multiplies: K of panels [P, K, width] or of blocks [N, K / 32, bytes].
-int64_t weight_inputs(const at::Tensor& w) { return w.scalar_type() == at::kByte ? w.size(1) * kBlock : w.size(1); }
+// x W^T over such a view, as Linear serves blocks (int8 x).
+void linear_blocks(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor out) {
+  const int64_t type = blocks_type(w);
+  linear_gguf(x, w.view({w.size(0), -1}), type, bias, out, true);
+}
+
+// Row r of such a view, as fp32 (a blocks embedding's row, as dequantize_gguf's lookup gives it).
+void blocks_row(const at::Tensor& w, int64_t r, float* out) {
+  const int64_t type = blocks_type(w);
+  TORCH_CHECK(r >= 0 && r < w.size(0), "row ", r, " of ", w.size(0));
+  unpack_row(w.data_ptr<uint8_t>() + r * w.stride(0), type, w.size(1) * kBlock, out);
+}
 
 void dequantize_gguf(const at::Tensor& w, int64_t type, const at::Tensor& rows, at::Tensor out) {
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows are int64 indices");

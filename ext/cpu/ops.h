@@ -23,8 +23,7 @@ int64_t panel_width();
 void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const std::optional<at::Tensor>& bias,
                  at::Tensor out, bool quantize_x);
 void dequantize_gguf(const at::Tensor& w, int64_t type, const at::Tensor& rows, at::Tensor out);
-void project(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor out);
-int64_t weight_inputs(const at::Tensor& w);
+void linear_blocks(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor out);
 void blocks_row(const at::Tensor& w, int64_t r, float* out);
 std::string ahead_hint();
 void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms, at::TensorList post_norms,
