@@ -165,7 +165,7 @@ class GgufEmbedding(nn.Module):
         self.gguf, self.embedding_dim = weight, weight.k
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # (its dtype: the output's)
 
-    def step_weight(self) -> torch.Tensor:
+    def step_rows(self) -> torch.Tensor:
         """The rows as multi-step decode reads them: blocks of 32 weights, [N, K / 32, block bytes]."""
         return self.gguf.rows.view(self.gguf.rows.shape[0], self.gguf.k // 32, -1)
 
@@ -349,7 +349,7 @@ class LlamaForCausalLM(nn.Module):
         if args is None:
             return None
         rows, head, embed = input_ids.shape[0], self.lm_head, self.model.embed_tokens
-        rows_of = embed.step_weight() if isinstance(embed, GgufEmbedding) else embed.weight
+        rows_of = embed.step_rows() if isinstance(embed, GgufEmbedding) else embed.weight
         tokens = torch.empty(steps, rows, dtype=torch.long)
         self._decode_layers(embed.forward(input_ids), args, torch.arange(rows),
                             torch.empty(rows, head.step_weight()[1]), rows_of, tokens,
