@@ -312,6 +312,10 @@ VKV_INLINE __m256i block_isums(const uint8_t* block, __m256i x) {
 // (c_w = m for Q4_1, -8 d_w for Q4_0, 0 for Q8_0). The integer sums are exact, each block's scale
 // product rounded once, the terms summed in fp32. Four rows at a time load each block of x once
 // and keep eight independent chains of sums (a row alone would wait on its sums' latency).
+// Bytes of a weight row asked for into L1 ahead of the block being summed: a decode step streams
+// every row from memory once (design_choices.json, "gguf_rows_ahead": 512 against 256 and 1024).
+constexpr int64_t kAhead = 512;
+
 template <int64_t kType>
 void rows4_q8(const uint8_t* const row[4], int64_t K, const int8_t* q, const float* d, const float* s, float out[4]) {
   const int64_t blocks = K / kBlock;
@@ -322,6 +326,7 @@ void rows4_q8(const uint8_t* const row[4], int64_t K, const int8_t* q, const flo
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
     for (int r = 0; r < 4; ++r) {
       const uint8_t* block = row[r] + b * kBytes<kType>;
+      _mm_prefetch(reinterpret_cast<const char*>(block) + kAhead, _MM_HINT_T0);
       const float dw = half_at(block);
       const __m256 sums = _mm256_cvtepi32_ps(block_isums<kType>(block, x));
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[b]), sums, acc[r]);
