@@ -71,6 +71,12 @@ VKV_INLINE float half_at(const uint8_t* p) {
 #endif
 }
 
+// A Q4 block's parts: its 16 bytes of nibbles u, and c of w = d * u + c (Q4_1's m, Q4_0's -8 d).
+VKV_INLINE const uint8_t* q4_nibbles(const uint8_t* block, int64_t type) { return block + (type == kQ4_1 ? 4 : 2); }
+VKV_INLINE float q4_offset(const uint8_t* block, int64_t type, float d) {
+  return type == kQ4_1 ? half_at(block + 2) : -8.0f * d;
+}
+
 // One k-quant super-block of 256 weights as fp32 into out, in gguf-py's order of operations.
 // Every product here is exact in fp32 (an fp16 scale times a 6- or 8-bit one times a 4- or 6-bit
 // quant needs at most 24 bits), so Q4_K's one subtraction is its only rounding, as in gguf-py.
@@ -124,7 +130,8 @@ constexpr int64_t kBytes = kType == kQ8_0 ? 34 : kType == kQ4_1 ? 20 : 18;
 // A 32-weight block's weights as 4 x 8 lanes: d * q (exact), or d * q + c in one rounding.
 template <int64_t kType>
 VKV_INLINE void block_lanes(const uint8_t* block, __m256 w[4]) {
-  const __m256 vd = _mm256_set1_ps(half_at(block));
+  const float d = half_at(block);
+  const __m256 vd = _mm256_set1_ps(d);
   if constexpr (kType == kQ8_0) {
     const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
     for (int j = 0; j < 4; ++j) {
@@ -132,8 +139,8 @@ VKV_INLINE void block_lanes(const uint8_t* block, __m256 w[4]) {
       w[j] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
     }
   } else {  // q's low nibbles are weights 0-15, its high ones 16-31
-    const __m256 vc = _mm256_set1_ps(kType == kQ4_1 ? half_at(block + 2) : -8.0f * half_at(block));
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (kType == kQ4_1 ? 4 : 2)));
+    const __m256 vc = _mm256_set1_ps(q4_offset(block, kType, d));
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q4_nibbles(block, kType)));
     const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
     const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
     const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
@@ -178,8 +185,8 @@ void unpack_row(const uint8_t* row, int64_t type, int64_t K, float* out) {
       for (int j = 0; j < kBlock; ++j) out[j] = d * static_cast<float>(q[j]);
       continue;
     }
-    const float c = type == kQ4_1 ? half_at(row + 2) : -8.0f * d;  // w = d * q + c
-    const uint8_t* q = row + (type == kQ4_1 ? 4 : 2);
+    const float c = q4_offset(row, type, d);  // w = d * q + c
+    const uint8_t* q = q4_nibbles(row, type);
     for (int j = 0; j < 16; ++j) {
       out[j] = std::fma(d, static_cast<float>(q[j] & 0x0F), c);
       out[j + 16] = std::fma(d, static_cast<float>(q[j] >> 4), c);
@@ -291,7 +298,7 @@ VKV_INLINE __m256i block_bytes_of(const uint8_t* block) {
   if constexpr (kType == kQ8_0) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
   } else {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (kType == kQ4_1 ? 4 : 2)));
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q4_nibbles(block, kType)));
     const __m128i mask = _mm_set1_epi8(0x0F);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask));
   }
@@ -308,14 +315,14 @@ VKV_INLINE __m256i block_isums(const uint8_t* block, __m256i x) {
 }
 #endif
 
-// Four weight rows' dot products with one row of x in XBlocks: per block, d_w d_x sum(u q) + c_w s_x
-// (c_w = m for Q4_1, -8 d_w for Q4_0, 0 for Q8_0). The integer sums are exact, each block's scale
-// product rounded once, the terms summed in fp32. Four rows at a time load each block of x once
-// and keep eight independent chains of sums (a row alone would wait on its sums' latency).
 // Bytes of a weight row asked for into L1 ahead of the block being summed: a decode step streams
 // every row from memory once (design_choices.json, "gguf_rows_ahead": 512 against 256 and 1024).
 constexpr int64_t kAhead = 512;
 
+// Four weight rows' dot products with one row of x in XBlocks: per block, d_w d_x sum(u q) + c_w s_x
+// (c_w = m for Q4_1, -8 d_w for Q4_0, 0 for Q8_0). The integer sums are exact, each block's scale
+// product rounded once, the terms summed in fp32. Four rows at a time load each block of x once
+// and keep eight independent chains of sums (a row alone would wait on its sums' latency).
 template <int64_t kType>
 void rows4_q8(const uint8_t* const row[4], int64_t K, const int8_t* q, const float* d, const float* s, float out[4]) {
   const int64_t blocks = K / kBlock;
@@ -331,7 +338,7 @@ void rows4_q8(const uint8_t* const row[4], int64_t K, const int8_t* q, const flo
       const __m256 sums = _mm256_cvtepi32_ps(block_isums<kType>(block, x));
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[b]), sums, acc[r]);
       if constexpr (kType != kQ8_0)
-        c_sum[r] = std::fma(kType == kQ4_1 ? half_at(block + 2) : -8.0f * dw, s[b], c_sum[r]);
+        c_sum[r] = std::fma(q4_offset(block, kType, dw), s[b], c_sum[r]);
     }
   }
   for (int r = 0; r < 4; ++r) out[r] = sum8(acc[r]) + c_sum[r];
@@ -348,11 +355,11 @@ void rows4_q8(const uint8_t* const row[4], int64_t K, const int8_t* q, const flo
         const int8_t* w = reinterpret_cast<const int8_t*>(block + 2);
         for (int j = 0; j < kBlock; ++j) isum += w[j] * x[j];
       } else {
-        const uint8_t* u = block + (kType == kQ4_1 ? 4 : 2);
+        const uint8_t* u = q4_nibbles(block, kType);
         for (int j = 0; j < 16; ++j) isum += (u[j] & 0x0F) * x[j] + (u[j] >> 4) * x[j + 16];
       }
       total = std::fma(dw * d[b], static_cast<float>(isum), total);
-      if (kType != kQ8_0) c_sum[r] = std::fma(kType == kQ4_1 ? half_at(block + 2) : -8.0f * dw, s[b], c_sum[r]);
+      if (kType != kQ8_0) c_sum[r] = std::fma(q4_offset(block, kType, dw), s[b], c_sum[r]);
     }
     out[r] = total + c_sum[r];
   }
