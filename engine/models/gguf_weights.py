@@ -6,7 +6,9 @@ Rationale. Served through the dequantized checkpoint (loader.py), a GGUF at Q4_1
 embedding keep the file's blocks, and the native kernels unpack them in registers
 (ext/cpu/gguf_blocks.cpp, Note [GGUF weights as they are stored]); against Q8_0, Q4_0 and Q4_1
 blocks, x is rounded to int8 blocks and the products summed in integers, as llama.cpp computes
-(`GgufWeight.quantizes_x`).
+(`GgufWeight.quantizes_x`). The model holds those with their rows interleaved by eight
+(`GgufWeight.interleaved`: the same bytes, moved so that one load holds eight rows' weights; Note
+[GGUF rows interleaved by eight]).
 
 Approach. `read_gguf` maps the file's tensor names to the Hugging Face names the model loads,
 keeps each Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrix as a `GgufWeight` (its rows' bytes, uint8
@@ -56,8 +58,9 @@ NAMES = [  # the file's name -> the Hugging Face name
 
 @dataclass
 class GgufWeight:
-    """A matrix [n, k] in a GGUF file's blocks: `rows` uint8 [n, k / block weights * block bytes],
-    `type` ggml's id (one of TYPES)."""
+    """A matrix [n, k] in a GGUF file's blocks: `rows` uint8 [n, k / block weights * block bytes]
+    (the file's layout), or [n / 8, k / 32, 8 x block bytes] with its rows interleaved by eight
+    (`interleaved`); `type` ggml's id (one of TYPES)."""
     rows: torch.Tensor
     type: int
     k: int
@@ -72,17 +75,56 @@ class GgufWeight:
         32-weight blocks: ext/cpu/gguf_blocks.cpp, XBlocks); the k-quants multiply in fp32."""
         return self.type_name in ("Q8_0", "Q4_0", "Q4_1")
 
+    @property
+    def by_eight(self) -> bool:
+        return self.rows.dim() == 3
+
+    @property
+    def n(self) -> int:
+        return self.rows.shape[0] * (8 if self.by_eight else 1)
+
+    def _parts(self) -> tuple[int, int, int, int]:
+        """(blocks a row, bytes a block, fp16 values a block's head holds, quant bytes a block)."""
+        size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[self.type_name]
+        halves = 2 if self.type_name == "Q4_1" else 1
+        return self.k // 32, size, halves, size - 2 * halves
+
+    def interleaved(self) -> GgufWeight:
+        """The rows interleaved by eight, as the kernels read them fastest (ext/cpu/gguf_blocks.cpp,
+        Note [GGUF rows interleaved by eight]): the same bytes, moved. Itself where that layout does
+        not apply (k-quants, n not a multiple of 8, already interleaved)."""
+        if self.by_eight or not self.quantizes_x or self.n % 8:
+            return self
+        blocks, size, halves, quants = self._parts()
+        a = self.rows.view(self.n // 8, 8, blocks, size)
+        head = a[..., :2 * halves].reshape(-1, 8, blocks, halves, 2).permute(0, 2, 3, 1, 4)
+        body = a[..., 2 * halves:].reshape(-1, 8, blocks, quants // 4, 4).permute(0, 2, 3, 1, 4)
+        groups = torch.cat([head.reshape(-1, blocks, 16 * halves), body.reshape(-1, blocks, 8 * quants)], dim=2)
+        return GgufWeight(groups.contiguous(), self.type, self.k)
+
+    def plain(self) -> GgufWeight:
+        """The rows as the file lays them out (`interleaved` undone)."""
+        if not self.by_eight:
+            return self
+        blocks, size, halves, quants = self._parts()
+        g = self.rows
+        head = g[..., :16 * halves].reshape(-1, blocks, halves, 8, 2).permute(0, 3, 1, 2, 4)
+        body = g[..., 16 * halves:].reshape(-1, blocks, quants // 4, 8, 4).permute(0, 3, 1, 2, 4)
+        rows = torch.cat([head.reshape(-1, 8, blocks, 2 * halves), body.reshape(-1, 8, blocks, quants)], dim=3)
+        return GgufWeight(rows.reshape(self.n, blocks * size).contiguous(), self.type, self.k)
+
     def dequantized(self) -> torch.Tensor:
         """[n, k] fp32, as gguf-py's `dequantize` gives it (the format's definition)."""
         from gguf import GGMLQuantizationType, quants
-        return torch.from_numpy(quants.dequantize(self.rows.numpy(), GGMLQuantizationType(self.type)).copy())
+        rows = self.plain().rows.numpy()
+        return torch.from_numpy(quants.dequantize(rows, GGMLQuantizationType(self.type)).copy())
 
     @staticmethod
     def cat(parts: list[GgufWeight]) -> GgufWeight | None:
         """Rows of several matrices of one type and width, one after another (a fused projection)."""
         if len({(p.type, p.k) for p in parts}) != 1:
             return None
-        return GgufWeight(torch.cat([p.rows for p in parts]), parts[0].type, parts[0].k)
+        return GgufWeight(torch.cat([p.plain().rows for p in parts]), parts[0].type, parts[0].k)
 
 
 def hf_name(name: str) -> str:

@@ -173,15 +173,17 @@ class Linear(nn.Module):
 
     def step_weight(self) -> tuple[torch.Tensor, int]:
         """The weight as the native `decode_layers` takes it, and its rows: the panels, or GGUF
-        blocks of 32 weights as a [N, K / 32, block bytes] view (the bytes name the type)."""
+        blocks of 32 weights as a [N, K / 32, block bytes] view, or interleaved by eight as [N / 8,
+        K / 32, 8 x block bytes] (the last size names the type)."""
         if self.gguf is not None:
-            return self.gguf.rows.view(self.gguf.rows.shape[0], self.gguf.k // 32, -1), self.gguf.rows.shape[0]
+            rows = self.gguf.rows
+            return (rows if self.gguf.by_eight else rows.view(rows.shape[0], self.gguf.k // 32, -1)), self.gguf.n
         return self.panels, self.panels_n
 
     def hold_gguf(self, weight) -> None:
         """Keep the weight in a GGUF file's blocks (a GgufWeight of [out, in]); no plain copy."""
-        if (weight.rows.shape[0], weight.k) != (self.out_features, self.in_features):
-            raise ValueError(f"a {weight.rows.shape[0]} x {weight.k} GGUF weight for a {self.out_features} x "
+        if (weight.n, weight.k) != (self.out_features, self.in_features):
+            raise ValueError(f"a {weight.n} x {weight.k} GGUF weight for a {self.out_features} x "
                              f"{self.in_features} projection")
         self.gguf = weight
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)

@@ -166,8 +166,10 @@ class GgufEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # (its dtype: the output's)
 
     def step_rows(self) -> torch.Tensor:
-        """The rows as multi-step decode reads them: blocks of 32 weights, [N, K / 32, block bytes]."""
-        return self.gguf.rows.view(self.gguf.rows.shape[0], self.gguf.k // 32, -1)
+        """The rows as multi-step decode reads them: blocks of 32 weights, [N, K / 32, block bytes]
+        (or interleaved by eight: [N / 8, K / 32, 8 x block bytes])."""
+        rows = self.gguf.rows
+        return rows if self.gguf.by_eight else rows.view(rows.shape[0], self.gguf.k // 32, -1)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).long().contiguous()
@@ -226,9 +228,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"weights do not fit a {self.config.model_type} model "
                              f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
         for name, weight in blocks.items():
+            weight = weight.interleaved()  # (as the kernels read it fastest; the same bytes)
             if name == "model.embed_tokens.weight":
-                if (weight.rows.shape[0], weight.k) != (self.config.vocab_size, self.config.hidden_size):
-                    raise ValueError(f"a {weight.rows.shape[0]} x {weight.k} GGUF token embedding for a "
+                if (weight.n, weight.k) != (self.config.vocab_size, self.config.hidden_size):
+                    raise ValueError(f"a {weight.n} x {weight.k} GGUF token embedding for a "
                                      f"{self.config.vocab_size} x {self.config.hidden_size} model")
                 self.model.embed_tokens = GgufEmbedding(weight)
             else:

@@ -704,7 +704,8 @@ void next_inputs(const at::Tensor& embed, const int64_t* token, at::Tensor& x, c
   const int64_t M = x.size(0), H = x.size(1);
   float* out = x.data_ptr<float>();
   for (int64_t r = 0; r < M; ++r) {
-    TORCH_CHECK(token[r] >= 0 && token[r] < embed.size(0), "a picked token past the embedding's rows");
+    TORCH_CHECK(token[r] >= 0 && token[r] < (embed.scalar_type() == at::kByte ? blocks_rows(embed) : embed.size(0)),
+                "a picked token past the embedding's rows");
     if (embed.scalar_type() == at::kByte) {
       blocks_row(embed, token[r], out + r * H);
     } else if (embed.scalar_type() == at::kBFloat16) {

@@ -27,7 +27,9 @@ namespace vkv {
 // for Q8_0, Q4_0 and Q4_1 weights), each row of x is first rounded to int8 blocks of 32 with a
 // scale (XBlocks: ggml's Q8_1, as llama.cpp's CPU backend quantizes activations), and each block's
 // products are summed in integers (maddubs: 32 products in two instructions instead of a fp32
-// unpack and four FMAs); four weight rows at a time share each block of x (rows4_q8). The error
+// unpack and four FMAs); four weight rows at a time share each block of x (rows4_q8), or, where the
+// loader interleaved the rows by eight (a model's weights), eight rows share each of its loads
+// (group_q8, Note [GGUF rows interleaved by eight]). The error
 // this adds is rounding x, half its block's step times |w|: the tests' bound. Every row of x is
 // computed alone, so a sequence's output does not depend on its batch. Without quantize_x (the
 // k-quants, and the fp32 reference): for one row of x, each weight row's blocks are unpacked in
@@ -123,9 +125,10 @@ void unpack_super(const uint8_t* block, int64_t type, float* out) {
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
 template <int64_t kType>
 constexpr int64_t kBytes = kType == kQ8_0 ? 34 : kType == kQ4_1 ? 20 : 18;
+
+#if defined(__AVX2__) && defined(__FMA__)
 
 // A 32-weight block's weights as 4 x 8 lanes: d * q (exact), or d * q + c in one rounding.
 template <int64_t kType>
@@ -385,6 +388,166 @@ void rows_dot_q8(const XBlocks& xq, int64_t M, int64_t K, const uint8_t* w, int6
   });
 }
 
+// Note [GGUF rows interleaved by eight]
+// Rationale: summing one weight row against x block by block (rows4_q8) spends most of a block's
+// instructions around its 32 products: the row's fp16 scale and offset converted one at a time, a
+// scale product broadcast, the eight lanes of the integer sums turned to floats and, once a row,
+// summed across. A one-row decode of the bundled Q4_1 model streamed its projections at 6-8 GB/s
+// of a machine that reads 29: bound by those instructions, not by memory.
+// Approach: at load, each group of eight rows of a Q8_0, Q4_0 or Q4_1 weight is rearranged, block
+// by block, so that the eight rows' values for the same block lie side by side: their eight fp16
+// scales (and Q4_1's eight offsets) together, then their quants four bytes a row at a time. One
+// 32-byte load then holds four weights of each of the eight rows; x's matching four bytes are
+// broadcast to all eight, and maddubs + madd leave each row's sum in its own lane. So the scales
+// convert eight at a time, every lane is a row (no sums across lanes), and a block of eight rows
+// costs about what one row's did. The bytes are the file's, moved: the same size, exactly
+// reversible (GgufWeight.interleaved and .plain in engine/models/gguf_weights.py), as llama.cpp's CPU
+// backend repacks some types (its block_q4_0x8). Measured: design_choices.json, "gguf_rows_by_eight".
+// Implementation: a group's block b, for rows r = 0..7 (fp16 halves, then quants):
+//   Q8_0  d[8] | for k = 0..7: for r: q_r[4k .. 4k+3]             16 + 256 = 8 x 34 bytes
+//   Q4_0  d[8] | for j = 0..3: for r: nibbles_r[4j .. 4j+3]        16 + 128 = 8 x 18
+//   Q4_1  d[8] | m[8] | nibbles as Q4_0                             32 + 128 = 8 x 20
+// A Q4 byte's low nibble is weight 4j + i, its high one 16 + 4j + i. Per block and row, the sum is
+// the integer sum(u q) (exact; Q4's eight maddubs pairs summed in int16 first: at most 8 x 2 x 15 x
+// 127 = 30480), then acc = fma(sum, d_w d_x, acc) and off = fma(c_w, s_x, off) in block order,
+// the row's output acc + off: the same operations on every path (AVX2 lanes, the scalar build's
+// loop, one row of x or a batch), so a row's output is the same bits alone or batched, and the
+// AVX2 and scalar builds agree to the bit. Weights held this way are [N / 8, K / 32, 8 x block
+// bytes] uint8, the last size naming the type.
+// Limitations: N must be a multiple of 8 (the loader keeps other weights as the file has them); the
+// k-quants keep their layout (fp32 x).
+constexpr int64_t kGroup = 8;
+
+// The eight rows' sums of one group against C rows of x (xq's rows m .. m + C - 1), in block order
+// (see the note): out[c][r]. Each row of x meets the weights through the same operations whatever
+// C is; C > 1 shares each load and unpacking of the weights among the rows (a batch, a prompt).
+template <int64_t kType, int C>
+void group_q8(const uint8_t* g, int64_t blocks, const XBlocks& xq, int64_t m, int64_t K, float out[][kGroup]) {
+  constexpr int64_t kHalves = kType == kQ4_1 ? 2 : 1, kQuants = kType == kQ8_0 ? 32 : 16;
+  constexpr int64_t kStride = kGroup * (2 * kHalves + kQuants);
+  const int8_t* q[C];
+  const float *d[C], *s[C];
+  for (int c = 0; c < C; ++c) {
+    q[c] = xq.q.data() + (m + c) * K;
+    d[c] = xq.d.data() + (m + c) * blocks;
+    s[c] = xq.s.data() + (m + c) * blocks;
+  }
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
+  __m256 acc[C], off[C];
+  for (int c = 0; c < C; ++c) acc[c] = off[c] = _mm256_setzero_ps();
+  auto four = [](const int8_t* p) {  // x's four bytes at p, in every lane
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  };
+  for (int64_t b = 0; b < blocks; ++b, g += kStride) {
+    for (int64_t ahead = 0; ahead < kStride; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(g) + kAhead + ahead, _MM_HINT_T0);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+    const uint8_t* quants = g + 16 * kHalves;
+    __m256i isum[C];
+    if constexpr (kType == kQ8_0) {
+      for (int c = 0; c < C; ++c) isum[c] = _mm256_setzero_si256();
+      for (int k = 0; k < 8; ++k) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * k));
+        const __m256i magnitude = _mm256_sign_epi8(w, w);
+        for (int c = 0; c < C; ++c) {
+          const __m256i x = _mm256_sign_epi8(four(q[c] + b * kBlock + 4 * k), w);
+          isum[c] = _mm256_add_epi32(isum[c], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
+        }
+      }
+    } else {
+      __m256i pairs[C];
+      for (int c = 0; c < C; ++c) pairs[c] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j));
+        const __m256i low = _mm256_and_si256(packed, mask), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+        for (int c = 0; c < C; ++c) {
+          const int8_t* x = q[c] + b * kBlock;
+          pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(low, four(x + 4 * j)));
+          pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(high, four(x + 16 + 4 * j)));
+        }
+      }
+      for (int c = 0; c < C; ++c) isum[c] = _mm256_madd_epi16(pairs[c], ones);
+    }
+    const __m256 c_w = kType == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)))
+                                      : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));  // (Q8_0: unused)
+    for (int c = 0; c < C; ++c) {
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), _mm256_mul_ps(dw, _mm256_set1_ps(d[c][b])), acc[c]);
+      if constexpr (kType != kQ8_0) off[c] = _mm256_fmadd_ps(c_w, _mm256_set1_ps(s[c][b]), off[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[c], _mm256_add_ps(acc[c], off[c]));
+#else
+  for (int c = 0; c < C; ++c) {
+    float acc[kGroup] = {}, off[kGroup] = {};
+    const uint8_t* block = g;
+    for (int64_t b = 0; b < blocks; ++b, block += kStride) {
+      const uint8_t* quants = block + 16 * kHalves;
+      const int8_t* x = q[c] + b * kBlock;
+      for (int64_t r = 0; r < kGroup; ++r) {
+        const float dw = half_at(block + 2 * r);
+        int32_t isum = 0;
+        for (int64_t k = 0; k < kQuants / 4; ++k)
+          for (int64_t i = 0; i < 4; ++i) {
+            const uint8_t byte = quants[32 * k + 4 * r + i];
+            if (kType == kQ8_0)
+              isum += static_cast<int8_t>(byte) * x[4 * k + i];
+            else
+              isum += (byte & 0x0F) * x[4 * k + i] + (byte >> 4) * x[16 + 4 * k + i];
+          }
+        acc[r] = std::fma(static_cast<float>(isum), dw * d[c][b], acc[r]);
+        if (kType == kQ4_1) off[r] = std::fma(half_at(block + 16 + 2 * r), s[c][b], off[r]);
+        if (kType == kQ4_0) off[r] = std::fma(dw * -8.0f, s[c][b], off[r]);
+      }
+    }
+    for (int64_t r = 0; r < kGroup; ++r) out[c][r] = acc[r] + off[r];
+  }
+#endif
+}
+
+// x W^T over W interleaved by eight (the note above), x rounded to int8 blocks (XBlocks): each task
+// a group of eight weight rows against every row of x, two rows of x at a time.
+template <int64_t kType>
+void groups_q8(const XBlocks& xq, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* out) {
+  const int64_t blocks = K / kBlock, group_bytes = blocks * kGroup * kBytes<kType>;
+  at::parallel_for(0, N / kGroup, M == 1 ? 2 : 1, [&](int64_t lo, int64_t hi) {
+    float dots[2][kGroup];
+    for (int64_t g = lo; g < hi; ++g)
+      for (int64_t m = 0; m < M; m += 2) {
+        const int64_t C = std::min<int64_t>(2, M - m);
+        if (C == 2)
+          group_q8<kType, 2>(w + g * group_bytes, blocks, xq, m, K, dots);
+        else
+          group_q8<kType, 1>(w + g * group_bytes, blocks, xq, m, K, dots);
+        for (int64_t c = 0; c < C; ++c)
+          for (int64_t r = 0; r < kGroup; ++r)
+            out[(m + c) * N + g * kGroup + r] = dots[c][r] + (bias ? bias[g * kGroup + r] : 0.0f);
+      }
+  });
+}
+
+// Row `r` of W interleaved by eight, as the file stores it (the note's layout undone for one row).
+void deinterleave_row(const uint8_t* w, int64_t type, int64_t K, int64_t r, uint8_t* row) {
+  const int64_t bytes = block_bytes(type), halves = type == kQ4_1 ? 2 : 1, quants = bytes - 2 * halves;
+  const int64_t blocks = K / kBlock, lane = r % kGroup;
+  const uint8_t* g = w + (r / kGroup) * blocks * kGroup * bytes;
+  for (int64_t b = 0; b < blocks; ++b, g += kGroup * bytes, row += bytes) {
+    for (int64_t h = 0; h < halves; ++h) std::memcpy(row + 2 * h, g + 16 * h + 2 * lane, 2);
+    for (int64_t k = 0; k < quants / 4; ++k) std::memcpy(row + 2 * halves + 4 * k, g + 16 * halves + 32 * k + 4 * lane, 4);
+  }
+}
+
+// Row r of W (rows one after another, or interleaved by eight), K weights, as fp32 into out.
+void gguf_row(const uint8_t* w, int64_t type, bool by_eight, int64_t K, int64_t r, float* out) {
+  const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
+  if (!by_eight) return unpack_row(w + r * row_bytes, type, K, out);
+  std::vector<uint8_t> row(row_bytes);
+  deinterleave_row(w, type, K, r, row.data());
+  unpack_row(row.data(), type, K, out);
+}
+
 // x W^T with x's rows quantized to int8 (XBlocks) and summed in integers, as llama.cpp's CPU
 // backend computes with Q8_0 / Q4_0 / Q4_1 weights: each row of out depends on its own row of x
 // alone, whatever the number of rows.
@@ -404,11 +567,25 @@ void check_gguf(const at::Tensor& w, int64_t type, int64_t K) {
               per, " blocks of its type (K = ", K, ", ", w.size(1), " bytes a row)");
 }
 
+// W interleaved by eight (Note [GGUF rows interleaved by eight]): [N / 8, K / 32, 8 x block bytes].
+bool interleaved(const at::Tensor& w) { return w.dim() == 3; }
+
+void check_interleaved(const at::Tensor& w, int64_t type, int64_t K) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && block_weights(type) == kBlock &&
+                  w.size(1) * kBlock == K && w.size(2) == kGroup * block_bytes(type),
+              "a GGUF weight interleaved by eight is [N / 8, K / 32, 8 x block bytes] uint8 of Q8_0, Q4_0 or Q4_1 (K = ",
+              K, ")");
+}
+
 void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const std::optional<at::Tensor>& bias,
                  at::Tensor out, bool quantize_x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x is [rows, K] fp32");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  check_gguf(w, type, K);
+  const int64_t M = x.size(0), K = x.size(1), N = interleaved(w) ? w.size(0) * kGroup : w.size(0);
+  if (interleaved(w)) {
+    check_interleaved(w, type, K);
+  } else {
+    check_gguf(w, type, K);
+  }
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.scalar_type() == at::kFloat &&
                   out.is_contiguous(), "out is [rows, N] fp32");
   TORCH_CHECK(!bias || (bias->numel() == N && bias->scalar_type() == at::kFloat && bias->is_contiguous()),
@@ -418,12 +595,19 @@ void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const s
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
+  if (interleaved(w) && quantize_x) {
+    XBlocks xq;
+    quantize_rows(xp, M, K, xq);
+    if (type == kQ8_0) return groups_q8<kQ8_0>(xq, M, K, wp, N, bp, op);
+    if (type == kQ4_1) return groups_q8<kQ4_1>(xq, M, K, wp, N, bp, op);
+    return groups_q8<kQ4_0>(xq, M, K, wp, N, bp, op);
+  }
   if (quantize_x) {
     TORCH_CHECK(block_weights(type) == kBlock, "x is quantized to int8 for Q8_0, Q4_0 and Q4_1 weights only");
     return linear_q8(xp, M, K, wp, row_bytes, N, type, bp, op);
   }
 #if defined(__AVX2__) && defined(__FMA__)
-  if (M == 1) {  // decode: each row's blocks unpacked in registers (row_dot)
+  if (M == 1 && !interleaved(w)) {  // decode: each row's blocks unpacked in registers (row_dot)
     if (type == kQ8_0) rows_dot<kQ8_0>(wp, row_bytes, N, K, xp, bp, op);
     if (type == kQ4_1) rows_dot<kQ4_1>(wp, row_bytes, N, K, xp, bp, op);
     if (type == kQ4_0) rows_dot<kQ4_0>(wp, row_bytes, N, K, xp, bp, op);
@@ -435,7 +619,7 @@ void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const s
     std::vector<float> rows(kRows * K);
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t n0 = t * kRows, count = std::min(kRows, N - n0);
-      for (int64_t r = 0; r < count; ++r) unpack_row(wp + (n0 + r) * row_bytes, type, K, rows.data() + r * K);
+      for (int64_t r = 0; r < count; ++r) gguf_row(wp, type, interleaved(w), K, n0 + r, rows.data() + r * K);
       for (int64_t m = 0; m < M; ++m)
         for (int64_t r = 0; r < count; ++r)
           op[m * N + n0 + r] = dot(xp + m * K, rows.data() + r * K, K) + (bp ? bp[n0 + r] : 0.0f);
@@ -443,38 +627,48 @@ void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const s
   });
 }
 
-// GGUF blocks of 32 weights as decode_layers takes them: a [N, K / 32, block bytes] uint8 view whose
-// block bytes (34, 18 or 20) name the type (Q8_0, Q4_0 or Q4_1).
+// GGUF blocks of 32 weights as decode_layers takes them: a [N, K / 32, block bytes] uint8 view, or
+// the rows interleaved by eight ([N / 8, K / 32, 8 x block bytes]), whose last size names the type.
 int64_t blocks_type(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && (w.size(2) == 34 || w.size(2) == 18 || w.size(2) == 20),
-              "GGUF blocks in a step: [N, K / 32, block bytes] of Q8_0, Q4_0 or Q4_1");
-  return w.size(2) == 34 ? kQ8_0 : w.size(2) == 18 ? kQ4_0 : kQ4_1;
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte, "GGUF blocks in a step: [N, K / 32, block bytes] uint8");
+  for (const int64_t type : {kQ8_0, kQ4_0, kQ4_1})
+    if (w.size(2) == block_bytes(type) || w.size(2) == kGroup * block_bytes(type)) return type;
+  TORCH_CHECK(false, "GGUF blocks in a step: [N, K / 32, block bytes] of Q8_0, Q4_0 or Q4_1, or their rows interleaved "
+                     "by eight");
+  return 0;
 }
+
+bool blocks_interleaved(const at::Tensor& w) { return w.size(2) == kGroup * block_bytes(blocks_type(w)); }
+
+int64_t blocks_rows(const at::Tensor& w) { return blocks_interleaved(w) ? w.size(0) * kGroup : w.size(0); }
 
 // x W^T over such a view, as Linear serves blocks (int8 x).
 void linear_blocks(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor out) {
   const int64_t type = blocks_type(w);
-  linear_gguf(x, w.view({w.size(0), -1}), type, bias, out, true);
+  linear_gguf(x, blocks_interleaved(w) ? w : w.view({w.size(0), -1}), type, bias, out, true);
 }
 
 // Row r of such a view, as fp32 (a blocks embedding's row, as dequantize_gguf's lookup gives it).
 void blocks_row(const at::Tensor& w, int64_t r, float* out) {
   const int64_t type = blocks_type(w);
-  TORCH_CHECK(r >= 0 && r < w.size(0), "row ", r, " of ", w.size(0));
-  unpack_row(w.data_ptr<uint8_t>() + r * w.stride(0), type, w.size(1) * kBlock, out);
+  TORCH_CHECK(r >= 0 && r < blocks_rows(w), "row ", r, " of ", blocks_rows(w));
+  gguf_row(w.data_ptr<uint8_t>(), type, blocks_interleaved(w), w.size(1) * kBlock, r, out);
 }
 
 void dequantize_gguf(const at::Tensor& w, int64_t type, const at::Tensor& rows, at::Tensor out) {
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows are int64 indices");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == rows.size(0) && out.scalar_type() == at::kFloat && out.is_contiguous(),
               "out is [len(rows), K] fp32");
-  const int64_t K = out.size(1), N = w.size(0);
-  check_gguf(w, type, K);
+  const int64_t K = out.size(1), N = interleaved(w) ? w.size(0) * kGroup : w.size(0);
+  if (interleaved(w))
+    check_interleaved(w, type, K);
+  else
+    check_gguf(w, type, K);
   const int64_t* index = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < rows.size(0); ++i) TORCH_CHECK(index[i] >= 0 && index[i] < N, "row ", index[i], " of ", N);
   at::parallel_for(0, rows.size(0), 16, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i)
-      unpack_row(w.data_ptr<uint8_t>() + index[i] * w.size(1), type, K, out.data_ptr<float>() + i * K);
+      gguf_row(w.data_ptr<uint8_t>(), type, interleaved(w), K, index[i], out.data_ptr<float>() + i * K);
   });
 }
 

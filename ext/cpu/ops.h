@@ -25,6 +25,7 @@ void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const s
 void dequantize_gguf(const at::Tensor& w, int64_t type, const at::Tensor& rows, at::Tensor out);
 void linear_blocks(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor out);
 void blocks_row(const at::Tensor& w, int64_t r, float* out);
+int64_t blocks_rows(const at::Tensor& w);  // (N of a blocks view, interleaved by eight or not)
 std::string ahead_hint();
 void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms, at::TensorList post_norms,
                    double eps, at::TensorList qkv_weights, const c10::List<std::optional<at::Tensor>>& qkv_biases,

@@ -218,23 +218,35 @@ def test_gguf_blocks_unpack_to_the_formats_definition(kind, rows):
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
-def test_gguf_blocks_times_int8_activations_stay_within_the_quantization_step(kind):
+@pytest.mark.parametrize("by_eight", [False, True], ids=["rows", "interleaved"])
+def test_gguf_blocks_times_int8_activations_stay_within_the_quantization_step(kind, by_eight):
     """linear_gguf with quantize_x: each row of x as int8 blocks of 32 (d = max|x| / 127, q = x / d
     rounded), summed in integers. Against x times gguf-py's `dequantize` in fp64, the error is at
     most what rounding x moves, d (1/2 + 2^-14) per element (the 2^-14 for d's and 1/d's own
     rounding, 127 ulps at most), times |w|, plus fp32's accumulation bound over the terms. A row's
     output is the same bit for bit alone or in any batch, and a NaN in a row makes that row, alone,
-    NaN."""
+    NaN. The same with the rows interleaved by eight (GgufWeight.interleaved), whose lookups
+    (dequantize_gguf) give the oracle's rows and which `plain` turns back into the file's bytes."""
     import numpy as np
     from gguf import GGMLQuantizationType, quants
+
+    from engine.models.gguf_weights import GgufWeight
     qtype = GGMLQuantizationType[kind]
-    n, k = 37, 576
+    n, k = (40 if by_eight else 37), 576
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)).numpy()
     w[3] = 0.0
     blocks = quants.quantize(w, qtype)
     exact = torch.from_numpy(quants.dequantize(blocks, qtype).astype(np.float64))
     raw = torch.from_numpy(np.ascontiguousarray(blocks)).view(torch.uint8)
+    if by_eight:
+        weight = GgufWeight(raw, int(qtype), k).interleaved()
+        assert weight.by_eight and weight.rows.numel() == raw.numel() and torch.equal(weight.plain().rows, raw)
+        raw = weight.rows
+        picked = torch.tensor([0, n - 1, 3, 9, 17])
+        rows_out = torch.empty(5, k)
+        torch.ops.vkv.dequantize_gguf(raw, int(qtype), picked, rows_out)
+        assert torch.equal(rows_out.double(), exact[picked])
     x, bias = torch.randn(9, k, generator=g), torch.randn(n, generator=g)
     x[0, :32] *= 1000  # one block's step far wider than the others'
     x[1, 32:64] = 0.0  # a block of zeros: d = 0
@@ -249,7 +261,7 @@ def test_gguf_blocks_times_int8_activations_stay_within_the_quantization_step(ki
     reference = x.double() @ exact.T + bias.double()
     assert ((out.double() - reference).abs() <= bound).all()
     assert (out.double() - reference).abs().max() > 1e-3  # (x is rounded: not the fp32 path's error)
-    for rows in (slice(4, 5), slice(0, 3), slice(6, 9)):
+    for rows in (slice(4, 5), slice(2, 4), slice(0, 3), slice(5, 9)):  # (every count of a tile's rows of x)
         alone = torch.empty(rows.stop - rows.start, n)
         torch.ops.vkv.linear_gguf(x[rows].contiguous(), raw, int(qtype), bias, alone, True)
         assert torch.equal(alone, out[rows])
