@@ -12,7 +12,8 @@ blocks, x is rounded to int8 blocks and the products summed in integers, as llam
 
 Approach. `read_gguf` maps the file's tensor names to the Hugging Face names the model loads,
 keeps each Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrix as a `GgufWeight` (its rows' bytes, uint8
-[N, K / block weights * block bytes], and its type), and dequantizes the others with gguf-py
+[N, K / block weights * block bytes], or interleaved by eight as they are copied out of the
+file, and its type), and dequantizes the others with gguf-py
 (norms in F32; the k-quants without a kernel here: Q2_K, Q3_K, Q5_K). llama.cpp's converter permutes the rows of Llama's and Mistral's
 q and k projections for its rotary layout; transformers' loader undoes it on the values, and
 here the same permutation moves whole rows of blocks, so both load the same matrix.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import re
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,10 +99,12 @@ class GgufWeight:
             return self
         blocks, size, halves, quants = self._parts()
         a = self.rows.view(self.n // 8, 8, blocks, size)
-        head = a[..., :2 * halves].reshape(-1, 8, blocks, halves, 2).permute(0, 2, 3, 1, 4)
-        body = a[..., 2 * halves:].reshape(-1, 8, blocks, quants // 4, 4).permute(0, 2, 3, 1, 4)
-        groups = torch.cat([head.reshape(-1, blocks, 16 * halves), body.reshape(-1, blocks, 8 * quants)], dim=2)
-        return GgufWeight(groups.contiguous(), self.type, self.k)
+        groups = torch.empty(self.n // 8, blocks, 8 * size, dtype=torch.uint8)  # (one copy, no intermediates)
+        groups[..., :16 * halves].view(-1, blocks, halves, 8, 2).copy_(
+            a[..., :2 * halves].view(-1, 8, blocks, halves, 2).permute(0, 2, 3, 1, 4))
+        groups[..., 16 * halves:].view(-1, blocks, quants // 4, 8, 4).copy_(
+            a[..., 2 * halves:].view(-1, 8, blocks, quants // 4, 4).permute(0, 2, 3, 1, 4))
+        return GgufWeight(groups, self.type, self.k)
 
     def plain(self) -> GgufWeight:
         """The rows as the file lays them out (`interleaved` undone)."""
@@ -108,10 +112,12 @@ class GgufWeight:
             return self
         blocks, size, halves, quants = self._parts()
         g = self.rows
-        head = g[..., :16 * halves].reshape(-1, blocks, halves, 8, 2).permute(0, 3, 1, 2, 4)
-        body = g[..., 16 * halves:].reshape(-1, blocks, quants // 4, 8, 4).permute(0, 3, 1, 2, 4)
-        rows = torch.cat([head.reshape(-1, 8, blocks, 2 * halves), body.reshape(-1, 8, blocks, quants)], dim=3)
-        return GgufWeight(rows.reshape(self.n, blocks * size).contiguous(), self.type, self.k)
+        rows = torch.empty(self.n // 8, 8, blocks, size, dtype=torch.uint8)
+        rows[..., :2 * halves].view(-1, 8, blocks, halves, 2).copy_(
+            g[..., :16 * halves].view(-1, blocks, halves, 8, 2).permute(0, 3, 1, 2, 4))
+        rows[..., 2 * halves:].view(-1, 8, blocks, quants // 4, 4).copy_(
+            g[..., 16 * halves:].view(-1, blocks, quants // 4, 8, 4).permute(0, 3, 1, 2, 4))
+        return GgufWeight(rows.view(self.n, blocks * size), self.type, self.k)
 
     def dequantized(self) -> torch.Tensor:
         """[n, k] fp32, as gguf-py's `dequantize` gives it (the format's definition)."""
@@ -124,6 +130,8 @@ class GgufWeight:
         """Rows of several matrices of one type and width, one after another (a fused projection)."""
         if len({(p.type, p.k) for p in parts}) != 1:
             return None
+        if all(p.by_eight for p in parts):  # (groups of eight rows follow one another as rows do)
+            return GgufWeight(torch.cat([p.rows for p in parts]), parts[0].type, parts[0].k)
         return GgufWeight(torch.cat([p.plain().rows for p in parts]), parts[0].type, parts[0].k)
 
 
@@ -162,7 +170,9 @@ def _read(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tens
         shape = [int(d) for d in reversed(tensor.shape.tolist())]  # GGUF lists the fastest dimension first
         if kind in TYPES and len(shape) == 2:
             data = np.asarray(tensor.data).view(np.uint8).reshape(shape[0], -1)
-            value: torch.Tensor | GgufWeight = GgufWeight(torch.from_numpy(data.copy()), kind, shape[1])
+            with warnings.catch_warnings():  # (a view of the read-only file: copied once below)
+                warnings.simplefilter("ignore", UserWarning)
+                value: torch.Tensor | GgufWeight = GgufWeight(torch.from_numpy(data), kind, shape[1])
         else:
             array = np.asarray(tensor.data) if kind in (0, 1) else quants.dequantize(tensor.data, GGMLQuantizationType(kind))
             value = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
@@ -171,5 +181,8 @@ def _read(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tens
             order = torch.from_numpy(unpermute_rows(shape[0], heads))
             value = (GgufWeight(value.rows[order].contiguous(), value.type, value.k) if isinstance(value, GgufWeight)
                      else value[order].contiguous())
+        if isinstance(value, GgufWeight):  # copied out of the file once, interleaved where it applies
+            interleaved = value.interleaved()
+            value = interleaved if interleaved is not value else GgufWeight(value.rows.clone(), value.type, value.k)
         state[name] = value
     return state
