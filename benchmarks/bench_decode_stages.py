@@ -58,6 +58,7 @@ def run(llm: LLM, tokens: int, probe_mib: int) -> dict:
         wall = time.perf_counter() - start
         torch.ops.vkv.time_decode_stages(False)
     stages = dict(torch.ops.vkv.decode_stage_times(True))
+    stages.pop("steps in one region")
     return {"wall_s": wall, "steps": stages.pop("steps"), "stage_us": stages, "probe_before_gbps": before,
             "probe_after_gbps": read_gbps(probe_mib, repeats=3)}
 

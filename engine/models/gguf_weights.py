@@ -20,8 +20,7 @@ here the same permutation moves whole rows of blocks, so both load the same matr
 
 Limitations. CPU only, with the native kernels built (else the loader refuses it by name and
 the dequantized checkpoint serves); the one-call decode step (multi-step too) takes blocks of 32
-weights in its per-layer path, not in its one parallel region (panels only), and a model with
-k-quant projections decodes layer by layer; no sleep mode, weight updates, LoRA or tensor
+weights, and a model with k-quant projections decodes layer by layer; no sleep mode, weight updates, LoRA or tensor
 parallelism over blocks (each refused by name); a fused projection whose parts differ in type (a Q4_K_M file's
 Q6_K v beside Q4_K q and k, in some layers) is dequantized whole; the tokenizer and config
 still come from the converted checkpoint directory.

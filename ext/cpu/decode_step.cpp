@@ -35,14 +35,15 @@ struct DecodeStep {  // what every layer of the step reads, and its intermediate
 
 // Where a decode step's time goes (benchmarks/bench_decode_stages.py): with the clock on
 // (`time_decode_stages(true)`), decode_layers adds each stage's microseconds to its sum, read (and
-// cleared) by `decode_stage_times`; off, a stage costs the test of one flag. The sums are atomic:
-// engines of several models in one process step on threads of their own.
+// cleared) by `decode_stage_times`, with the steps run and those that ran in one parallel region
+// (layers_in_one_region); off, a stage costs the test of one flag. The sums are atomic: engines of
+// several models in one process step on threads of their own.
 enum Stage { kContext, kNorms, kQkv, kRope, kAttention, kO, kGateUp, kDown, kPick, kEmbed, kStages };
 constexpr const char* kStageNames[kStages] = {"context prefetch", "norms", "qkv", "rope", "attention", "o",
                                               "gate_up", "down", "pick", "next embedding"};
 std::atomic<bool> stage_clock_on{false};
 std::atomic<double> stage_us[kStages];
-std::atomic<int64_t> stage_steps{0};
+std::atomic<int64_t> stage_steps{0}, region_steps{0};
 
 struct StageClock {
   bool on = stage_clock_on.load(std::memory_order_relaxed);
@@ -62,6 +63,7 @@ c10::Dict<std::string, double> decode_stage_times(bool reset) {
   for (int i = 0; i < kStages; ++i)
     out.insert(kStageNames[i], reset ? stage_us[i].exchange(0.0) : stage_us[i].load());
   out.insert("steps", static_cast<double>(reset ? stage_steps.exchange(0) : stage_steps.load()));
+  out.insert("steps in one region", static_cast<double>(reset ? region_steps.exchange(0) : region_steps.load()));
   return out;
 }
 
@@ -206,6 +208,27 @@ void wait_until(Ready ready) {
   }
 }
 
+// A projection's weight as a thread's share of it runs: vkv's panels, or a GGUF file's blocks
+// (BlocksRef: groups of eight interleaved rows, or four rows), in units a share is counted in.
+struct StepWeight {
+  PanelsRef panels{};
+  BlocksRef blocks{};
+  bool is_blocks = false;
+  int64_t units() const { return is_blocks ? blocks_units(blocks) : panels.P; }
+  int64_t unit_bytes() const { return is_blocks ? blocks.unit_bytes : panels.K * kPanel * (panels.bf16 ? 2 : 4); }
+  const char* bytes() const { return static_cast<const char*>(is_blocks ? static_cast<const void*>(blocks.w) : panels.w); }
+};
+
+StepWeight step_weight(const at::Tensor& w) {
+  StepWeight sw;
+  sw.is_blocks = w.scalar_type() == at::kByte;
+  if (sw.is_blocks)
+    sw.blocks = blocks_ref(w);
+  else
+    sw.panels = panels_ref(w);
+  return sw;
+}
+
 #if defined(VKV_VEC)
 // One row over panels [lo, hi) of fp32 or bf16 panels, on the calling thread (row_over_panels).
 void panels_range(const float* x, const PanelsRef& panels, int64_t N, const float* bias, float* out, int64_t lo,
@@ -214,6 +237,28 @@ void panels_range(const float* x, const PanelsRef& panels, int64_t N, const floa
     row_over_panels(x, panels.K, static_cast<const c10::BFloat16*>(panels.w), N, bias, out, lo, hi);
   else
     row_over_panels(x, panels.K, static_cast<const float*>(panels.w), N, bias, out, lo, hi);
+}
+
+// One row x against units [lo, hi) of the weight, on the calling thread, into out (N outputs).
+void weight_range(const float* x, const StepWeight& w, int64_t N, const float* bias, float* out, int64_t lo,
+                  int64_t hi) {
+  if (w.is_blocks) return blocks_range(x, w.blocks, bias, out, lo, hi);
+  panels_range(x, w.panels, N, bias, out, lo, hi);
+}
+
+// The gate/up projection's units [lo, hi) of the gate and the same of the up, with silu folded in,
+// into act (I outputs): panels as gate_up_silu_share; blocks into gate_up's [2 I] first, then
+// silu(gate) * up as silu_and_mul computes it.
+void gate_up_silu_range(const float* x, const StepWeight& w, float* gate_up, float* act, int64_t I, int64_t lo,
+                        int64_t hi) {
+  if (!w.is_blocks) return gate_up_silu_share(x, w.panels, act, lo, hi);
+  const int64_t unit = w.blocks.unit;
+  blocks_range(x, w.blocks, nullptr, gate_up, lo, hi);
+  blocks_range(x, w.blocks, nullptr, gate_up, I / unit + lo, I / unit + hi);
+  const float* __restrict gate = gate_up;
+  const float* __restrict up = gate_up + I;
+#pragma omp simd
+  for (int64_t j = lo * unit; j < hi * unit; ++j) act[j] = silu_times<float>(gate[j], up[j]);
 }
 #endif
 
@@ -235,10 +280,10 @@ struct AttendThenO {
 // runs attend() (attention, after rope_store in the one region), while thread 1 asks for o's
 // panels; then each its share of o, attended [K] into h [N] (fp32).
 template <typename Attend>
-void attend_then_o_part(int64_t t, bool solo, AttendThenO& st, Attend attend, const PanelsRef& o,
+void attend_then_o_part(int64_t t, bool solo, AttendThenO& st, Attend attend, const StepWeight& o,
                         const float* attended, float* h, int64_t N) {
-  const int64_t P = o.P, panel_bytes = o.K * kPanel * (o.bf16 ? 2 : 4);
-  const char* weights = static_cast<const char*>(o.w);
+  const int64_t P = o.units(), panel_bytes = o.unit_bytes();
+  const char* weights = o.bytes();
   if (t == 0) {
     try {
       attend();
@@ -260,7 +305,7 @@ void attend_then_o_part(int64_t t, bool solo, AttendThenO& st, Attend attend, co
   if (st.failed) return;
   const int64_t split = std::min(P, (P - n + 1) / 2 + n / kWarmGiven);
   const int64_t a = t == 0 ? 0 : split, b = t == 0 ? (solo ? P : split) : P;
-  panels_range(attended, o, N, nullptr, h, a, b);
+  weight_range(attended, o, N, nullptr, h, a, b);
 }
 
 #endif
@@ -282,7 +327,7 @@ bool attention_then_o(DecodeStep& s, const at::Tensor& o_weight, const at::Tenso
   if (!attend_then_o_applies(s, o_weight)) return false;
 #if defined(VKV_VEC)
   AttendThenO st;
-  const PanelsRef o = panels_ref(o_weight);
+  const StepWeight o = step_weight(o_weight);
   auto attend = [&] {
     attention(s.q, k_cache, v_cache, s.block_table, s.block_size, s.q_start, s.q_len, s.ctx_len, s.scale, s.attended);
     clock.lap(kAttention);
@@ -381,11 +426,14 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
 // spinning on a thread that cannot run. (Measured: benchmarks/results/cpu/design_choices.json,
 // "layers_in_one_region".)
 // Implementation: layers_in_one_region, called by decode_layers each step; attend_then_o_part and
-// gate_up_silu_share are per-thread bodies that the region-a-stage path runs too, panels_range runs
-// a thread's share of the other projections (share_of). A thread that throws marks the pair broken,
-// so the other leaves at its next barrier; at::parallel_for rethrows.
+// gate_up_silu_range are per-thread bodies that the region-a-stage path runs too, weight_range runs
+// a thread's share of the other projections (share_of), over panels or GGUF blocks (StepWeight: a
+// share counted in panels, or in groups of rows, each thread rounding x to int8 blocks itself). A
+// thread that throws marks the pair broken, so the other leaves at its next barrier;
+// at::parallel_for rethrows.
 // Limitations: exactly two threads, one row of one sequence whose attention is one work item (under
-// 256 keys: decode_parts), fp32 or bf16 panels, the vector build; elsewhere decode_layer's path.
+// 256 keys: decode_parts), fp32 or bf16 panels or every projection in Q8_0 / Q4_0 / Q4_1 blocks,
+// the vector build; elsewhere decode_layer's path.
 struct Pair {
   struct alignas(64) Count {
     std::atomic<int64_t> n{0};
@@ -424,7 +472,7 @@ struct Pair {
 // layer-by-layer path and steps of several rows still call the ops on tensors.
 struct LayerPlan {
   const float *input_norm, *post_norm, *qkv_bias;
-  PanelsRef qkv, o, gate_up, down;
+  StepWeight qkv, o, gate_up, down;
   void *k, *v;           // the caches' data
   int64_t sk[3], sv[3];  // their strides (block, row, head), in elements
   ContextRef context;
@@ -437,8 +485,8 @@ struct StepPlan {
   const int64_t* pos;
   const void* cos_sin;
   int64_t s_cs, cs_rows, table_blocks, cache_blocks;
-  float *x, *residual, *qkv, *attended, *h, *act;
-  int64_t H, heads, kv_heads, D;
+  float *x, *residual, *qkv, *attended, *h, *gate_up, *act;
+  int64_t H, heads, kv_heads, D, I;
   double eps, scale;
   void (*rope)(const StepPlan&, const LayerPlan&);
   void (*attend)(const StepPlan&, const LayerPlan&, std::vector<float>& buf, std::vector<float>& wide);
@@ -473,8 +521,9 @@ void attend_of(const StepPlan& p, const LayerPlan& l, std::vector<float>& buf, s
 #endif
 
 // The plan of a step's layers (Note [A step's plan, gathered once a call]), or nullopt where the
-// one region does not run: more rows or sequences, other than two threads, panels other than fp32
-// or bf16, an intermediate size off the panel width, the scalar build.
+// one region does not run: more rows or sequences, other than two threads, weights other than fp32
+// or bf16 panels or (every projection) GGUF blocks of the step's shapes, an intermediate size off
+// the panel width (or the blocks' unit), the scalar build.
 std::optional<StepPlan> plan_of(const DecodeStep& s, at::Tensor& x, at::Tensor& residual, at::TensorList input_norms,
                                 at::TensorList post_norms, at::TensorList qkv_weights,
                                 const c10::List<std::optional<at::Tensor>>& qkv_biases, at::TensorList o_weights,
@@ -490,14 +539,25 @@ std::optional<StepPlan> plan_of(const DecodeStep& s, at::Tensor& x, at::Tensor& 
       at::get_num_threads() != 2 || at::in_parallel_region())
     return std::nullopt;
   auto panels_ok = [](const at::Tensor& w) { return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16; };
+  // or every projection in GGUF blocks, each of the shape its step needs, the gate's units apart from the up's
+  const int64_t I = s.act.size(1), nqkv = s.qkv.size(1), nq = s.q.size(1) * s.q.size(2);
+  auto blocks_ok = [&](const at::Tensor& qkv, const at::Tensor& o, const at::Tensor& gate_up, const at::Tensor& down) {
+    for (const at::Tensor* w : {&qkv, &o, &gate_up, &down})
+      if (w->scalar_type() != at::kByte || w->dim() != 3 || !w->is_contiguous()) return false;
+    const BlocksRef a = blocks_ref(qkv), b = blocks_ref(o), c = blocks_ref(gate_up), d = blocks_ref(down);
+    return a.K == H && a.N == nqkv && b.K == nq && b.N == H && c.K == H && c.N == 2 * I && I % c.unit == 0 &&
+           d.K == I && d.N == H;
+  };
   auto norm_ok = [&](const at::Tensor& w) {
     return w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == H;
   };
   const at::ScalarType cache = k_caches[0].scalar_type();
   for (int64_t i = 0; i < L; ++i) {
     const std::optional<at::Tensor> bias = qkv_biases.get(i);
-    if (!panels_ok(qkv_weights[i]) || !panels_ok(o_weights[i]) || !panels_ok(down_weights[i]) ||
-        !gate_up_silu_applies(s.h, gate_up_weights[i], s.act) || !norm_ok(input_norms[i]) || !norm_ok(post_norms[i]) ||
+    const bool panels = panels_ok(qkv_weights[i]) && panels_ok(o_weights[i]) && panels_ok(down_weights[i]) &&
+                        gate_up_silu_applies(s.h, gate_up_weights[i], s.act);
+    if (!(panels || blocks_ok(qkv_weights[i], o_weights[i], gate_up_weights[i], down_weights[i])) ||
+        !norm_ok(input_norms[i]) || !norm_ok(post_norms[i]) ||
         (bias && (bias->scalar_type() != at::kFloat || !bias->is_contiguous())) ||
         k_caches[i].scalar_type() != cache || v_caches[i].scalar_type() != cache ||
         k_caches[i].sizes() != v_caches[i].sizes() || k_caches[i].size(0) != k_caches[0].size(0) ||
@@ -516,8 +576,8 @@ std::optional<StepPlan> plan_of(const DecodeStep& s, at::Tensor& x, at::Tensor& 
     const std::optional<at::Tensor> bias = qkv_biases.get(i);
     const at::Tensor &k = k_caches[i], &v = v_caches[i];
     p.layers.push_back({input_norms[i].data_ptr<float>(), post_norms[i].data_ptr<float>(),
-                        bias ? bias->data_ptr<float>() : nullptr, panels_ref(qkv_weights[i]), panels_ref(o_weights[i]),
-                        panels_ref(gate_up_weights[i]), panels_ref(down_weights[i]), k.data_ptr(), v.data_ptr(),
+                        bias ? bias->data_ptr<float>() : nullptr, step_weight(qkv_weights[i]), step_weight(o_weights[i]),
+                        step_weight(gate_up_weights[i]), step_weight(down_weights[i]), k.data_ptr(), v.data_ptr(),
                         {k.stride(0), k.stride(1), k.stride(2)}, {v.stride(0), v.stride(1), v.stride(2)},
                         context_ref(k, v)});
   }
@@ -536,7 +596,9 @@ std::optional<StepPlan> plan_of(const DecodeStep& s, at::Tensor& x, at::Tensor& 
   p.qkv = s.qkv.data_ptr<float>();
   p.attended = s.attended.data_ptr<float>();
   p.h = s.h.data_ptr<float>();
+  p.gate_up = s.gate_up.data_ptr<float>();
   p.act = s.act.data_ptr<float>();
+  p.I = I;
   p.H = H;
   p.heads = s.q.size(1);
   p.kv_heads = s.k.size(1);
@@ -598,8 +660,8 @@ bool layers_in_one_region(StepPlan& p) {
         if (t == 0) input_norm_row(p.x, p.residual, p.H, i == 0, l.input_norm, p.eps, p.row.data());
         if (!pair.meet(t)) return;
         clock.lap(kNorms);
-        const auto [qlo, qhi] = share_of(t, l.qkv.P);
-        panels_range(p.x, l.qkv, (p.heads + 2 * p.kv_heads) * p.D, l.qkv_bias, p.qkv, qlo, qhi);
+        const auto [qlo, qhi] = share_of(t, l.qkv.units());
+        weight_range(p.x, l.qkv, (p.heads + 2 * p.kv_heads) * p.D, l.qkv_bias, p.qkv, qlo, qhi);
         if (!pair.meet(t)) return;
         clock.lap(kQkv);
         auto rope_then_attend = [&] {
@@ -616,12 +678,12 @@ bool layers_in_one_region(StepPlan& p) {
         if (t == 0) norm_row<float>(p.h, p.residual, l.post_norm, p.H, p.eps, p.row.data());
         if (!pair.meet(t)) return;
         clock.lap(kNorms);
-        const auto [glo, ghi] = share_of(t, l.gate_up.P / 2);
-        gate_up_silu_share(p.h, l.gate_up, p.act, glo, ghi);
+        const auto [glo, ghi] = share_of(t, l.gate_up.units() / 2);
+        gate_up_silu_range(p.h, l.gate_up, p.gate_up, p.act, p.I, glo, ghi);
         if (!pair.meet(t)) return;
         clock.lap(kGateUp);
-        const auto [dlo, dhi] = share_of(t, l.down.P);
-        panels_range(p.act, l.down, p.H, nullptr, p.x, dlo, dhi);
+        const auto [dlo, dhi] = share_of(t, l.down.units());
+        weight_range(p.act, l.down, p.H, nullptr, p.x, dlo, dhi);
         if (i + 1 < L) context[i + 1].run();
         if (!pair.meet(t)) return;
         clock.lap(kDown);
@@ -789,7 +851,8 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
   std::optional<StepPlan> plan = plan_of(s, x, residual, input_norms, post_norms, qkv_weights, qkv_biases, o_weights,
                                          gate_up_weights, down_weights, k_caches, v_caches);
   for (int64_t step = 0; step < steps; ++step) {
-    if (!(plan && layers_in_one_region(*plan)))
+    const bool one_region = plan && layers_in_one_region(*plan);
+    if (!one_region)
       for (size_t i = 0; i < L; ++i) {
         const bool last = i + 1 == L;
         decode_layer(s, x, residual, i == 0, input_norms[i], post_norms[i], qkv_weights[i], qkv_biases.get(i),
@@ -797,7 +860,10 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
                      last ? nullptr : &k_caches[i + 1], last ? nullptr : &v_caches[i + 1]);
       }
     StageClock clock;
-    if (clock.on) stage_steps.fetch_add(1, std::memory_order_relaxed);
+    if (clock.on) {
+      stage_steps.fetch_add(1, std::memory_order_relaxed);
+      if (one_region) region_steps.fetch_add(1, std::memory_order_relaxed);
+    }
     if (!logits) return;
     TORCH_CHECK(rows && final_norm && lm_head, "logits need rows, the final norm and the LM head");
     if (tokens && pick) {  // only the pick is wanted: from half the LM head's bytes, exactly

@@ -41,9 +41,9 @@ namespace vkv {
 // Limitations: the other k-quants (Q2_K, Q3_K, Q5_K) are not here (the loader dequantizes them),
 // and Q4_K / Q6_K unpack with plain loops the compiler vectorizes and multiply in fp32 (llama.cpp
 // quantizes x to Q8_K for them); no VNNI or AMX int8 path yet (AVX2's maddubs on every x86 CPU
-// with AVX2); decode_layers (decode_step.cpp) takes Q8_0 / Q4_0 / Q4_1 blocks (linear_blocks, blocks_row)
-// in its per-layer path and its multi-step loop, not in its one parallel region (panels only), and
-// its greedy steps pick from the full logits (no half-bytes copy of a blocks LM head).
+// with AVX2); decode_layers (decode_step.cpp) takes Q8_0 / Q4_0 / Q4_1 blocks (linear_blocks,
+// blocks_range, blocks_row) in each of its paths, but its greedy steps pick from the full logits
+// (no half-bytes copy of a blocks LM head).
 
 enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // ggml's type ids
 constexpr int64_t kBlock = 32, kSuper = 256;  // weights a block holds; a k-quant's super-block
@@ -646,6 +646,42 @@ int64_t blocks_rows(const at::Tensor& w) { return blocks_interleaved(w) ? w.size
 void linear_blocks(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor out) {
   const int64_t type = blocks_type(w);
   linear_gguf(x, blocks_interleaved(w) ? w : w.view({w.size(0), -1}), type, bias, out, true);
+}
+
+BlocksRef blocks_ref(const at::Tensor& w) {
+  const int64_t type = blocks_type(w), K = w.size(1) * kBlock;
+  const bool by_eight = blocks_interleaved(w);
+  const int64_t unit = by_eight ? kGroup : 4, row_bytes = K / kBlock * block_bytes(type);
+  TORCH_CHECK(w.is_contiguous(), "GGUF blocks in a step are contiguous");
+  return {w.data_ptr<uint8_t>(), type, blocks_rows(w), K, unit, unit * row_bytes, by_eight};
+}
+
+// Units [lo, hi) of W (each group_q8's or rows4_q8's rows) against one row of x, as groups_q8 and
+// rows_dot_q8 compute them for a row of x alone.
+void blocks_range(const float* x, const BlocksRef& b, const float* bias, float* out, int64_t lo, int64_t hi) {
+  thread_local XBlocks xq;  // (this thread's copy of x in int8 blocks: quantize_rows runs inline here)
+  quantize_rows(x, 1, b.K, xq);
+  const int64_t blocks = b.K / kBlock;
+  for (int64_t u = lo; u < hi; ++u) {
+    const int64_t n = u * b.unit, count = std::min(b.unit, b.N - n);
+    float dots[kGroup];
+    if (b.by_eight) {
+      float group[1][kGroup];
+      const uint8_t* g = b.w + u * b.unit_bytes;
+      if (b.type == kQ8_0) group_q8<kQ8_0, 1>(g, blocks, xq, 0, b.K, group);
+      if (b.type == kQ4_1) group_q8<kQ4_1, 1>(g, blocks, xq, 0, b.K, group);
+      if (b.type == kQ4_0) group_q8<kQ4_0, 1>(g, blocks, xq, 0, b.K, group);
+      std::copy(group[0], group[0] + kGroup, dots);
+    } else {
+      const int64_t row_bytes = b.unit_bytes / b.unit;
+      const uint8_t* rows[4];
+      for (int64_t r = 0; r < 4; ++r) rows[r] = b.w + (n + std::min(r, count - 1)) * row_bytes;  // (the last again)
+      if (b.type == kQ8_0) rows4_q8<kQ8_0>(rows, b.K, xq.q.data(), xq.d.data(), xq.s.data(), dots);
+      if (b.type == kQ4_1) rows4_q8<kQ4_1>(rows, b.K, xq.q.data(), xq.d.data(), xq.s.data(), dots);
+      if (b.type == kQ4_0) rows4_q8<kQ4_0>(rows, b.K, xq.q.data(), xq.d.data(), xq.s.data(), dots);
+    }
+    for (int64_t r = 0; r < count; ++r) out[n + r] = dots[r] + (bias ? bias[n + r] : 0.0f);
+  }
 }
 
 // Row r of such a view, as fp32 (a blocks embedding's row, as dequantize_gguf's lookup gives it).

@@ -174,6 +174,16 @@ def test_the_decode_layers_in_one_native_call_equal_the_layer_by_layer_path(dtyp
         return [[(t, lp[t].logprob, top_of(lp, 2)) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                 for o in llm.generate(prompts, params, use_tqdm=False)]
 
+    if rows == 1:  # (every step of one row on two threads: fp32 or bf16 panels, or every projection in blocks)
+        torch.ops.vkv.decode_stage_times(True)
+        torch.ops.vkv.time_decode_stages(True)
+        try:
+            run()
+        finally:
+            torch.ops.vkv.time_decode_stages(False)
+        times = torch.ops.vkv.decode_stage_times(True)
+        assert times["steps in one region"] >= 9, times  # (each token after the prompt's)
+
     fused = run()
     weights, model.decode = model.decode, []
     try:
