@@ -5,6 +5,7 @@
 #include <c10/util/Half.h>
 
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace vkv {
@@ -127,6 +128,19 @@ void unpack_super(const uint8_t* block, int64_t type, float* out) {
 
 template <int64_t kType>
 constexpr int64_t kBytes = kType == kQ8_0 ? 34 : kType == kQ4_1 ? 20 : 18;
+
+// f(type as a compile-time constant) for a block of 32 weights: Q8_0, Q4_1, else Q4_0.
+template <typename F>
+VKV_INLINE void with_block_type(int64_t type, F f) {
+  if (type == kQ8_0) return f(std::integral_constant<int64_t, kQ8_0>{});
+  if (type == kQ4_1) return f(std::integral_constant<int64_t, kQ4_1>{});
+  f(std::integral_constant<int64_t, kQ4_0>{});
+}
+
+// Four weight rows from row n on for rows4_q8, the last of the `count` there repeated past it.
+VKV_INLINE void four_rows(const uint8_t* w, int64_t n, int64_t count, int64_t row_bytes, const uint8_t* rows[4]) {
+  for (int64_t r = 0; r < 4; ++r) rows[r] = w + (n + std::min(r, count - 1)) * row_bytes;
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 
@@ -378,7 +392,7 @@ void rows_dot_q8(const XBlocks& xq, int64_t M, int64_t K, const uint8_t* w, int6
     for (int64_t n = lo * kRows; n < std::min(N, hi * kRows); n += kRows) {
       const int64_t count = std::min(kRows, N - n);
       const uint8_t* rows[kRows];
-      for (int64_t r = 0; r < kRows; ++r) rows[r] = w + (n + std::min(r, count - 1)) * row_bytes;  // (the last again)
+      four_rows(w, n, count, row_bytes, rows);
       for (int64_t m = 0; m < M; ++m) {
         float dots[kRows];
         rows4_q8<kType>(rows, K, xq.q.data() + m * K, xq.d.data() + m * blocks, xq.s.data() + m * blocks, dots);
@@ -555,9 +569,7 @@ void linear_q8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t r
                const float* bias, float* out) {
   XBlocks xq;
   quantize_rows(x, M, K, xq);
-  if (type == kQ8_0) return rows_dot_q8<kQ8_0>(xq, M, K, w, row_bytes, N, bias, out);
-  if (type == kQ4_1) return rows_dot_q8<kQ4_1>(xq, M, K, w, row_bytes, N, bias, out);
-  return rows_dot_q8<kQ4_0>(xq, M, K, w, row_bytes, N, bias, out);
+  with_block_type(type, [&](auto k) { rows_dot_q8<k>(xq, M, K, w, row_bytes, N, bias, out); });
 }
 
 void check_gguf(const at::Tensor& w, int64_t type, int64_t K) {
@@ -598,21 +610,15 @@ void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const s
   if (interleaved(w) && quantize_x) {
     XBlocks xq;
     quantize_rows(xp, M, K, xq);
-    if (type == kQ8_0) return groups_q8<kQ8_0>(xq, M, K, wp, N, bp, op);
-    if (type == kQ4_1) return groups_q8<kQ4_1>(xq, M, K, wp, N, bp, op);
-    return groups_q8<kQ4_0>(xq, M, K, wp, N, bp, op);
+    return with_block_type(type, [&](auto k) { groups_q8<k>(xq, M, K, wp, N, bp, op); });
   }
   if (quantize_x) {
     TORCH_CHECK(block_weights(type) == kBlock, "x is quantized to int8 for Q8_0, Q4_0 and Q4_1 weights only");
     return linear_q8(xp, M, K, wp, row_bytes, N, type, bp, op);
   }
 #if defined(__AVX2__) && defined(__FMA__)
-  if (M == 1 && !interleaved(w)) {  // decode: each row's blocks unpacked in registers (row_dot)
-    if (type == kQ8_0) rows_dot<kQ8_0>(wp, row_bytes, N, K, xp, bp, op);
-    if (type == kQ4_1) rows_dot<kQ4_1>(wp, row_bytes, N, K, xp, bp, op);
-    if (type == kQ4_0) rows_dot<kQ4_0>(wp, row_bytes, N, K, xp, bp, op);
-    if (block_weights(type) == kBlock) return;  // (k-quants: the path below, one row of x)
-  }
+  if (M == 1 && !interleaved(w) && block_weights(type) == kBlock)  // decode: blocks unpacked in registers (row_dot)
+    return with_block_type(type, [&](auto k) { rows_dot<k>(wp, row_bytes, N, K, xp, bp, op); });
 #endif
   constexpr int64_t kRows = 4;
   at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t lo, int64_t hi) {
@@ -667,18 +673,12 @@ void blocks_range(const float* x, const BlocksRef& b, const float* bias, float* 
     float dots[kGroup];
     if (b.by_eight) {
       float group[1][kGroup];
-      const uint8_t* g = b.w + u * b.unit_bytes;
-      if (b.type == kQ8_0) group_q8<kQ8_0, 1>(g, blocks, xq, 0, b.K, group);
-      if (b.type == kQ4_1) group_q8<kQ4_1, 1>(g, blocks, xq, 0, b.K, group);
-      if (b.type == kQ4_0) group_q8<kQ4_0, 1>(g, blocks, xq, 0, b.K, group);
+      with_block_type(b.type, [&](auto k) { group_q8<k, 1>(b.w + u * b.unit_bytes, blocks, xq, 0, b.K, group); });
       std::copy(group[0], group[0] + kGroup, dots);
     } else {
-      const int64_t row_bytes = b.unit_bytes / b.unit;
       const uint8_t* rows[4];
-      for (int64_t r = 0; r < 4; ++r) rows[r] = b.w + (n + std::min(r, count - 1)) * row_bytes;  // (the last again)
-      if (b.type == kQ8_0) rows4_q8<kQ8_0>(rows, b.K, xq.q.data(), xq.d.data(), xq.s.data(), dots);
-      if (b.type == kQ4_1) rows4_q8<kQ4_1>(rows, b.K, xq.q.data(), xq.d.data(), xq.s.data(), dots);
-      if (b.type == kQ4_0) rows4_q8<kQ4_0>(rows, b.K, xq.q.data(), xq.d.data(), xq.s.data(), dots);
+      four_rows(b.w, n, count, b.unit_bytes / b.unit, rows);
+      with_block_type(b.type, [&](auto k) { rows4_q8<k>(rows, b.K, xq.q.data(), xq.d.data(), xq.s.data(), dots); });
     }
     for (int64_t r = 0; r < count; ++r) out[n + r] = dots[r] + (bias ? bias[n + r] : 0.0f);
   }
