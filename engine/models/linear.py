@@ -34,6 +34,19 @@ PACK_HINT = 128  # rows the packed layout is tuned for; good from 1 row to hundr
 FEW_ROWS = 12
 
 
+NATIVE_READS = (torch.float32, torch.bfloat16, torch.float16)  # what `write_panels` converts from
+
+
+def rounded_for(dst: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
+                reads: tuple[torch.dtype, ...] | None = None) -> torch.Tensor:
+    """w as a copy into dst takes it, so that dst gets w's values rounded to `dtype` (the weights'
+    dtype, which dst may be wider than): w itself where converting it straight to dst's dtype
+    rounds the same (dst in `dtype`, or w already in it) and the writer reads w's dtype (`reads`:
+    any, when None), else w.to(dtype) first."""
+    direct = (dst.dtype == dtype or w.dtype == dtype) and (reads is None or w.dtype in reads)
+    return w if direct else w.to(dtype)
+
+
 def pick_bounds(w: torch.Tensor, near: torch.Tensor) -> torch.Tensor:
     """Per row of a weight w [n, k] and its approximation `near` (the values the pick multiplies:
     bf16(w), or scale * int8), fp64: |w - near| + gamma (|w| + |near|) (Euclidean norms), gamma =
@@ -135,37 +148,30 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     @torch.no_grad()
-    def assign(self, w: torch.Tensor, start: int = 0) -> None:
-        """New values for rows [start, start + len(w)) of the weight ([out, in], in the compute
-        dtype), written into every copy this projection keeps, in place and in one pass each:
-        the plain weight (if kept), the panels, oneDNN's packed weight (that one whole: start 0
-        and every row). No tensor is replaced, so whatever holds one
-        (the one-call decode path) stays valid (engine/models/weights.py)."""
+    def assign(self, w: torch.Tensor, start: int = 0, dtype: torch.dtype | None = None) -> None:
+        """New values for rows [start, start + len(w)) of the weight ([out, in], any float dtype),
+        rounded to `dtype` (the model's weights dtype; default the weight's own) and written into
+        every copy this projection keeps, in place and in one pass each: the plain weight (if
+        kept and its own: a tied one is the embedding's to write), the panels (rounded and
+        transposed in one native pass: `write_panels`), oneDNN's packed weight (that one whole:
+        start 0 and every row). No tensor is replaced, so whatever holds one (the one-call decode
+        path) stays valid (engine/models/weights.py)."""
         if self.gguf is not None:
             raise ValueError("a weight held in GGUF blocks is not updated in place")
+        dtype = dtype or self.weight.dtype
         end = start + w.shape[0]
-        if self.weight.numel():
-            self.weight.data[start:end].copy_(w)
+        if self.weight.numel() and not self.tied:
+            self.weight.data[start:end].copy_(rounded_for(self.weight, w, dtype))
         if self.panels is not None:  # row r of the weight is column r % width of panel r // width
-            rows = self.panels.transpose(1, 2)  # [count, width, k], a view
-            width, r = rows.shape[1], start
-            while r < end:
-                panel, at = divmod(r, width)
-                whole = (end - r) // width if at == 0 else 0  # whole panels at once: one copy
-                if whole:
-                    rows[panel:panel + whole].copy_(w[r - start:r - start + whole * width].view(whole, width, -1))
-                    r += whole * width
-                    continue
-                n = min(width - at, end - r)
-                rows[panel, at:at + n].copy_(w[r - start:r - start + n])
-                r += n
+            torch.ops.vkv.write_panels(self.panels, rounded_for(self.panels, w, dtype, NATIVE_READS).contiguous(), start)
         if self.pick is not None:  # the panels the rows touch, and their rows' scales and bounds
             width = self.panels.shape[2]
             self._repick(start // width, -(-end // width))
         if self.packed is not None:
             if (start, end) != (0, self.out_features):
                 raise ValueError("oneDNN's packed weight is written whole")
-            self.packed.copy_(torch.ops.mkldnn._reorder_linear_weight(w.to(self.packed.dtype), PACK_HINT))
+            packed = w.to(dtype).to(self.packed.dtype)
+            self.packed.copy_(torch.ops.mkldnn._reorder_linear_weight(packed, PACK_HINT))
 
     def tie(self, weight: nn.Parameter) -> None:
         """Share `weight` (an embedding's) instead of owning one; packing keeps it."""

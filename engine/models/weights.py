@@ -17,7 +17,9 @@ gate/up into gate_up, and every copy a projection keeps for its kernels (the pla
 kept, the GEMM panels, oneDNN's packed weight; engine/models/linear.py `Linear.assign`)
 made again from it and copied over the old, so every address stays. Values are rounded as a
 fresh load rounds them (to the model's dtype, then widened to its compute dtype), so the
-engine computes what a fresh engine on the same weights computes.
+engine computes what a fresh engine on the same weights computes; each copy rounds on its way in
+(`rounded_for`), the panels in the same native pass that transposes them (`write_panels`), so no
+rounded copy of the update is made first.
 
 Limitations. A fused projection is written whole: a layer's q, k and v come together, as do
 gate and up (a packed projection keeps no plain weight to patch a part into). Tensor-parallel
@@ -30,7 +32,7 @@ import secrets
 import torch
 
 from engine.models.config import ModelConfig
-from engine.models.linear import Linear
+from engine.models.linear import Linear, rounded_for
 
 FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
          "self_attn.v_proj": ("self_attn.qkv_proj", 2), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
@@ -143,37 +145,33 @@ def finite(tensor: torch.Tensor) -> bool:
 def apply(model, update: dict[str, torch.Tensor]) -> None:
     """Write a checked update into the model in place (see the note above)."""
     device, dtype = model_device(model), model.weights_dtype
-
-    def rounded(t: torch.Tensor) -> torch.Tensor:
-        """t in the weights' dtype, one tensor at a time (no second copy of the whole update);
-        widened to the compute dtype by the copy into place (bf16 weights computed in fp32)."""
-        return t.detach().to(device).to(dtype)
-
     fused: dict[str, dict[int, torch.Tensor]] = {}
     for name, value in update.items():
         pre, layer, module, kind = split(name)
+        value = value.detach().to(device)  # (rounded to dtype by whatever writes it: `rounded_for`)
         if layer and module in FUSED:
             target, index = FUSED[module]
             fused.setdefault(f"{pre}.layers.{layer}.{target}.{kind}", {})[index] = value
             continue
-        owner, value = model.get_submodule(name.rpartition(".")[0]), rounded(value)
+        owner = model.get_submodule(name.rpartition(".")[0])
         if isinstance(owner, Linear) and kind == "weight":
-            owner.assign(value)
+            owner.assign(value, dtype=dtype)
         else:
-            getattr(owner, name.rpartition(".")[2]).data.copy_(value)
+            param = getattr(owner, name.rpartition(".")[2])
+            param.data.copy_(rounded_for(param, value, dtype))
         if name == "model.embed_tokens.weight" and model.lm_head.tied:  # its packed copies too
-            model.lm_head.assign(value)
+            model.lm_head.assign(value, dtype=dtype)
     for name, parts in fused.items():  # each part into its rows (oneDNN's packed weight: whole)
         owner, kind = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
         ordered = [parts[i] for i in range(len(parts))]
         if kind == "bias":
-            owner.bias.data.copy_(rounded(torch.cat(ordered)))
+            owner.bias.data.copy_(rounded_for(owner.bias, torch.cat(ordered), dtype))
         elif owner.packed is not None:
-            owner.assign(rounded(torch.cat(ordered)))
+            owner.assign(torch.cat(ordered), dtype=dtype)
         else:
             start = 0
             for part in ordered:
-                owner.assign(rounded(part), start)
+                owner.assign(part, start, dtype)
                 start += part.shape[0]
     if model.decode:  # its fp32 copies of norms and biases (bf16 arithmetic) follow
         model.decode = [layer.decode_weights() for layer in model.model.layers]

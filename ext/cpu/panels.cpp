@@ -1,4 +1,4 @@
-// torch.ops.vkv.linear_panels, panel_width and ahead_hint (panels.h).
+// torch.ops.vkv.linear_panels, panel_width, ahead_hint (panels.h) and write_panels.
 #include "ops.h"
 #include "panels.h"
 
@@ -11,5 +11,91 @@ void linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::opt
 int64_t panel_width() { return kPanel; }
 
 std::string ahead_hint() { return ahead_hint_text(); }
+
+}  // namespace vkv
+
+namespace vkv {
+
+// Rows [row, row + n) of a weight w [n, K] written into its panels [P, K, kPanel] (`write_panels`):
+// new weights in place (engine/models/weights.py). Row r is column r % kPanel of panel r / kPanel, so
+// each panel is a transpose of kPanel rows; it goes a block of kBlock k at a time (kPanel rows of
+// kBlock values read, a kBlock x kPanel tile written: both in L1), the panels shared out between
+// threads. Each value becomes float, then the panel's type (bf16: to nearest even, as torch's
+// conversion), in the same pass: no rounded copy of the weight is made first.
+#if defined(__AVX2__)
+// out[j * ldo + i] = in[i * ldi + j] for i, j in [0, 8): eight rows of eight floats, transposed; out
+// 32-byte aligned, written past the caches (streaming stores: a fence after the last).
+VKV_INLINE void transpose8(const float* in, int64_t ldi, float* out, int64_t ldo) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + i * ldi);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_stream_ps(out + i * ldo, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_stream_ps(out + (i + 4) * ldo, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+#endif
+
+template <typename TS, typename TD>
+void write_panels_impl(TD* panels, int64_t K, const TS* w, int64_t n, int64_t row) {
+  constexpr int64_t kBlock = 64;
+  const int64_t first = row / kPanel, last = (row + n - 1) / kPanel;
+  at::parallel_for(first, last + 1, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p) {
+      const int64_t c0 = std::max<int64_t>(0, row - p * kPanel), c1 = std::min(kPanel, row + n - p * kPanel);
+      TD* dst = panels + p * K * kPanel;
+      const TS* src = w + (p * kPanel + c0 - row) * K;  // (the row of column c0)
+      int64_t k_done = 0;
+#if defined(__AVX2__)
+      if constexpr (std::is_same_v<TS, float> && std::is_same_v<TD, float>) {
+        if (c0 == 0 && c1 == kPanel && reinterpret_cast<uintptr_t>(dst) % 32 == 0) {  // a whole panel
+          for (; k_done + 8 <= K; k_done += 8)
+            for (int64_t c = 0; c < kPanel; c += 8) transpose8(src + c * K + k_done, K, dst + k_done * kPanel + c, kPanel);
+          _mm_sfence();
+        }
+      }
+#endif
+      for (int64_t k0 = k_done; k0 < K; k0 += kBlock) {
+        const int64_t k1 = std::min(K, k0 + kBlock);
+        for (int64_t k = k0; k < k1; ++k)
+          for (int64_t c = c0; c < c1; ++c) store(dst + k * kPanel + c, static_cast<float>(src[(c - c0) * K + k]));
+      }
+    }
+  });
+}
+
+void write_panels(at::Tensor panels, const at::Tensor& w, int64_t row) {
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel,
+              "panels must be [P, K, panel_width()] contiguous");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == panels.size(1), "w must be [n, K] contiguous");
+  const int64_t n = w.size(0), K = w.size(1);
+  TORCH_CHECK(row >= 0 && row + n <= panels.size(0) * kPanel, "rows [", row, ", ", row + n, ") past the panels' ",
+              panels.size(0) * kPanel);
+  if (n == 0) return;
+  auto to = [&](auto* dst) {
+    using TD = std::remove_pointer_t<decltype(dst)>;
+    switch (w.scalar_type()) {
+      case at::kFloat: return write_panels_impl<float, TD>(dst, K, w.data_ptr<float>(), n, row);
+      case at::kBFloat16: return write_panels_impl<c10::BFloat16, TD>(dst, K, w.data_ptr<c10::BFloat16>(), n, row);
+      case at::kHalf: return write_panels_impl<c10::Half, TD>(dst, K, w.data_ptr<c10::Half>(), n, row);
+      default: TORCH_CHECK(false, "write_panels reads fp32, bf16 or fp16 weights");
+    }
+  };
+  if (panels.scalar_type() == at::kFloat)
+    to(panels.data_ptr<float>());
+  else if (panels.scalar_type() == at::kBFloat16)
+    to(panels.data_ptr<c10::BFloat16>());
+  else
+    TORCH_CHECK(false, "write_panels writes fp32 or bf16 panels");
+}
 
 }  // namespace vkv

@@ -209,24 +209,32 @@ def test_sampled_tokens_logprobs_agree_with_a_transformers_trainer_before_and_af
         assert gap(llm) <= 1e-3
 
 
+@pytest.mark.parametrize("dtype,given", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                         (torch.bfloat16, torch.float16), (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("cuts", [(0, 100), (0, 10, 37, 70, 100), (0, 32, 64, 96, 100), (0, 5, 100)])
-def test_assign_writes_parts_into_the_panels_as_packing_them_whole_would(cuts):
+def test_assign_writes_parts_into_the_panels_as_packing_them_whole_would(cuts, dtype, given):
     """Linear.assign's parts, wherever they start and end (inside a panel, on its edge, whole
-    panels at once), leave the panels equal to packing the whole new weight."""
+    panels at once), and in whatever float dtype they come (rounded to the weights' dtype on the
+    way in, ties to even included), leave the panels equal to packing the whole new weight."""
     import ext
     from engine.models.linear import Linear
     if ext.cpu_kernels() is None:
         pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
-    new = torch.randn(100, 48)
+    new = torch.randn(100, 48).to(given)
+    if given == torch.float32:  # values halfway between two bf16 numbers: rounded to the even one
+        ties = torch.randn(15, 16).bfloat16().float()
+        ties.view(torch.int32).add_(0x8000)  # (half of a bf16's last bit, in fp32's bits)
+        new[::7, ::3] = ties
     updated, packed = Linear(48, 100), Linear(48, 100)
     torch.nn.init.normal_(updated.weight)
-    packed.weight.data = new.clone()
-    updated.pack_panels(torch.float32), packed.pack_panels(torch.float32)
-    updated.pack_pick(), packed.pack_pick()  # (and the greedy pick's bf16 copy and bounds)
+    packed.weight.data = new.to(dtype).float()
+    updated.pack_panels(dtype), packed.pack_panels(dtype)
+    updated.pack_pick(), packed.pack_pick()  # (and the greedy pick's copy and bounds)
     for a, b in zip(cuts, cuts[1:]):
-        updated.assign(new[a:b], a)
+        updated.assign(new[a:b], a, dtype)
     assert torch.equal(updated.panels, packed.panels)
     assert torch.equal(updated.pick, packed.pick)
+    assert not updated.weight.numel()  # (the plain weight was dropped by packing, and stays so)
     # a row's fp64 norms may differ in the last bits with how many rows are reduced at once (ATen
     # vectorizes across them), far inside the slack the bound's gamma term gives it
     torch.testing.assert_close(updated.pick_bounds, packed.pick_bounds, rtol=1e-12, atol=0)
