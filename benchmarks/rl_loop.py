@@ -19,6 +19,7 @@ on the same weights, with sleep mode and without.
 
     python benchmarks/rl_loop.py --json benchmarks/results/cpu/rl_loop.json --plot benchmarks/results/cpu/rl_loop.png
     python benchmarks/rl_loop.py --dtype bfloat16 --json benchmarks/results/cpu/rl_loop_bf16.json --plot ...
+    python benchmarks/rl_loop.py --device cuda --dtype bfloat16 ...   (benchmarks/gpu_suite.py's "wake")
 """
 from __future__ import annotations
 
@@ -41,10 +42,15 @@ PROMPTS = ["Count from one to ten:", "The year the war ended was", "My phone num
            "The answer to the puzzle is", "In 1969, the crew"]
 
 
-def held_bytes(llm) -> tuple[int, int]:
+def held_bytes(llm, device: torch.device) -> tuple[int, int]:
     """What the process holds: its anonymous resident memory apart from the weights' pages (the
     trainer's included), and the pages of the engine's pools: the KV cache's memfd (committed
-    whether mapped or not) and the weights' range (private memory: what is resident)."""
+    whether mapped or not) and the weights' range (private memory: what is resident). On a GPU the
+    second is the device memory in use, everyone's (the trainer's and the CUDA context's too)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon")), total - free
     pages = llm.engine.model.pages
     weights = resident_bytes(pages.range.addr, pages.range.nbytes) if pages else 0
     with open("/proc/self/status") as f:
@@ -72,21 +78,30 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--sleep-level", type=int, choices=(1, 2), default=2)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="vkv's (the trainer: fp32)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: the engine's, the trainer's and the floor's")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--plot", dest="plot_path")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
     path = checkpoint_dir(None)
-    trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    device = torch.device(args.device)
+
+    def now() -> float:  # (the device's queued work done first)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     optimizer = torch.optim.Adam(trainer.parameters(), lr=args.lr)
-    LLM(kv_cache_memory=256 << 20, dtype=args.dtype).close()  # imports and first-call costs, untimed
-    started = time.perf_counter()
-    LLM(kv_cache_memory=256 << 20, dtype=args.dtype).close()  # a fresh start without sleep mode
-    fresh_start_plain_s = time.perf_counter() - started
-    started = time.perf_counter()
-    llm = LLM(kv_cache_memory=256 << 20, dtype=args.dtype, enable_sleep_mode=args.sleep_level == 2)
-    fresh_start_s = time.perf_counter() - started
+    engine = {"kv_cache_memory": 256 << 20, "dtype": args.dtype, "device": args.device}
+    LLM(**engine).close()  # imports and first-call costs, untimed
+    started = now()
+    LLM(**engine).close()  # a fresh start without sleep mode
+    fresh_start_plain_s = now() - started
+    started = now()
+    llm = LLM(**engine, enable_sleep_mode=args.sleep_level == 2)
+    fresh_start_s = now() - started
     tokenizer = llm.tokenizer
     rounds = []
     for r in range(args.rounds):
@@ -100,10 +115,10 @@ def main(argv: list[str] | None = None) -> dict:
                      for c in out.outputs]
             mean = sum(g[2] for g in group) / len(group)
             for tokens, sampled, reward in group:
-                ids = torch.tensor([prompt + tokens])
+                ids = torch.tensor([prompt + tokens], device=device)
                 logits = trainer(ids).logits[0, len(prompt) - 1:-1]
                 logprobs = torch.log_softmax(logits.float(), -1).gather(1, ids[0, len(prompt):, None])[:, 0]
-                gaps += (torch.tensor(sampled) - logprobs.detach()).abs().tolist()
+                gaps += (torch.tensor(sampled) - logprobs.detach().cpu()).abs().tolist()
                 loss = loss - (reward - mean) * logprobs.sum()
                 rewards.append(reward)
         optimizer.zero_grad()
@@ -111,21 +126,21 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer.step()
         trainer.eval()
         state = trainer.state_dict()
-        floor = time.perf_counter()
+        floor = now()
         fresh = {name: t.to(getattr(torch, args.dtype), copy=True) for name, t in state.items()}
-        copy_s = time.perf_counter() - floor
+        copy_s = now() - floor
         del fresh
-        awake = held_bytes(llm)
-        t0 = time.perf_counter()
+        awake = held_bytes(llm, device)
+        t0 = now()
         llm.sleep(args.sleep_level)
-        t1 = time.perf_counter()
-        asleep = held_bytes(llm)
+        t1 = now()
+        asleep = held_bytes(llm, device)
         llm.wake_up(["weights"])
-        t2 = time.perf_counter()
+        t2 = now()
         llm.update_weights_from_tensor(state)
-        t3 = time.perf_counter()
+        t3 = now()
         llm.wake_up(["kv_cache"])
-        t4 = time.perf_counter()
+        t4 = now()
         rounds.append({"round": r, "mean_reward": sum(rewards) / len(rewards), "logprob_gap_mean": sum(gaps) / len(gaps),
                        "logprob_gap_max": max(gaps), "sleep_s": t1 - t0, "wake_s": (t2 - t1) + (t4 - t3),
                        "update_s": t3 - t2, "copy_floor_s": copy_s,
@@ -143,7 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
               "machine": machine_info(), "threads": torch.get_num_threads(),
               "model": f"bundled SmolLM2-135M-Instruct (Q4_1 weights dequantized to fp32), {args.dtype} in vkv, "
                        "fp32 in the trainer",
-              "sleep_level": args.sleep_level, "dtype": args.dtype, "fresh_start_s": fresh_start_s,
+              "sleep_level": args.sleep_level, "dtype": args.dtype, "device": str(device),
+              "pools_are": ("the device memory in use, everyone's (trainer and CUDA context included)"
+                            if device.type == "cuda" else "the KV cache's memfd pages and the weights' resident pages"), "fresh_start_s": fresh_start_s,
               "fresh_start_without_sleep_mode_s": fresh_start_plain_s, "rounds": rounds,
               "weights_bytes": weights, "kv_bytes": kv,
               "pools_asleep_bytes_max": max(x["pools_asleep_bytes"] for x in rounds),
