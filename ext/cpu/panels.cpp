@@ -12,10 +12,6 @@ int64_t panel_width() { return kPanel; }
 
 std::string ahead_hint() { return ahead_hint_text(); }
 
-}  // namespace vkv
-
-namespace vkv {
-
 // Rows [row, row + n) of a weight w [n, K] written into its panels [P, K, kPanel] (`write_panels`):
 // new weights in place (engine/models/weights.py). Row r is column r % kPanel of panel r / kPanel, so
 // each panel is a transpose of kPanel rows; it goes a block of kBlock k at a time (kPanel rows of
