@@ -14,9 +14,9 @@ std::string ahead_hint() { return ahead_hint_text(); }
 
 // Rows [row, row + n) of a weight w [n, K] written into its panels [P, K, kPanel] (`write_panels`):
 // new weights in place (engine/models/weights.py). Row r is column r % kPanel of panel r / kPanel, so
-// each panel is a transpose of kPanel rows; it goes a block of kBlock k at a time (kPanel rows of
-// kBlock values read, a kBlock x kPanel tile written: both in L1), the panels shared out between
-// threads. Each value becomes float, then the panel's type (bf16: to nearest even, as torch's
+// each panel is a transpose of kPanel rows, written k by k (its kPanel rows read side by side), the
+// panels shared out between threads; fp32 into fp32 whole panels go 8 x 8 tiles at a time
+// (transpose8). Each value becomes float, then the panel's type (bf16: to nearest even, as torch's
 // conversion), in the same pass: no rounded copy of the weight is made first.
 #if defined(__AVX2__)
 // out[j * ldo + i] = in[i * ldi + j] for i, j in [0, 8): eight rows of eight floats, transposed; out
@@ -43,7 +43,6 @@ VKV_INLINE void transpose8(const float* in, int64_t ldi, float* out, int64_t ldo
 
 template <typename TS, typename TD>
 void write_panels_impl(TD* panels, int64_t K, const TS* w, int64_t n, int64_t row) {
-  constexpr int64_t kBlock = 64;
   const int64_t first = row / kPanel, last = (row + n - 1) / kPanel;
   at::parallel_for(first, last + 1, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; ++p) {
@@ -60,11 +59,8 @@ void write_panels_impl(TD* panels, int64_t K, const TS* w, int64_t n, int64_t ro
         }
       }
 #endif
-      for (int64_t k0 = k_done; k0 < K; k0 += kBlock) {
-        const int64_t k1 = std::min(K, k0 + kBlock);
-        for (int64_t k = k0; k < k1; ++k)
-          for (int64_t c = c0; c < c1; ++c) store(dst + k * kPanel + c, static_cast<float>(src[(c - c0) * K + k]));
-      }
+      for (int64_t k = k_done; k < K; ++k)
+        for (int64_t c = c0; c < c1; ++c) store(dst + k * kPanel + c, static_cast<float>(src[(c - c0) * K + k]));
     }
   });
 }
