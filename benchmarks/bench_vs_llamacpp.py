@@ -142,10 +142,12 @@ def converted(bin_dir: Path, root: Path, kind: str | None, base: Path) -> Path:
     if kind is None:
         return base
     out = root / "models" / f"{base.stem}.{kind.lower()}.gguf"
-    if not out.exists():
+    if not out.exists():  # (written aside, then renamed: an interrupted run leaves no half file to reuse)
         out.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(base), str(out), kind],
+        part = out.with_name(out.name + ".part")
+        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(base), str(part), kind],
                        check=True, capture_output=True)
+        os.replace(part, out)
     return out
 
 
