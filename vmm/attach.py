@@ -67,8 +67,8 @@ class AttachedPool:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fds: list[int] = []
         try:
+            wire.connect(self._sock, path, OWNER_TIMEOUT)  # a busy owner is waited for, a hung one an error
             self._sock.settimeout(OWNER_TIMEOUT)  # an owner that hangs is an error here, not a hang
-            self._sock.connect(path)
             hello, fds = self._ask({"op": "hello"}, max_fds=1)  # refused (too many processes): raises
             self.page_size = hello["page_size"]
             self.process = hello["process"]  # the owner's id for this process

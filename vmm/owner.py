@@ -137,10 +137,11 @@ class PoolOwner:
         if os.path.exists(path):  # a live owner's socket is refused; a dead one's is taken over
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
-                probe.settimeout(1.0)
-                probe.connect(path)
-            except OSError:  # nobody listens: left by an owner that died
+                wire.connect(probe, path, 1.0)
+            except (ConnectionRefusedError, FileNotFoundError):  # nobody listens: left by an owner that died
                 os.unlink(path)
+            except OSError:  # (a full backlog past the probe's second: an owner lives there, busy)
+                raise ValueError(f"a pool owner already serves {path} (it accepts no connection now)") from None
             else:
                 raise ValueError(f"a pool owner already serves {path}: processes attached to it would split "
                                  f"across two pools (stop it, or give this one another path)")

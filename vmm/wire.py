@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 MAX_MESSAGE = 128 << 10  # one datagram; the kernel's default socket buffer (212,992 bytes) bounds it
 FD_BATCH = 250  # descriptors in one message (the kernel passes at most 253: SCM_MAX_FD)
@@ -17,6 +18,26 @@ FD_BATCH = 250  # descriptors in one message (the kernel passes at most 253: SCM
 
 class WireError(ConnectionError):
     """The other end went away, or sent what is not a message."""
+
+
+def connect(sock: socket.socket, path: str, timeout: float) -> None:
+    """Connect `sock` to the owner at `path` within `timeout` seconds. A Unix socket whose listen
+    backlog is full refuses a connect with a deadline at once (EAGAIN, not EINPROGRESS: the kernel
+    has no half-open state for it to wait in), so a burst of other connections would otherwise fail
+    an engine's attach; it is tried again until the deadline. A path nobody listens on
+    (ConnectionRefusedError, FileNotFoundError) fails at once."""
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause > deadline:
+                raise TimeoutError(f"the pool's owner at {path} accepted no connection within {timeout:g} s") from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
 
 def send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:

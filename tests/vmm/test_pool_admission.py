@@ -5,12 +5,14 @@ connections cannot keep an engine out; one process cannot hold more than its cap
 import os
 import socket
 import stat
+import threading
 import time
 
 import pytest
 
 import vmm
 from vmm import owner as owner_module
+from vmm import wire
 from vmm.attach import AttachedPool, OwnerError
 
 
@@ -76,3 +78,41 @@ def test_one_process_cannot_hold_more_than_its_cap(tmp_path):
         owner.stop()
     with pytest.raises(ValueError, match="max_pages_per_process"):
         start(tmp_path, max_pages_per_process=33)
+
+
+def test_a_full_backlog_is_waited_for_within_the_deadline_and_never_taken_for_a_dead_owner(tmp_path):
+    path = str(tmp_path / "busy.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(0)  # a backlog of one: the second connection finds it full
+    waiting = []
+    try:
+        while True:  # fill it (a connect with a deadline then fails at once with EAGAIN)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.setblocking(False)
+            try:
+                sock.connect(path)
+            except BlockingIOError:
+                sock.close()
+                break
+            waiting.append(sock)
+        with pytest.raises(ValueError, match="already serves"):  # busy, not dead: its socket is kept
+            vmm.PoolOwner(vmm.HostBackend(4096), 4, path)
+        assert os.path.exists(path)
+        late = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with pytest.raises(TimeoutError, match="accepted no connection within 0.2 s"):
+            wire.connect(late, path, 0.2)
+        late.close()
+        accepted = []
+        threading.Timer(0.2, lambda: accepted.append(listener.accept()[0])).start()  # room, later
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        started = time.monotonic()
+        wire.connect(sock, path, 5.0)
+        assert 0.15 < time.monotonic() - started < 4.0
+        waiting.append(sock)
+        time.sleep(0.05)
+        waiting.extend(accepted)
+    finally:
+        for sock in waiting:
+            sock.close()
+        listener.close()
