@@ -257,15 +257,61 @@ def wait_until(predicate, seconds: float, what: str, every: float = 0.1):
     raise AssertionError(f"not within {seconds} s: {what}")
 
 
-def k_quant_blocks(kind: str, n: int, k: int, g: torch.Generator):
+def k_quant_blocks(kind: str, n: int, k: int, g: torch.Generator, decades: tuple[int, int] = (-4, -2)):
     """n rows of k weights as random Q4_K or Q6_K super-blocks (gguf-py quantizes neither): every
-    bit pattern of the quants and packed scales, fp16 scales of a trained model's size, row 3's
-    scales zero."""
+    bit pattern of the quants and packed scales, fp16 scales of a trained model's size (d in
+    10 ** decades), row 3's scales zero."""
     import numpy as np
     size, scale_at = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}[kind]
     blocks = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=g)
     for at in scale_at:  # d (and Q4_K's dmin): fp16 in [1e-4, 1e-2)
-        scales = (10 ** (torch.rand(n, k // 256, generator=g) * 2 - 4)).half()
+        low, high = decades
+        scales = (10 ** (torch.rand(n, k // 256, generator=g) * (high - low) + low)).half()
         scales[3] = 0
         blocks[:, :, at:at + 2] = scales.view(torch.uint8).view(n, k // 256, 2)
     return np.ascontiguousarray(blocks.view(n, -1).numpy())
+
+
+def k_quant_model(path) -> str:
+    """A two-layer Llama GGUF laid out as llama.cpp's Q4_K_M lays one out (random weights, the
+    bundled model's tokenizer): Q4_K q, k, o, gate and up; layer 0's v and down Q6_K (so its fused
+    qkv holds two types), layer 1's Q4_K; the tied embedding Q6_K. Hidden 256, 4 heads of 64, 2 kv
+    heads, intermediate 512."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+    from engine.models.loader import bundled_gguf
+    bundled, g = GGUFReader(bundled_gguf()), torch.Generator().manual_seed(11)
+    vocab, hidden, inter = int(bundled.fields["llama.vocab_size"].contents()), 256, 512
+    writer = GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", 2), ("context_length", 2048), ("embedding_length", hidden),
+                       ("feed_forward_length", inter), ("attention.head_count", 4), ("attention.head_count_kv", 2),
+                       ("vocab_size", vocab), ("rope.dimension_count", 64)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.rope.freq_base", 10000.0)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    for key, field in bundled.fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            writer.add_key_value(key, field.contents(), kind, sub_type=field.types[1] if kind == GGUFValueType.ARRAY else None)
+
+    def add(name: str, kind: str, rows: int, cols: int) -> None:
+        blocks = k_quant_blocks(kind, rows, cols, g, decades=(-5, -4))
+        blocks[3] = k_quant_blocks(kind, 4, cols, g, decades=(-5, -4))[0]  # (no all-zero row 3)
+        writer.add_tensor(name, blocks, raw_dtype=GGMLQuantizationType[kind])
+
+    add("token_embd.weight", "Q6_K", vocab, hidden)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for n in range(2):
+        six = "Q6_K" if n == 0 else "Q4_K"
+        for name, kind, rows, cols in (("attn_q", "Q4_K", hidden, hidden), ("attn_k", "Q4_K", 128, hidden),
+                                       ("attn_v", six, 128, hidden), ("attn_output", "Q4_K", hidden, hidden),
+                                       ("ffn_gate", "Q4_K", inter, hidden), ("ffn_up", "Q4_K", inter, hidden),
+                                       ("ffn_down", six, hidden, inter)):
+            add(f"blk.{n}.{name}.weight", kind, rows, cols)
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{n}.{name}.weight", np.ones(hidden, np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    return str(path)

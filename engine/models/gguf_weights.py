@@ -72,9 +72,14 @@ class GgufWeight:
 
     @property
     def quantizes_x(self) -> bool:
-        """Whether x meets it as int8 blocks with integer sums (llama.cpp's arithmetic for the
-        32-weight blocks: ext/cpu/gguf_blocks.cpp, XBlocks); the k-quants multiply in fp32."""
-        return self.type_name in ("Q8_0", "Q4_0", "Q4_1")
+        """Whether x meets it as int8 blocks with integer sums (llama.cpp's arithmetic:
+        ext/cpu/gguf_blocks.cpp, XBlocks): the 32-weight blocks always, the k-quants with their rows
+        interleaved (else they multiply in fp32)."""
+        return self.type_name in ("Q8_0", "Q4_0", "Q4_1") or self.by_eight
+
+    @property
+    def k_quant(self) -> bool:
+        return self.type_name in ("Q4_K", "Q6_K")
 
     @property
     def by_eight(self) -> bool:
@@ -83,6 +88,12 @@ class GgufWeight:
     @property
     def n(self) -> int:
         return self.rows.shape[0] * (8 if self.by_eight else 1)
+
+    def step_view(self) -> torch.Tensor:
+        """The rows as the native decode step reads them: [n, k / 32, block bytes] for rows of
+        blocks of 32 as the file lays them out, else `rows` (interleaved: [n / 8, k / block weights,
+        group bytes]); the last size names the type (ext/cpu/gguf_blocks.cpp, blocks_type)."""
+        return self.rows if self.by_eight else self.rows.view(self.n, self.k // 32, -1)
 
     def _parts(self) -> tuple[int, int, int, int]:
         """(blocks a row, bytes a block, fp16 values a block's head holds, quant bytes a block)."""
@@ -94,8 +105,10 @@ class GgufWeight:
         """The rows interleaved by eight, as the kernels read them fastest (ext/cpu/gguf_blocks.cpp,
         Note [GGUF rows interleaved by eight]): the same bytes, moved. Itself where that layout does
         not apply (k-quants, n not a multiple of 8, already interleaved)."""
-        if self.by_eight or not self.quantizes_x or self.n % 8:
+        if self.by_eight or self.n % 8:
             return self
+        if self.k_quant:
+            return GgufWeight(_k_interleaved(self.rows, self.type_name, self.n, self.k), self.type, self.k)
         blocks, size, halves, quants = self._parts()
         a = self.rows.view(self.n // 8, 8, blocks, size)
         groups = torch.empty(self.n // 8, blocks, 8 * size, dtype=torch.uint8)  # (one copy, no intermediates)
@@ -109,6 +122,8 @@ class GgufWeight:
         """The rows as the file lays them out (`interleaved` undone)."""
         if not self.by_eight:
             return self
+        if self.k_quant:
+            return GgufWeight(_k_plain(self.rows, self.type_name, self.n, self.k), self.type, self.k)
         blocks, size, halves, quants = self._parts()
         g = self.rows
         rows = torch.empty(self.n // 8, 8, blocks, size, dtype=torch.uint8)
@@ -125,13 +140,127 @@ class GgufWeight:
         return torch.from_numpy(quants.dequantize(rows, GGMLQuantizationType(self.type)).copy())
 
     @staticmethod
-    def cat(parts: list[GgufWeight]) -> GgufWeight | None:
-        """Rows of several matrices of one type and width, one after another (a fused projection)."""
-        if len({(p.type, p.k) for p in parts}) != 1:
-            return None
+    def cat(parts: list[GgufWeight]) -> GgufWeight | GgufStack:
+        """Rows of several matrices of one width, one after another (a fused projection): one
+        weight where they share a type, else a GgufStack of the runs that do."""
+        if len({p.k for p in parts}) != 1:
+            raise ValueError(f"fused GGUF weights of widths {sorted({p.k for p in parts})}")
+        runs: list[list[GgufWeight]] = []
+        for p in parts:
+            if runs and runs[-1][0].type == p.type:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        if len(runs) > 1:
+            return GgufStack([GgufWeight.cat(run) for run in runs])
         if all(p.by_eight for p in parts):  # (groups of eight rows follow one another as rows do)
             return GgufWeight(torch.cat([p.rows for p in parts]), parts[0].type, parts[0].k)
         return GgufWeight(torch.cat([p.plain().rows for p in parts]), parts[0].type, parts[0].k)
+
+
+@dataclass
+class GgufStack:
+    """A fused projection whose parts a file quantized differently (a Q4_K_M file's Q6_K v beside
+    Q4_K q and k): the rows of each part in its own GgufWeight, one after another, each run by its
+    own kernel into its own outputs (Linear.forward; decode_layers takes the second as a tail)."""
+    parts: list[GgufWeight]
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    @property
+    def k(self) -> int:
+        return self.parts[0].k
+
+    @property
+    def type_name(self) -> str:
+        return " + ".join(p.type_name for p in self.parts)
+
+    @property
+    def quantizes_x(self) -> bool:
+        return all(p.quantizes_x for p in self.parts)
+
+    def interleaved(self) -> GgufStack:
+        return GgufStack([p.interleaved() for p in self.parts])
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([p.dequantized() for p in self.parts])
+
+
+def _by_eight(x: torch.Tensor) -> torch.Tensor:
+    """[n / 8, 8 rows, supers, parts, 8 k, 4 bytes] -> [n / 8, supers, parts, 8 k, 8 rows, 4 bytes]:
+    four bytes of each of eight rows side by side (Note [K-quants interleaved by eight])."""
+    return x.permute(0, 2, 3, 4, 1, 5)
+
+
+def _k_interleaved(rows: torch.Tensor, type_name: str, n: int, k: int) -> torch.Tensor:
+    """Q4_K or Q6_K rows [n, k / 256 * block bytes] as eight rows' super-blocks, [n / 8, k / 256,
+    1184 or 1680] (ext/cpu/gguf_blocks.cpp, Note [K-quants interleaved by eight])."""
+    supers = k // 256
+    if type_name == "Q4_K":
+        a = rows.view(n // 8, 8, supers, 144)
+        out = torch.empty(n // 8, supers, 1184, dtype=torch.uint8)
+        out[..., :16].view(-1, supers, 8, 2).copy_(a[..., 0:2].permute(0, 2, 1, 3))
+        out[..., 16:32].view(-1, supers, 8, 2).copy_(a[..., 2:4].permute(0, 2, 1, 3))
+        s = a[..., 4:16].to(torch.int32)  # ggml's 6-bit scales and mins (get_scale_min_k4)
+        scale = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], dim=-1)
+        low = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1)
+        out[..., 32:96].view(-1, supers, 8, 8).copy_(scale.permute(0, 2, 3, 1))
+        out[..., 96:160].view(-1, supers, 8, 8).copy_(low.permute(0, 2, 3, 1))
+        out[..., 160:].view(-1, supers, 4, 8, 8, 4).copy_(_by_eight(a[..., 16:].reshape(n // 8, 8, supers, 4, 8, 4)))
+        return out
+    a = rows.view(n // 8, 8, supers, 210)
+    out = torch.empty(n // 8, supers, 1680, dtype=torch.uint8)
+    out[..., :16].view(-1, supers, 8, 2).copy_(a[..., 208:210].permute(0, 2, 1, 3))
+    out[..., 16:144].view(-1, supers, 16, 8).copy_(a[..., 192:208].permute(0, 2, 3, 1))
+    q = _q6(a[..., :128], a[..., 128:192]).view(n // 8, 8, supers, 8, 32)  # 6 bits, the blocks of 32 in order
+    low = (q[..., 0::2, :] & 15) | ((q[..., 1::2, :] & 15) << 4)  # [.., 4 pairs, 32]
+    high = (q >> 4).view(n // 8, 8, supers, 2, 4, 32)
+    high = high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)
+    out[..., 144:1168].view(-1, supers, 4, 8, 8, 4).copy_(_by_eight(low.view(n // 8, 8, supers, 4, 8, 4)))
+    out[..., 1168:].view(-1, supers, 2, 8, 8, 4).copy_(_by_eight(high.view(n // 8, 8, supers, 2, 8, 4)))
+    return out
+
+
+def _q6(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
+    """Q6_K's 256 quants of 6 bits, in the weights' order, from ql [.., 128] and qh [.., 64] (as
+    gguf-py's Q6_K.dequantize_blocks reads them)."""
+    shape = ql.shape[:-1]
+    low = torch.stack([ql.view(*shape, 2, 64) & 15, ql.view(*shape, 2, 64) >> 4], dim=-2)
+    high = torch.stack([(qh.view(*shape, 2, 32) >> s) & 3 for s in (0, 2, 4, 6)], dim=-2)
+    return low.reshape(*shape, 256) | (high.reshape(*shape, 256) << 4)
+
+
+def _k_plain(groups: torch.Tensor, type_name: str, n: int, k: int) -> torch.Tensor:
+    """`_k_interleaved` undone: the file's rows [n, k / 256 * block bytes]."""
+    supers = k // 256
+    unmix = lambda g, parts: g.view(n // 8, supers, parts, 8, 8, 4).permute(0, 4, 1, 2, 3, 5)  # noqa: E731
+    if type_name == "Q4_K":
+        rows = torch.empty(n // 8, 8, supers, 144, dtype=torch.uint8)
+        rows[..., 0:2].copy_(groups[..., :16].view(-1, supers, 8, 2).permute(0, 2, 1, 3))
+        rows[..., 2:4].copy_(groups[..., 16:32].view(-1, supers, 8, 2).permute(0, 2, 1, 3))
+        scale = groups[..., 32:96].view(-1, supers, 8, 8).permute(0, 3, 1, 2).to(torch.int32)
+        low = groups[..., 96:160].view(-1, supers, 8, 8).permute(0, 3, 1, 2).to(torch.int32)
+        packed = torch.cat([scale[..., :4] | ((scale[..., 4:] >> 4) << 6), low[..., :4] | ((low[..., 4:] >> 4) << 6),
+                            (scale[..., 4:] & 15) | ((low[..., 4:] & 15) << 4)], dim=-1)
+        rows[..., 4:16].copy_(packed.to(torch.uint8))
+        rows[..., 16:].view(-1, 8, supers, 4, 8, 4).copy_(unmix(groups[..., 160:], 4))
+        return rows.view(n, supers * 144)
+    rows = torch.empty(n // 8, 8, supers, 210, dtype=torch.uint8)
+    rows[..., 208:210].copy_(groups[..., :16].view(-1, supers, 8, 2).permute(0, 2, 1, 3))
+    rows[..., 192:208].copy_(groups[..., 16:144].view(-1, supers, 16, 8).permute(0, 3, 1, 2))
+    low = unmix(groups[..., 144:1168], 4).reshape(n // 8, 8, supers, 4, 32)
+    high = unmix(groups[..., 1168:], 2).reshape(n // 8, 8, supers, 2, 1, 32)
+    high = (high >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3  # [.., 2, 4, 32]
+    q = torch.stack([low & 15, low >> 4], dim=-2).view(n // 8, 8, supers, 256) | (high.reshape(n // 8, 8, supers, 256) << 4)
+    halves = q.view(n // 8, 8, supers, 2, 4, 32)  # weight h * 128 + s * 32 + i
+    ql = (halves[..., 0:2, :] & 15) | ((halves[..., 2:4, :] & 15) << 4)  # byte h * 64 + i: weights i, i + 64
+    qh = (halves >> 4)
+    qh = qh[..., 0, :] | (qh[..., 1, :] << 2) | (qh[..., 2, :] << 4) | (qh[..., 3, :] << 6)
+    rows[..., :128].copy_(ql.reshape(n // 8, 8, supers, 128))
+    rows[..., 128:192].copy_(qh.reshape(n // 8, 8, supers, 64))
+    return rows.view(n, supers * 210)
 
 
 def hf_name(name: str) -> str:

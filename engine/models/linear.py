@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.gguf_weights import GgufStack, GgufWeight
+
 PACK_HINT = 128  # rows the packed layout is tuned for; good from 1 row to hundreds here
 # A decode step: every layer in one native call (llama.py); beside oneDNN's bf16 weight, the panels
 # serve it. 12 rows is one register tile of the AVX-512 panel GEMM (two of AVX2's), so a step of up to
@@ -75,7 +77,7 @@ class Linear(nn.Module):
         self.pick: torch.Tensor | None = None  # bf16 panels beside fp32 ones; int8 beside bf16 ones
         self.pick_bounds: torch.Tensor | None = None  # [n] fp64
         self.pick_scales: torch.Tensor | None = None  # [n] fp32: each row's int8 scale
-        self.gguf = None  # a GgufWeight (engine/models/gguf_weights.py): the weight in a GGUF file's blocks
+        self.gguf = None  # a GgufWeight or GgufStack (engine/models/gguf_weights.py): the weight in a GGUF file's blocks
         self.tied = False
 
     def pack(self) -> str:
@@ -179,14 +181,18 @@ class Linear(nn.Module):
 
     def step_weight(self) -> tuple[torch.Tensor, int]:
         """The weight as the native `decode_layers` takes it, and its rows: the panels, or GGUF
-        blocks of 32 weights as a [N, K / 32, block bytes] view, or interleaved by eight as [N / 8,
-        K / 32, 8 x block bytes] (the last size names the type)."""
+        blocks (GgufWeight.step_view; a GgufStack's first part, its second the step_tail)."""
         if self.gguf is not None:
-            rows = self.gguf.rows
-            return (rows if self.gguf.by_eight else rows.view(rows.shape[0], self.gguf.k // 32, -1)), self.gguf.n
+            first = self.gguf.parts[0] if isinstance(self.gguf, GgufStack) else self.gguf
+            return first.step_view(), first.n
         return self.panels, self.panels_n
 
-    def hold_gguf(self, weight) -> None:
+    def step_tail(self) -> torch.Tensor | None:
+        """The rows after step_weight's where the weight is a GgufStack of two parts (decode_layers'
+        qkv_tails), else None."""
+        return self.gguf.parts[1].step_view() if isinstance(self.gguf, GgufStack) else None
+
+    def hold_gguf(self, weight: GgufWeight | GgufStack) -> None:
         """Keep the weight in a GGUF file's blocks (a GgufWeight of [out, in]); no plain copy."""
         if (weight.n, weight.k) != (self.out_features, self.in_features):
             raise ValueError(f"a {weight.n} x {weight.k} GGUF weight for a {self.out_features} x "
@@ -197,9 +203,16 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gguf is not None:
             rows = x.reshape(-1, self.in_features).float().contiguous()
-            out = rows.new_empty(rows.shape[0], self.out_features)
             bias = None if self.bias is None else self.bias.float()
-            torch.ops.vkv.linear_gguf(rows, self.gguf.rows, self.gguf.type, bias, out, self.gguf.quantizes_x)
+            parts = self.gguf.parts if isinstance(self.gguf, GgufStack) else [self.gguf]
+            outs, start = [], 0
+            for part in parts:
+                out = rows.new_empty(rows.shape[0], part.n)
+                part_bias = None if bias is None else bias[start:start + part.n]
+                torch.ops.vkv.linear_gguf(rows, part.rows, part.type, part_bias, out, part.quantizes_x)
+                outs.append(out)
+                start += part.n
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
             return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.panels is not None and (self.packed is None or x.numel() <= FEW_ROWS * x.shape[-1]):
             rows = x.reshape(-1, self.panels.shape[1]).float().contiguous()  # (fp32 arithmetic)

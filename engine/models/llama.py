@@ -28,7 +28,7 @@ from torch import nn
 import vmm
 from engine.models import ops
 from engine.models.config import ModelConfig
-from engine.models.gguf_weights import GgufWeight
+from engine.models.gguf_weights import GgufStack, GgufWeight
 from engine.models.huge_pages import onto_huge_pages
 from engine.models.linear import FEW_ROWS, Linear
 from engine.models.weight_pages import WeightPages
@@ -140,8 +140,9 @@ class DecoderLayer(nn.Module):
         a, m = self.self_attn, self.mlp
         bias = None if a.qkv_proj.bias is None else a.qkv_proj.bias.float()
         return (self.input_layernorm.weight.float(), self.post_attention_layernorm.weight.float(),
-                self.input_layernorm.eps, a.qkv_proj.step_weight()[0], bias, a.o_proj.step_weight()[0],
-                m.gate_up_proj.step_weight()[0], m.down_proj.step_weight()[0], a.num_heads, a.num_kv_heads)
+                self.input_layernorm.eps, a.qkv_proj.step_weight()[0], a.qkv_proj.step_tail(), bias,
+                a.o_proj.step_weight()[0], m.gate_up_proj.step_weight()[0], m.down_proj.step_weight()[0],
+                a.num_heads, a.num_kv_heads)
 
     def forward(self, x, residual, attn, native: bool, lora=None):
         x, residual = self.input_layernorm.forward(x, residual, native)
@@ -150,10 +151,11 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward(x, native, lora), residual
 
 
-def fuse(parts: list[torch.Tensor | GgufWeight]) -> torch.Tensor | GgufWeight:
-    """Rows of several projections as one: blocks kept where all share a type, else fp32."""
-    if all(isinstance(p, GgufWeight) for p in parts) and (fused := GgufWeight.cat(parts)) is not None:
-        return fused
+def fuse(parts: list[torch.Tensor | GgufWeight]) -> torch.Tensor | GgufWeight | GgufStack:
+    """Rows of several projections as one: blocks kept where all are blocks (a GgufStack where
+    their types differ), else fp32."""
+    if all(isinstance(p, GgufWeight) for p in parts):
+        return GgufWeight.cat(parts)
     return torch.cat([p.dequantized() if isinstance(p, GgufWeight) else p for p in parts])
 
 
@@ -168,8 +170,7 @@ class GgufEmbedding(nn.Module):
     def step_rows(self) -> torch.Tensor:
         """The rows as multi-step decode reads them: blocks of 32 weights, [N, K / 32, block bytes]
         (or interleaved by eight: [N / 8, K / 32, 8 x block bytes])."""
-        rows = self.gguf.rows
-        return rows if self.gguf.by_eight else rows.view(rows.shape[0], self.gguf.k // 32, -1)
+        return self.gguf.step_view()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).long().contiguous()
@@ -218,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
                     names = [f"{pre}{p}.{kind}" for p in parts]
                     if all(n in state for n in names):
                         state[f"{pre}{fused}.{kind}"] = fuse([state.pop(n) for n in names])
-        blocks = {name: state.pop(name) for name in list(state) if isinstance(state[name], GgufWeight)}
+        blocks = {name: state.pop(name) for name in list(state) if isinstance(state[name], (GgufWeight, GgufStack))}
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
             blocks.pop("lm_head.weight", None)
@@ -288,8 +289,11 @@ class LlamaForCausalLM(nn.Module):
         # decode_layers runs every norm, the last one's too, under one eps
         norms = [self.model.norm, *(n for layer in self.model.layers
                                     for n in (layer.input_layernorm, layer.post_attention_layernorm))]
-        # (a step takes GGUF blocks of 32 weights, as Linear serves them: x rounded to int8)
-        steps_blocks = all(m.gguf is None or m.gguf.quantizes_x for m in linears)
+        # (a step takes GGUF blocks as Linear serves them, x rounded to int8; q, k and v in two types at most)
+        steps_blocks = all(m.gguf is None or m.gguf.quantizes_x for m in linears) and all(
+            not isinstance(m.gguf, GgufStack) or (len(m.gguf.parts) == 2 and m is layer.self_attn.qkv_proj)
+            for layer in self.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj))
         one_call = (panels or beside) and not self.config.qk_norm and not self.sharded \
             and len({norm.eps for norm in norms}) == 1 and steps_blocks
         for module in linears if beside else ():
@@ -367,9 +371,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_layers(self, x: torch.Tensor, args: tuple, rows: torch.Tensor, logits: torch.Tensor,
                        *greedy: torch.Tensor) -> None:
-        norms_in, norms_post, eps, qkv, qkv_bias, o, gate_up, down, heads, kv_heads = zip(*self.decode)
+        norms_in, norms_post, eps, qkv, qkv_tails, qkv_bias, o, gate_up, down, heads, kv_heads = zip(*self.decode)
         torch.ops.vkv.decode_layers(x.float(), torch.empty(x.shape, dtype=torch.float32), norms_in, norms_post, eps[0],
-                                    qkv, qkv_bias, o, gate_up, down, heads[0], kv_heads[0], *args, rows,
+                                    qkv, qkv_tails, qkv_bias, o, gate_up, down, heads[0], kv_heads[0], *args, rows,
                                     self.model.norm.weight, self.lm_head.step_weight()[0],
                                     self.compute_dtype == torch.bfloat16,
                                     logits, *greedy)

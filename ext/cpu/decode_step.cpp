@@ -210,22 +210,30 @@ void wait_until(Ready ready) {
 
 // A projection's weight as a thread's share of it runs: vkv's panels, or a GGUF file's blocks
 // (BlocksRef: groups of eight interleaved rows, or four rows), in units a share is counted in.
+// A GgufStack's second part (q and k in one type, v in another) is its tail: rows N.. of the
+// projection's outputs, units after the head's.
 struct StepWeight {
   PanelsRef panels{};
-  BlocksRef blocks{};
-  bool is_blocks = false;
-  int64_t units() const { return is_blocks ? blocks_units(blocks) : panels.P; }
+  BlocksRef blocks{}, tail{};
+  bool is_blocks = false, has_tail = false;
+  int64_t units() const {
+    return is_blocks ? blocks_units(blocks) + (has_tail ? blocks_units(tail) : 0) : panels.P;
+  }
   int64_t unit_bytes() const { return is_blocks ? blocks.unit_bytes : panels.K * kPanel * (panels.bf16 ? 2 : 4); }
   const char* bytes() const { return static_cast<const char*>(is_blocks ? static_cast<const void*>(blocks.w) : panels.w); }
 };
 
-StepWeight step_weight(const at::Tensor& w) {
+StepWeight step_weight(const at::Tensor& w, const std::optional<at::Tensor>& tail = std::nullopt) {
   StepWeight sw;
   sw.is_blocks = w.scalar_type() == at::kByte;
   if (sw.is_blocks)
     sw.blocks = blocks_ref(w);
   else
     sw.panels = panels_ref(w);
+  if (tail) {
+    sw.tail = blocks_ref(*tail);
+    sw.has_tail = true;
+  }
   return sw;
 }
 
@@ -242,6 +250,13 @@ void panels_range(const float* x, const PanelsRef& panels, int64_t N, const floa
 // One row x against units [lo, hi) of the weight, on the calling thread, into out (N outputs).
 void weight_range(const float* x, const StepWeight& w, int64_t N, const float* bias, float* out, int64_t lo,
                   int64_t hi) {
+  if (w.is_blocks && w.has_tail) {
+    const int64_t head = blocks_units(w.blocks);
+    if (lo < std::min(hi, head)) blocks_range(x, w.blocks, bias, out, lo, std::min(hi, head));
+    if (std::max(lo, head) < hi)
+      blocks_range(x, w.tail, bias ? bias + w.blocks.N : nullptr, out + w.blocks.N, std::max(lo, head) - head, hi - head);
+    return;
+  }
   if (w.is_blocks) return blocks_range(x, w.blocks, bias, out, lo, hi);
   panels_range(x, w.panels, N, bias, out, lo, hi);
 }
@@ -364,18 +379,31 @@ void input_norm_of(const DecodeStep& s, at::Tensor& x, at::Tensor& residual, boo
 }
 
 // A projection in a step: vkv's panels (fp32 or bf16, [P, K, panel width]), or a GGUF file's blocks
-// of 32 weights (uint8 [N, K / 32, block bytes]: linear_blocks, Linear's int8-x arithmetic).
-void project(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor out) {
+// (blocks_type's views: linear_blocks, Linear's int8-x arithmetic), with a tail of blocks in
+// another type for its last rows (StepWeight's tail) as Linear runs a GgufStack: each part alone.
+void project(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor out,
+             const std::optional<at::Tensor>& tail = std::nullopt) {
+  if (tail) {
+    const int64_t head = blocks_rows(w), rows = blocks_rows(*tail);
+    TORCH_CHECK(head + rows == out.size(1), "a projection's head and tail rows are its outputs");
+    at::Tensor first = out.new_empty({out.size(0), head}), second = out.new_empty({out.size(0), rows});
+    linear_blocks(x, w, bias ? std::optional<at::Tensor>(bias->narrow(0, 0, head)) : std::nullopt, first);
+    linear_blocks(x, *tail, bias ? std::optional<at::Tensor>(bias->narrow(0, head, rows)) : std::nullopt, second);
+    out.narrow(1, 0, head).copy_(first);
+    out.narrow(1, head, rows).copy_(second);
+    return;
+  }
   if (w.scalar_type() == at::kByte) return linear_blocks(x, w, bias, out);
   linear_panels(x, w, bias, out);
 }
 
-// The inputs such a weight multiplies: K of panels [P, K, width], of blocks [N, K / 32, bytes], or
-// of an embedding's rows [N, K].
-int64_t weight_inputs(const at::Tensor& w) { return w.scalar_type() == at::kByte ? w.size(1) * 32 : w.size(1); }
+// The inputs such a weight multiplies: K of panels [P, K, width], of blocks (blocks_ref's K), or of
+// an embedding's rows [N, K].
+int64_t weight_inputs(const at::Tensor& w) { return w.scalar_type() == at::kByte ? blocks_inputs(w) : w.size(1); }
 
 void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& input_norm,
-                  const at::Tensor& post_norm, const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
+                  const at::Tensor& post_norm, const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_tail,
+                  const std::optional<at::Tensor>& qkv_bias,
                   const at::Tensor& o_weight, const at::Tensor& gate_up_weight, const at::Tensor& down_weight,
                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor* next_k_cache,
                   const at::Tensor* next_v_cache) {
@@ -384,7 +412,7 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
   clock.lap(kContext);
   input_norm_of(s, x, residual, first, input_norm);
   clock.lap(kNorms);
-  project(x, qkv_weight, qkv_bias, s.qkv);
+  project(x, qkv_weight, qkv_bias, s.qkv, qkv_tail);
   clock.lap(kQkv);
   rope_store(s.q, s.k, s.v, s.positions, s.cos_sin, k_cache, v_cache, s.block_table, s.block_size, s.token_seq);
   clock.lap(kRope);
@@ -526,6 +554,7 @@ void attend_of(const StepPlan& p, const LayerPlan& l, std::vector<float>& buf, s
 // the panel width (or the blocks' unit), the scalar build.
 std::optional<StepPlan> plan_of(const DecodeStep& s, at::Tensor& x, at::Tensor& residual, at::TensorList input_norms,
                                 at::TensorList post_norms, at::TensorList qkv_weights,
+                                const c10::List<std::optional<at::Tensor>>& qkv_tails,
                                 const c10::List<std::optional<at::Tensor>>& qkv_biases, at::TensorList o_weights,
                                 at::TensorList gate_up_weights, at::TensorList down_weights,
                                 at::TensorList k_caches, at::TensorList v_caches) {
@@ -541,12 +570,14 @@ std::optional<StepPlan> plan_of(const DecodeStep& s, at::Tensor& x, at::Tensor& 
   auto panels_ok = [](const at::Tensor& w) { return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16; };
   // or every projection in GGUF blocks, each of the shape its step needs, the gate's units apart from the up's
   const int64_t I = s.act.size(1), nqkv = s.qkv.size(1), nq = s.q.size(1) * s.q.size(2);
-  auto blocks_ok = [&](const at::Tensor& qkv, const at::Tensor& o, const at::Tensor& gate_up, const at::Tensor& down) {
-    for (const at::Tensor* w : {&qkv, &o, &gate_up, &down})
+  auto blocks_ok = [&](const at::Tensor& qkv, const std::optional<at::Tensor>& tail, const at::Tensor& o,
+                       const at::Tensor& gate_up, const at::Tensor& down) {
+    for (const at::Tensor* w : {&qkv, &o, &gate_up, &down, tail ? &*tail : &qkv})
       if (w->scalar_type() != at::kByte || w->dim() != 3 || !w->is_contiguous()) return false;
     const BlocksRef a = blocks_ref(qkv), b = blocks_ref(o), c = blocks_ref(gate_up), d = blocks_ref(down);
-    return a.K == H && a.N == nqkv && b.K == nq && b.N == H && c.K == H && c.N == 2 * I && I % c.unit == 0 &&
-           d.K == I && d.N == H;
+    const int64_t tail_n = tail ? blocks_ref(*tail).N : 0;
+    return a.K == H && a.N + tail_n == nqkv && (!tail || blocks_ref(*tail).K == H) && b.K == nq && b.N == H &&
+           c.K == H && c.N == 2 * I && I % c.unit == 0 && d.K == I && d.N == H;
   };
   auto norm_ok = [&](const at::Tensor& w) {
     return w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == H;
@@ -554,9 +585,9 @@ std::optional<StepPlan> plan_of(const DecodeStep& s, at::Tensor& x, at::Tensor& 
   const at::ScalarType cache = k_caches[0].scalar_type();
   for (int64_t i = 0; i < L; ++i) {
     const std::optional<at::Tensor> bias = qkv_biases.get(i);
-    const bool panels = panels_ok(qkv_weights[i]) && panels_ok(o_weights[i]) && panels_ok(down_weights[i]) &&
-                        gate_up_silu_applies(s.h, gate_up_weights[i], s.act);
-    if (!(panels || blocks_ok(qkv_weights[i], o_weights[i], gate_up_weights[i], down_weights[i])) ||
+    const bool panels = panels_ok(qkv_weights[i]) && !qkv_tails.get(i) && panels_ok(o_weights[i]) &&
+                        panels_ok(down_weights[i]) && gate_up_silu_applies(s.h, gate_up_weights[i], s.act);
+    if (!(panels || blocks_ok(qkv_weights[i], qkv_tails.get(i), o_weights[i], gate_up_weights[i], down_weights[i])) ||
         !norm_ok(input_norms[i]) || !norm_ok(post_norms[i]) ||
         (bias && (bias->scalar_type() != at::kFloat || !bias->is_contiguous())) ||
         k_caches[i].scalar_type() != cache || v_caches[i].scalar_type() != cache ||
@@ -576,7 +607,8 @@ std::optional<StepPlan> plan_of(const DecodeStep& s, at::Tensor& x, at::Tensor& 
     const std::optional<at::Tensor> bias = qkv_biases.get(i);
     const at::Tensor &k = k_caches[i], &v = v_caches[i];
     p.layers.push_back({input_norms[i].data_ptr<float>(), post_norms[i].data_ptr<float>(),
-                        bias ? bias->data_ptr<float>() : nullptr, step_weight(qkv_weights[i]), step_weight(o_weights[i]),
+                        bias ? bias->data_ptr<float>() : nullptr, step_weight(qkv_weights[i], qkv_tails.get(i)),
+                        step_weight(o_weights[i]),
                         step_weight(gate_up_weights[i]), step_weight(down_weights[i]), k.data_ptr(), v.data_ptr(),
                         {k.stride(0), k.stride(1), k.stride(2)}, {v.stride(0), v.stride(1), v.stride(2)},
                         context_ref(k, v)});
@@ -794,9 +826,9 @@ void next_inputs(const at::Tensor& embed, const int64_t* token, at::Tensor& x, c
 // `pick` and `pick_bounds` (fp32 arithmetic), each pick reads a bf16 copy of the LM head instead of
 // the logits (greedy_pick: the same token, from half the bytes); `logits` then holds no logits.
 void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms, at::TensorList post_norms,
-                   double eps, at::TensorList qkv_weights, const c10::List<std::optional<at::Tensor>>& qkv_biases,
-                   at::TensorList o_weights, at::TensorList gate_up_weights, at::TensorList down_weights,
-                   int64_t num_heads, int64_t num_kv_heads, const at::Tensor& positions, const at::Tensor& cos_sin,
+                   double eps, at::TensorList qkv_weights, const c10::List<std::optional<at::Tensor>>& qkv_tails,
+                   const c10::List<std::optional<at::Tensor>>& qkv_biases, at::TensorList o_weights,
+                   at::TensorList gate_up_weights, at::TensorList down_weights, int64_t num_heads, int64_t num_kv_heads, const at::Tensor& positions, const at::Tensor& cos_sin,
                    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& block_table,
                    int64_t block_size, const at::Tensor& token_seq, const at::Tensor& q_start, const at::Tensor& q_len,
                    const at::Tensor& ctx_len, double scale, const std::optional<at::Tensor>& rows,
@@ -809,7 +841,8 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
                   residual.scalar_type() == at::kFloat && x.is_contiguous() && residual.is_contiguous(),
               "x and residual: [rows, hidden] fp32 contiguous");  // (decode_layer copies and norms them in place)
   const size_t L = input_norms.size();
-  TORCH_CHECK(L > 0 && post_norms.size() == L && qkv_weights.size() == L && qkv_biases.size() == L &&
+  TORCH_CHECK(L > 0 && post_norms.size() == L && qkv_weights.size() == L && qkv_tails.size() == L &&
+                  qkv_biases.size() == L &&
               o_weights.size() == L && gate_up_weights.size() == L && down_weights.size() == L &&
               k_caches.size() == L && v_caches.size() == L, "one entry per layer in every list");
   const int64_t M = x.size(0), D = k_caches[0].size(3), nq = num_heads * D, nk = num_kv_heads * D;
@@ -848,14 +881,17 @@ void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms
     TORCH_CHECK(weight_inputs(down_weights[i]) == inter && k_caches[i].size(3) == D, "every layer has the same shapes");
   const int64_t* stop = stop_ids ? stop_ids->data_ptr<int64_t>() : nullptr;
   const int64_t num_stops = stop_ids ? stop_ids->numel() : 0;
-  std::optional<StepPlan> plan = plan_of(s, x, residual, input_norms, post_norms, qkv_weights, qkv_biases, o_weights,
-                                         gate_up_weights, down_weights, k_caches, v_caches);
+  for (size_t i = 0; i < L; ++i)
+    TORCH_CHECK(!qkv_tails.get(i) || qkv_weights[i].scalar_type() == at::kByte, "a qkv tail follows GGUF blocks");
+  std::optional<StepPlan> plan = plan_of(s, x, residual, input_norms, post_norms, qkv_weights, qkv_tails, qkv_biases,
+                                         o_weights, gate_up_weights, down_weights, k_caches, v_caches);
   for (int64_t step = 0; step < steps; ++step) {
     const bool one_region = plan && layers_in_one_region(*plan);
     if (!one_region)
       for (size_t i = 0; i < L; ++i) {
         const bool last = i + 1 == L;
-        decode_layer(s, x, residual, i == 0, input_norms[i], post_norms[i], qkv_weights[i], qkv_biases.get(i),
+        decode_layer(s, x, residual, i == 0, input_norms[i], post_norms[i], qkv_weights[i], qkv_tails.get(i),
+                     qkv_biases.get(i),
                      o_weights[i], gate_up_weights[i], down_weights[i], k_caches[i], v_caches[i],
                      last ? nullptr : &k_caches[i + 1], last ? nullptr : &v_caches[i + 1]);
       }

@@ -22,29 +22,29 @@ namespace vkv {
 // (ggml's block_q8_0, block_q4_0, block_q4_1; gguf-py's `dequantize` is the tests' oracle), each
 // weight rounded once (d * q is exact; d * q + c one FMA) where it is unpacked to fp32; served,
 // these three meet x rounded to int8 and sum in integers (below), as llama.cpp computes. Q4_K
-// and Q6_K (what a Q4_K_M file holds) pack 256 weights a super-block (unpack_super below), each
-// unpacked into 1 KiB of L1 and read from there.
+// and Q6_K (what a Q4_K_M file holds) pack 256 weights a super-block (unpack_super below); served,
+// their rows are interleaved by eight and meet x the same way (Note [K-quants interleaved by
+// eight]).
 // Implementation: linear_gguf splits W's rows among the threads. With quantize_x (what Linear asks
-// for Q8_0, Q4_0 and Q4_1 weights), each row of x is first rounded to int8 blocks of 32 with a
+// for Q8_0, Q4_0 and Q4_1 weights, and for interleaved Q4_K and Q6_K), each row of x is first rounded to int8 blocks of 32 with a
 // scale (XBlocks: ggml's Q8_1, as llama.cpp's CPU backend quantizes activations), and each block's
 // products are summed in integers (maddubs: 32 products in two instructions instead of a fp32
 // unpack and four FMAs); four weight rows at a time share each block of x (rows4_q8), or, where the
 // loader interleaved the rows by eight (a model's weights), eight rows share each of its loads
 // (group_q8, Note [GGUF rows interleaved by eight]). The error
 // this adds is rounding x, half its block's step times |w|: the tests' bound. Every row of x is
-// computed alone, so a sequence's output does not depend on its batch. Without quantize_x (the
-// k-quants, and the fp32 reference): for one row of x, each weight row's blocks are unpacked in
+// computed alone, so a sequence's output does not depend on its batch. Without quantize_x (k-quant
+// rows not interleaved, and the fp32 reference): for one row of x, each weight row's blocks are unpacked in
 // registers and multiplied with x there (row_dot); for more rows, each thread takes 4 weight rows
 // at a time, unpacks them into fp32 in its own buffer (4 x K floats), and multiplies every row of
 // x with them. dequantize_gguf writes whole rows (the token embedding's lookups). The AVX2 paths
 // are the fast ones; the scalar ones are their reference (x rounded alike: nearest, ties to even).
 // Measured in benchmarks/results/cpu/design_choices.json ("gguf_row_dot") and gguf_blocks.json.
-// Limitations: the other k-quants (Q2_K, Q3_K, Q5_K) are not here (the loader dequantizes them),
-// and Q4_K / Q6_K unpack with plain loops the compiler vectorizes and multiply in fp32 (llama.cpp
-// quantizes x to Q8_K for them); no VNNI or AMX int8 path yet (AVX2's maddubs on every x86 CPU
-// with AVX2); decode_layers (decode_step.cpp) takes Q8_0 / Q4_0 / Q4_1 blocks (linear_blocks,
-// blocks_range, blocks_row) in each of its paths, but its greedy steps pick from the full logits
-// (no half-bytes copy of a blocks LM head).
+// Limitations: the other k-quants (Q2_K, Q3_K, Q5_K) are not here (the loader dequantizes them);
+// Q4_K / Q6_K rows not interleaved (N not a multiple of 8) unpack with plain loops and multiply in
+// fp32; no VNNI or AMX int8 path yet (AVX2's maddubs on every x86 CPU with AVX2); decode_layers
+// (decode_step.cpp) takes the blocks (linear_blocks, blocks_range, blocks_row) in each of its paths,
+// but its greedy steps pick from the full logits (no half-bytes copy of a blocks LM head).
 
 enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // ggml's type ids
 constexpr int64_t kBlock = 32, kSuper = 256;  // weights a block holds; a k-quant's super-block
@@ -260,9 +260,12 @@ void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const f
 // every output it touches is NaN, as the fp32 path's would be non-finite. The AVX2 and scalar
 // paths compute the same q, d and s bit for bit (max and the one product x * (1 / d) are exact or
 // rounded once alike).
+// Each block's two halves of 16 also keep sum(q) as integers (h: Q6_K's groups of 16 subtract 32
+// from every quant, so they need x's sums per half, as llama.cpp's Q8_K keeps bsums).
 struct XBlocks {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int16_t> h;
 };
 
 void quantize_rows(const float* x, int64_t M, int64_t K, XBlocks& out) {
@@ -270,6 +273,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, XBlocks& out) {
   out.q.resize(M * K);
   out.d.resize(M * blocks);
   out.s.resize(M * blocks);
+  out.h.resize(2 * M * blocks);
   at::parallel_for(0, M * blocks, 256, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
       const float* v = x + b * kBlock;
@@ -283,10 +287,10 @@ void quantize_rows(const float* x, int64_t M, int64_t K, XBlocks& out) {
       if (!finite) {
         std::fill(q, q + kBlock, 0);
         out.d[b] = out.s[b] = std::numeric_limits<float>::quiet_NaN();
+        out.h[2 * b] = out.h[2 * b + 1] = 0;
         continue;
       }
       const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-      int32_t sum = 0;
 #if defined(__AVX2__)
       const __m256 vid = _mm256_set1_ps(id);
       __m256i i32[4];
@@ -295,15 +299,15 @@ void quantize_rows(const float* x, int64_t M, int64_t K, XBlocks& out) {
       const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16, i16b),
                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), i8);
-      for (int j = 0; j < kBlock; ++j) sum += q[j];
 #else
-      for (int j = 0; j < kBlock; ++j) {
-        q[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
-        sum += q[j];
-      }
+      for (int j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
 #endif
+      int32_t half[2] = {0, 0};
+      for (int j = 0; j < kBlock; ++j) half[j / 16] += q[j];
       out.d[b] = d;
-      out.s[b] = d * static_cast<float>(sum);
+      out.s[b] = d * static_cast<float>(half[0] + half[1]);
+      out.h[2 * b] = static_cast<int16_t>(half[0]);
+      out.h[2 * b + 1] = static_cast<int16_t>(half[1]);
     }
   });
 }
@@ -521,20 +525,239 @@ void group_q8(const uint8_t* g, int64_t blocks, const XBlocks& xq, int64_t m, in
 #endif
 }
 
+// Note [K-quants interleaved by eight]
+// Rationale: a Q4_K_M file (what most users download) holds Q4_K and Q6_K super-blocks of 256
+// weights. Unpacked to fp32 in L1 and multiplied in fp32, a 1B model decoded at 7% of the memory
+// bandwidth (vs_llamacpp_1b_q4_k_m.json): bound by the unpacking, not by the bytes.
+// Approach: the same as Note [GGUF rows interleaved by eight], a super-block at a time: at load,
+// eight rows' super-blocks are rearranged so that one 32-byte load holds four quants of each row,
+// and x, rounded to int8 blocks of 32 (XBlocks), meets them in integer sums (maddubs + madd); a
+// Q4_K group of 32 then scales as a Q4_1 block with fp32 d = d_s * scale_g and c = -dmin * min_g
+// (both exact), a Q6_K block of 32 as two groups of 16 whose integer sums combine in integers.
+// Q4_K's 6-bit scales and mins are unpacked to bytes at load (32 bytes more per eight rows and
+// super-block, 2.8%); Q6_K's bytes keep their 6 bits (the same size as the file). Both are
+// reversible (GgufWeight.plain), so the file's definition is what the tests compare against.
+// Implementation: per super-block of eight rows r (fp16 halves side by side, then bytes):
+//   Q4_K (1184 = 8 x 148)  d[8] | dmin[8] | scale[g = 0..7][r] | min[g][r] |
+//                          for j = 0..3, k = 0..7, r: the file's q[32 j + 4 k .. +3] of row r
+//                          (low nibbles: group 2 j's weights 4 k .. 4 k + 3; high: group 2 j + 1's)
+//   Q6_K (1680 = 8 x 210)  d[8] | scale[g = 0..15][r] (int8) |
+//                          for j = 0..3, k = 0..7, r: 4 bytes of low 4 bits (block 2 j in the low
+//                          nibble, 2 j + 1 in the high one) | for i = 0..1, k = 0..7, r: 4 bytes
+//                          of high 2 bits (block 4 i + b at bits 2 b)
+// q is a Q6_K quant's 6 bits (w = d scale (q - 32)). Per block of 32 and row:
+//   Q4_K  acc = fma(sum(q x), d scale_g * d_x, acc); off = fma(-(dmin min_g), s_x, off)
+//   Q6_K  t = scale_lo (sum_lo(q x) - 32 h_lo) + scale_hi (sum_hi(q x) - 32 h_hi), exact in int32
+//         (|t| <= 2 x 128 x 16 x 32 x 127 < 2^24, so exact in fp32 too); acc = fma(t, d * d_x, acc)
+// and the row's output acc + off, the same operations on the AVX2 and scalar paths and for any
+// number of rows of x, as for the 32-weight types.
+// Limitations: N a multiple of 8 (else the rows stay as the file has them, unpacked in fp32); no
+// VNNI path; Q2_K, Q3_K and Q5_K are dequantized by the loader.
+constexpr int64_t kQ4KGroup = 1184, kQ6KGroup = 1680;  // bytes of eight rows' super-block
+
+// Bytes of eight rows' block (32 weights) or super-block (256), interleaved.
+int64_t group_bytes(int64_t type) {
+  return type == kQ4_K ? kQ4KGroup : type == kQ6_K ? kQ6KGroup : kGroup * block_bytes(type);
+}
+
+// The eight rows' sums of super-blocks (Note [K-quants interleaved by eight]) against C rows of x
+// from row m of xq: out[c][r].
+template <int64_t kType, int C>
+void group_k(const uint8_t* g, int64_t supers, const XBlocks& xq, int64_t m, int64_t K, float out[][kGroup]) {
+  constexpr int64_t kStride = kType == kQ4_K ? kQ4KGroup : kQ6KGroup;
+  const int64_t blocks = K / kBlock;
+  const int8_t* q[C];
+  const float *d[C], *s[C];
+  const int16_t* h[C];
+  for (int c = 0; c < C; ++c) {
+    q[c] = xq.q.data() + (m + c) * K;
+    d[c] = xq.d.data() + (m + c) * blocks;
+    s[c] = xq.s.data() + (m + c) * blocks;
+    h[c] = xq.h.data() + 2 * (m + c) * blocks;
+  }
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  __m256 acc[C], off[C];
+  for (int c = 0; c < C; ++c) acc[c] = off[c] = _mm256_setzero_ps();
+  auto four = [](const int8_t* p) {  // x's four bytes at p, in every lane
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  };
+  auto bytes8 = [](const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); };
+  for (int64_t sb = 0; sb < supers; ++sb, g += kStride) {
+    for (int64_t ahead = 0; ahead < kStride; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(g) + kAhead + ahead, _MM_HINT_T0);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+    const int64_t b0 = sb * (kSuper / kBlock);  // x's first block here
+    if constexpr (kType == kQ4_K) {
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)));
+      for (int j = 0; j < 4; ++j) {
+        __m256i low_pairs[C], high_pairs[C];
+        for (int c = 0; c < C; ++c) low_pairs[c] = high_pairs[c] = _mm256_setzero_si256();
+        for (int k = 0; k < 8; ++k) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 160 + 256 * j + 32 * k));
+          const __m256i low = _mm256_and_si256(packed, mask), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+          for (int c = 0; c < C; ++c) {
+            const int8_t* x = q[c] + (b0 + 2 * j) * kBlock + 4 * k;
+            low_pairs[c] = _mm256_add_epi16(low_pairs[c], _mm256_maddubs_epi16(low, four(x)));
+            high_pairs[c] = _mm256_add_epi16(high_pairs[c], _mm256_maddubs_epi16(high, four(x + kBlock)));
+          }
+        }
+        for (int half = 0; half < 2; ++half) {
+          const int64_t group = 2 * j + half, b = b0 + group;
+          const __m256 scale = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(g + 32 + 8 * group))));
+          const __m256 low_c = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(g + 96 + 8 * group))));
+          for (int c = 0; c < C; ++c) {
+            const __m256i isum = _mm256_madd_epi16(half ? high_pairs[c] : low_pairs[c], ones);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scale, _mm256_set1_ps(d[c][b])), acc[c]);
+            off[c] = _mm256_fnmadd_ps(low_c, _mm256_set1_ps(s[c][b]), off[c]);
+          }
+        }
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {  // blocks 2 j (low nibbles) and 2 j + 1 (high)
+        __m256i sums[2][2][C];  // [block][half of 16][row of x]
+        for (int half = 0; half < 2; ++half) {
+          __m256i pairs[2][C];
+          for (int c = 0; c < C; ++c) sums[0][half][c] = sums[1][half][c] = _mm256_setzero_si256();
+          for (int k = 4 * half; k < 4 * half + 4; ++k) {
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 144 + 256 * j + 32 * k));
+            const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 1168 + 256 * (j / 2) + 32 * k));
+            // the two high bits of blocks 2 j and 2 j + 1 at bits 4-5 of each byte
+            const __m256i hi_a = j % 2 ? bits : _mm256_slli_epi16(bits, 4);
+            const __m256i hi_b = j % 2 ? _mm256_srli_epi16(bits, 2) : _mm256_slli_epi16(bits, 2);
+            const __m256i qa = _mm256_or_si256(_mm256_and_si256(packed, mask), _mm256_and_si256(hi_a, top));
+            const __m256i qb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), mask),
+                                               _mm256_and_si256(hi_b, top));
+            for (int c = 0; c < C; ++c) {  // (two steps of pairs at most 2 x 2 x 63 x 127 fit int16)
+              const int8_t* x = q[c] + (b0 + 2 * j) * kBlock + 4 * k;
+              const __m256i pa = _mm256_maddubs_epi16(qa, four(x)), pb = _mm256_maddubs_epi16(qb, four(x + kBlock));
+              if (k % 2 == 0) {
+                pairs[0][c] = pa;
+                pairs[1][c] = pb;
+              } else {
+                sums[0][half][c] = _mm256_add_epi32(sums[0][half][c], _mm256_madd_epi16(_mm256_add_epi16(pairs[0][c], pa), ones));
+                sums[1][half][c] = _mm256_add_epi32(sums[1][half][c], _mm256_madd_epi16(_mm256_add_epi16(pairs[1][c], pb), ones));
+              }
+            }
+          }
+        }
+        for (int e = 0; e < 2; ++e) {
+          const int64_t block = 2 * j + e, b = b0 + block;
+          const __m256i scale_lo = _mm256_cvtepi8_epi32(bytes8(g + 16 + 8 * (2 * block)));
+          const __m256i scale_hi = _mm256_cvtepi8_epi32(bytes8(g + 16 + 8 * (2 * block + 1)));
+          for (int c = 0; c < C; ++c) {
+            const __m256i lo = _mm256_sub_epi32(sums[e][0][c], _mm256_set1_epi32(32 * h[c][2 * b]));
+            const __m256i hi = _mm256_sub_epi32(sums[e][1][c], _mm256_set1_epi32(32 * h[c][2 * b + 1]));
+            const __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(scale_lo, lo), _mm256_mullo_epi32(scale_hi, hi));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, _mm256_set1_ps(d[c][b])), acc[c]);
+          }
+        }
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[c], _mm256_add_ps(acc[c], off[c]));
+#else
+  for (int c = 0; c < C; ++c) {
+    float acc[kGroup] = {}, off[kGroup] = {};
+    const uint8_t* sg = g;
+    for (int64_t sb = 0; sb < supers; ++sb, sg += kStride) {
+      const int64_t b0 = sb * (kSuper / kBlock);
+      for (int64_t r = 0; r < kGroup; ++r) {
+        const float dw = half_at(sg + 2 * r);
+        for (int64_t block = 0; block < 8; ++block) {
+          const int64_t b = b0 + block;
+          const int8_t* x = q[c] + b * kBlock;
+          int32_t sum[2] = {0, 0};  // the block's halves of 16
+          for (int64_t i = 0; i < kBlock; ++i) {
+            const int64_t k = i / 4, t = i % 4, j = block / 2;
+            int32_t quant;
+            if (kType == kQ4_K) {
+              const uint8_t byte = sg[160 + 256 * j + 32 * k + 4 * r + t];
+              quant = block % 2 ? byte >> 4 : byte & 0x0F;
+            } else {
+              const uint8_t byte = sg[144 + 256 * j + 32 * k + 4 * r + t];
+              const uint8_t bits = sg[1168 + 256 * (block / 4) + 32 * k + 4 * r + t];
+              quant = (block % 2 ? byte >> 4 : byte & 0x0F) | (((bits >> (2 * (block % 4))) & 3) << 4);
+            }
+            sum[i / 16] += quant * x[i];
+          }
+          if (kType == kQ4_K) {
+            const float scale = dw * static_cast<float>(sg[32 + 8 * block + r]);
+            const float low_c = half_at(sg + 16 + 2 * r) * static_cast<float>(sg[96 + 8 * block + r]);
+            acc[r] = std::fma(static_cast<float>(sum[0] + sum[1]), scale * d[c][b], acc[r]);
+            off[r] = std::fma(-low_c, s[c][b], off[r]);
+          } else {
+            const int32_t scale_lo = static_cast<int8_t>(sg[16 + 8 * (2 * block) + r]);
+            const int32_t scale_hi = static_cast<int8_t>(sg[16 + 8 * (2 * block + 1) + r]);
+            const int32_t t = scale_lo * (sum[0] - 32 * h[c][2 * b]) + scale_hi * (sum[1] - 32 * h[c][2 * b + 1]);
+            acc[r] = std::fma(static_cast<float>(t), dw * d[c][b], acc[r]);
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; r < kGroup; ++r) out[c][r] = acc[r] + off[r];
+  }
+#endif
+}
+
+// Row `lane` of eight rows' super-blocks (the note above) as fp32, in gguf-py's order of operations
+// (unpack_super's).
+void unpack_group_k(const uint8_t* g, int64_t type, int64_t K, int64_t lane, float* out) {
+  const int64_t stride = group_bytes(type);
+  for (int64_t sb = 0; sb < K / kSuper; ++sb, g += stride, out += kSuper) {
+    const float d = half_at(g + 2 * lane);
+    for (int64_t block = 0; block < 8; ++block)
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const int64_t k = i / 4, t = i % 4, j = block / 2;
+        if (type == kQ4_K) {
+          const uint8_t byte = g[160 + 256 * j + 32 * k + 4 * lane + t];
+          const float scale = d * static_cast<float>(g[32 + 8 * block + lane]);
+          const float low = half_at(g + 16 + 2 * lane) * static_cast<float>(g[96 + 8 * block + lane]);
+          out[block * kBlock + i] = scale * static_cast<float>(block % 2 ? byte >> 4 : byte & 0x0F) - low;
+        } else {
+          const uint8_t byte = g[144 + 256 * j + 32 * k + 4 * lane + t];
+          const uint8_t bits = g[1168 + 256 * (block / 4) + 32 * k + 4 * lane + t];
+          const int quant = (block % 2 ? byte >> 4 : byte & 0x0F) | (((bits >> (2 * (block % 4))) & 3) << 4);
+          const float scale = d * static_cast<float>(static_cast<int8_t>(g[16 + 8 * (2 * block + i / 16) + lane]));
+          out[block * kBlock + i] = scale * static_cast<float>(quant - 32);
+        }
+      }
+  }
+}
+
+// f(type as a compile-time constant) for any type interleaved by eight.
+template <typename F>
+VKV_INLINE void with_group_type(int64_t type, F f) {
+  if (type == kQ4_K) return f(std::integral_constant<int64_t, kQ4_K>{});
+  if (type == kQ6_K) return f(std::integral_constant<int64_t, kQ6_K>{});
+  with_block_type(type, f);
+}
+
+// The eight rows' sums of one group of any type interleaved by eight against C rows of x.
+template <int64_t kType, int C>
+VKV_INLINE void group_dots(const uint8_t* g, const XBlocks& xq, int64_t m, int64_t K, float out[][kGroup]) {
+  if constexpr (kType == kQ4_K || kType == kQ6_K)
+    group_k<kType, C>(g, K / kSuper, xq, m, K, out);
+  else
+    group_q8<kType, C>(g, K / kBlock, xq, m, K, out);
+}
+
 // x W^T over W interleaved by eight (the note above), x rounded to int8 blocks (XBlocks): each task
 // a group of eight weight rows against every row of x, two rows of x at a time.
 template <int64_t kType>
 void groups_q8(const XBlocks& xq, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* out) {
-  const int64_t blocks = K / kBlock, group_bytes = blocks * kGroup * kBytes<kType>;
+  const int64_t bytes = K / block_weights(kType) * group_bytes(kType);  // a group of eight rows
   at::parallel_for(0, N / kGroup, M == 1 ? 2 : 1, [&](int64_t lo, int64_t hi) {
     float dots[2][kGroup];
     for (int64_t g = lo; g < hi; ++g)
       for (int64_t m = 0; m < M; m += 2) {
         const int64_t C = std::min<int64_t>(2, M - m);
         if (C == 2)
-          group_q8<kType, 2>(w + g * group_bytes, blocks, xq, m, K, dots);
+          group_dots<kType, 2>(w + g * bytes, xq, m, K, dots);
         else
-          group_q8<kType, 1>(w + g * group_bytes, blocks, xq, m, K, dots);
+          group_dots<kType, 1>(w + g * bytes, xq, m, K, dots);
         for (int64_t c = 0; c < C; ++c)
           for (int64_t r = 0; r < kGroup; ++r)
             out[(m + c) * N + g * kGroup + r] = dots[c][r] + (bias ? bias[g * kGroup + r] : 0.0f);
@@ -557,6 +780,8 @@ void deinterleave_row(const uint8_t* w, int64_t type, int64_t K, int64_t r, uint
 void gguf_row(const uint8_t* w, int64_t type, bool by_eight, int64_t K, int64_t r, float* out) {
   const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
   if (!by_eight) return unpack_row(w + r * row_bytes, type, K, out);
+  if (block_weights(type) == kSuper)
+    return unpack_group_k(w + (r / kGroup) * (K / kSuper) * group_bytes(type), type, K, r % kGroup, out);
   std::vector<uint8_t> row(row_bytes);
   deinterleave_row(w, type, K, r, row.data());
   unpack_row(row.data(), type, K, out);
@@ -579,14 +804,15 @@ void check_gguf(const at::Tensor& w, int64_t type, int64_t K) {
               per, " blocks of its type (K = ", K, ", ", w.size(1), " bytes a row)");
 }
 
-// W interleaved by eight (Note [GGUF rows interleaved by eight]): [N / 8, K / 32, 8 x block bytes].
+// W interleaved by eight (Note [GGUF rows interleaved by eight], [K-quants interleaved by eight]):
+// [N / 8, K / block weights, group bytes].
 bool interleaved(const at::Tensor& w) { return w.dim() == 3; }
 
 void check_interleaved(const at::Tensor& w, int64_t type, int64_t K) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && block_weights(type) == kBlock &&
-                  w.size(1) * kBlock == K && w.size(2) == kGroup * block_bytes(type),
-              "a GGUF weight interleaved by eight is [N / 8, K / 32, 8 x block bytes] uint8 of Q8_0, Q4_0 or Q4_1 (K = ",
-              K, ")");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) * block_weights(type) == K &&
+                  w.size(2) == group_bytes(type),
+              "a GGUF weight interleaved by eight is [N / 8, K / block weights, eight rows' block bytes] uint8 (K = ",
+              K, ", type ", type, ")");
 }
 
 void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const std::optional<at::Tensor>& bias,
@@ -610,10 +836,11 @@ void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const s
   if (interleaved(w) && quantize_x) {
     XBlocks xq;
     quantize_rows(xp, M, K, xq);
-    return with_block_type(type, [&](auto k) { groups_q8<k>(xq, M, K, wp, N, bp, op); });
+    return with_group_type(type, [&](auto k) { groups_q8<k>(xq, M, K, wp, N, bp, op); });
   }
   if (quantize_x) {
-    TORCH_CHECK(block_weights(type) == kBlock, "x is quantized to int8 for Q8_0, Q4_0 and Q4_1 weights only");
+    TORCH_CHECK(block_weights(type) == kBlock, "x is quantized to int8 for Q8_0, Q4_0 and Q4_1 weights, or any "
+                                               "type's rows interleaved by eight");
     return linear_q8(xp, M, K, wp, row_bytes, N, type, bp, op);
   }
 #if defined(__AVX2__) && defined(__FMA__)
@@ -633,20 +860,23 @@ void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const s
   });
 }
 
-// GGUF blocks of 32 weights as decode_layers takes them: a [N, K / 32, block bytes] uint8 view, or
-// the rows interleaved by eight ([N / 8, K / 32, 8 x block bytes]), whose last size names the type.
+// GGUF blocks as decode_layers takes them: a [N, K / 32, block bytes] uint8 view of Q8_0, Q4_0 or
+// Q4_1, or any of the five types' rows interleaved by eight ([N / 8, K / block weights, group
+// bytes]); the last size names the type (no two of the eight sizes are equal).
 int64_t blocks_type(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte, "GGUF blocks in a step: [N, K / 32, block bytes] uint8");
-  for (const int64_t type : {kQ8_0, kQ4_0, kQ4_1})
-    if (w.size(2) == block_bytes(type) || w.size(2) == kGroup * block_bytes(type)) return type;
-  TORCH_CHECK(false, "GGUF blocks in a step: [N, K / 32, block bytes] of Q8_0, Q4_0 or Q4_1, or their rows interleaved "
-                     "by eight");
+  for (const int64_t type : {kQ8_0, kQ4_0, kQ4_1, kQ4_K, kQ6_K})
+    if ((block_weights(type) == kBlock && w.size(2) == block_bytes(type)) || w.size(2) == group_bytes(type)) return type;
+  TORCH_CHECK(false, "GGUF blocks in a step: [N, K / 32, block bytes] of Q8_0, Q4_0 or Q4_1, or rows of those, Q4_K "
+                     "or Q6_K interleaved by eight");
   return 0;
 }
 
-bool blocks_interleaved(const at::Tensor& w) { return w.size(2) == kGroup * block_bytes(blocks_type(w)); }
+bool blocks_interleaved(const at::Tensor& w) { return w.size(2) == group_bytes(blocks_type(w)); }
 
 int64_t blocks_rows(const at::Tensor& w) { return blocks_interleaved(w) ? w.size(0) * kGroup : w.size(0); }
+
+int64_t blocks_inputs(const at::Tensor& w) { return w.size(1) * block_weights(blocks_type(w)); }
 
 // x W^T over such a view, as Linear serves blocks (int8 x).
 void linear_blocks(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor out) {
@@ -655,11 +885,11 @@ void linear_blocks(const at::Tensor& x, const at::Tensor& w, const std::optional
 }
 
 BlocksRef blocks_ref(const at::Tensor& w) {
-  const int64_t type = blocks_type(w), K = w.size(1) * kBlock;
+  const int64_t type = blocks_type(w), K = w.size(1) * block_weights(type);
   const bool by_eight = blocks_interleaved(w);
-  const int64_t unit = by_eight ? kGroup : 4, row_bytes = K / kBlock * block_bytes(type);
+  const int64_t unit = by_eight ? kGroup : 4, unit_bytes = by_eight ? w.size(1) * w.size(2) : 4 * w.size(1) * w.size(2);
   TORCH_CHECK(w.is_contiguous(), "GGUF blocks in a step are contiguous");
-  return {w.data_ptr<uint8_t>(), type, blocks_rows(w), K, unit, unit * row_bytes, by_eight};
+  return {w.data_ptr<uint8_t>(), type, blocks_rows(w), K, unit, unit_bytes, by_eight};
 }
 
 // Units [lo, hi) of W (each group_q8's or rows4_q8's rows) against one row of x, as groups_q8 and
@@ -667,13 +897,12 @@ BlocksRef blocks_ref(const at::Tensor& w) {
 void blocks_range(const float* x, const BlocksRef& b, const float* bias, float* out, int64_t lo, int64_t hi) {
   thread_local XBlocks xq;  // (this thread's copy of x in int8 blocks: quantize_rows runs inline here)
   quantize_rows(x, 1, b.K, xq);
-  const int64_t blocks = b.K / kBlock;
   for (int64_t u = lo; u < hi; ++u) {
     const int64_t n = u * b.unit, count = std::min(b.unit, b.N - n);
     float dots[kGroup];
     if (b.by_eight) {
       float group[1][kGroup];
-      with_block_type(b.type, [&](auto k) { group_q8<k, 1>(b.w + u * b.unit_bytes, blocks, xq, 0, b.K, group); });
+      with_group_type(b.type, [&](auto k) { group_dots<k, 1>(b.w + u * b.unit_bytes, xq, 0, b.K, group); });
       std::copy(group[0], group[0] + kGroup, dots);
     } else {
       const uint8_t* rows[4];
@@ -688,7 +917,7 @@ void blocks_range(const float* x, const BlocksRef& b, const float* bias, float* 
 void blocks_row(const at::Tensor& w, int64_t r, float* out) {
   const int64_t type = blocks_type(w);
   TORCH_CHECK(r >= 0 && r < blocks_rows(w), "row ", r, " of ", blocks_rows(w));
-  gguf_row(w.data_ptr<uint8_t>(), type, blocks_interleaved(w), w.size(1) * kBlock, r, out);
+  gguf_row(w.data_ptr<uint8_t>(), type, blocks_interleaved(w), w.size(1) * block_weights(type), r, out);
 }
 
 void dequantize_gguf(const at::Tensor& w, int64_t type, const at::Tensor& rows, at::Tensor out) {

@@ -54,7 +54,7 @@ TORCH_LIBRARY(vkv, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   m.def("decode_layers(Tensor(a!) x, Tensor(b!) residual, Tensor[] input_norms, Tensor[] post_norms, float eps, "
-        "Tensor[] qkv_weights, Tensor?[] qkv_biases, Tensor[] o_weights, Tensor[] gate_up_weights, "
+        "Tensor[] qkv_weights, Tensor?[] qkv_tails, Tensor?[] qkv_biases, Tensor[] o_weights, Tensor[] gate_up_weights, "
         "Tensor[] down_weights, int num_heads, int num_kv_heads, Tensor positions, Tensor cos_sin, "
         "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor block_table, int block_size, Tensor token_seq, "
         "Tensor q_start, Tensor q_len, Tensor ctx_len, float scale, Tensor? rows=None, Tensor? final_norm=None, "

@@ -26,7 +26,8 @@ void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const s
 void dequantize_gguf(const at::Tensor& w, int64_t type, const at::Tensor& rows, at::Tensor out);
 void linear_blocks(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor out);
 void blocks_row(const at::Tensor& w, int64_t r, float* out);
-int64_t blocks_rows(const at::Tensor& w);  // (N of a blocks view, interleaved by eight or not)
+int64_t blocks_rows(const at::Tensor& w);    // (N of a blocks view, interleaved by eight or not)
+int64_t blocks_inputs(const at::Tensor& w);  // (its K)
 // A blocks view's pieces for decode_step.cpp's one parallel region: a share of its rows on the
 // calling thread, counted in units (groups of eight rows interleaved, else four rows), x rounded
 // to int8 blocks on that thread; the bits linear_blocks gives them.
@@ -40,7 +41,8 @@ inline int64_t blocks_units(const BlocksRef& b) { return (b.N + b.unit - 1) / b.
 void blocks_range(const float* x, const BlocksRef& b, const float* bias, float* out, int64_t lo, int64_t hi);
 std::string ahead_hint();
 void decode_layers(at::Tensor x, at::Tensor residual, at::TensorList input_norms, at::TensorList post_norms,
-                   double eps, at::TensorList qkv_weights, const c10::List<std::optional<at::Tensor>>& qkv_biases,
+                   double eps, at::TensorList qkv_weights, const c10::List<std::optional<at::Tensor>>& qkv_tails,
+                   const c10::List<std::optional<at::Tensor>>& qkv_biases,
                    at::TensorList o_weights, at::TensorList gate_up_weights, at::TensorList down_weights,
                    int64_t num_heads, int64_t num_kv_heads, const at::Tensor& positions, const at::Tensor& cos_sin,
                    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& block_table,

@@ -217,8 +217,9 @@ def test_gguf_blocks_unpack_to_the_formats_definition(kind, rows):
     assert torch.equal(rows_out.double(), exact[picked])
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
-@pytest.mark.parametrize("by_eight", [False, True], ids=["rows", "interleaved"])
+@pytest.mark.parametrize("kind, by_eight", [(kind, by_eight) for kind in ("Q8_0", "Q4_0", "Q4_1")
+                                             for by_eight in (False, True)] + [("Q4_K", True), ("Q6_K", True)],
+                         ids=lambda v: {False: "rows", True: "interleaved"}.get(v, v) if isinstance(v, bool) else v)
 def test_gguf_blocks_times_int8_activations_stay_within_the_quantization_step(kind, by_eight):
     """linear_gguf with quantize_x: each row of x as int8 blocks of 32 (d = max|x| / 127, q = x / d
     rounded), summed in integers. Against x times gguf-py's `dequantize` in fp64, the error is at
@@ -226,22 +227,28 @@ def test_gguf_blocks_times_int8_activations_stay_within_the_quantization_step(ki
     rounding, 127 ulps at most), times |w|, plus fp32's accumulation bound over the terms. A row's
     output is the same bit for bit alone or in any batch, and a NaN in a row makes that row, alone,
     NaN. The same with the rows interleaved by eight (GgufWeight.interleaved), whose lookups
-    (dequantize_gguf) give the oracle's rows and which `plain` turns back into the file's bytes."""
+    (dequantize_gguf) give the oracle's rows and which `plain` turns back into the file's bytes;
+    Q4_K and Q6_K (3 super-blocks a row) only so (Note [K-quants interleaved by eight]): Q4_K's
+    six-bit scales and mins unpacked to bytes, 32 more per eight rows and super-block."""
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
     from engine.models.gguf_weights import GgufWeight
     qtype = GGMLQuantizationType[kind]
-    n, k = (40 if by_eight else 37), 576
+    n, k = (40 if by_eight else 37), (576 if kind[-1] != "K" else 768)
     g = torch.Generator().manual_seed(5)
-    w = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)).numpy()
-    w[3] = 0.0
-    blocks = quants.quantize(w, qtype)
+    if kind[-1] == "K":
+        blocks = k_quant_blocks(kind, n, k, g)
+    else:
+        w = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)).numpy()
+        w[3] = 0.0
+        blocks = quants.quantize(w, qtype)
     exact = torch.from_numpy(quants.dequantize(blocks, qtype).astype(np.float64))
     raw = torch.from_numpy(np.ascontiguousarray(blocks)).view(torch.uint8)
     if by_eight:
         weight = GgufWeight(raw, int(qtype), k).interleaved()
-        assert weight.by_eight and weight.rows.numel() == raw.numel() and torch.equal(weight.plain().rows, raw)
+        extra = n // 8 * k // 256 * 32 if kind == "Q4_K" else 0
+        assert weight.by_eight and weight.rows.numel() == raw.numel() + extra and torch.equal(weight.plain().rows, raw)
         raw = weight.rows
         picked = torch.tensor([0, n - 1, 3, 9, 17])
         rows_out = torch.empty(5, k)
@@ -268,7 +275,7 @@ def test_gguf_blocks_times_int8_activations_stay_within_the_quantization_step(ki
     x[4, 100] = float("nan")
     torch.ops.vkv.linear_gguf(x, raw, int(qtype), bias, out, True)
     assert out[4].isnan().all() and not out[torch.arange(9) != 4].isnan().any()
-    with pytest.raises(RuntimeError, match="Q8_0, Q4_0 and Q4_1 weights only"):
+    with pytest.raises(RuntimeError, match="Q8_0, Q4_0 and Q4_1 weights, or any"):
         q4k = torch.from_numpy(k_quant_blocks("Q4_K", 4, 256, g)).view(torch.uint8)
         torch.ops.vkv.linear_gguf(torch.zeros(1, 256), q4k, 12, None, torch.empty(1, 4), True)
 
