@@ -4,11 +4,11 @@ Rationale. Served through the dequantized checkpoint (loader.py), a GGUF at Q4_1
 6.4x its bytes in memory, and every decode step reads 6.4x what the file holds. With
 `quantization="gguf"` (vLLM's name for serving a GGUF file) the projections and the token
 embedding keep the file's blocks, and the native kernels unpack them in registers
-(ext/cpu/gguf_blocks.cpp, Note [GGUF weights as they are stored]); against Q8_0, Q4_0 and Q4_1
-blocks, x is rounded to int8 blocks and the products summed in integers, as llama.cpp computes
-(`GgufWeight.quantizes_x`). The model holds those with their rows interleaved by eight
-(`GgufWeight.interleaved`: the same bytes, moved so that one load holds eight rows' weights; Note
-[GGUF rows interleaved by eight]).
+(ext/cpu/gguf_blocks.cpp, Note [GGUF weights as they are stored]); x is rounded to int8 blocks
+and the products summed in integers, as llama.cpp computes (`GgufWeight.quantizes_x`). The model
+holds the weights with their rows interleaved by eight (`GgufWeight.interleaved`: the file's
+bits, moved so that one load holds eight rows' weights; Notes [GGUF rows interleaved by eight]
+and [K-quants interleaved by eight]).
 
 Approach. `read_gguf` maps the file's tensor names to the Hugging Face names the model loads,
 keeps each Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrix as a `GgufWeight` (its rows' bytes, uint8
@@ -19,11 +19,12 @@ q and k projections for its rotary layout; transformers' loader undoes it on the
 here the same permutation moves whole rows of blocks, so both load the same matrix.
 
 Limitations. CPU only, with the native kernels built (else the loader refuses it by name and
-the dequantized checkpoint serves); the one-call decode step (multi-step too) takes blocks of 32
-weights, and a model with k-quant projections decodes layer by layer; no sleep mode, weight updates, LoRA or tensor
-parallelism over blocks (each refused by name); a fused projection whose parts differ in type (a Q4_K_M file's
-Q6_K v beside Q4_K q and k, in some layers) is dequantized whole; the tokenizer and config
-still come from the converted checkpoint directory.
+the dequantized checkpoint serves); k-quant rows interleave only where a matrix has a multiple
+of 8 rows (else they multiply in fp32, and the model decodes layer by layer); no sleep mode,
+weight updates, LoRA or tensor parallelism over blocks (each refused by name); a fused projection
+whose parts differ in type (a Q4_K_M file's Q6_K v beside Q4_K q and k, in some layers) is a
+`GgufStack`, which the one-call step takes only for qkv in two parts (else the model decodes
+layer by layer); the tokenizer and config still come from the converted checkpoint directory.
 """
 from __future__ import annotations
 
