@@ -27,6 +27,7 @@ import torch
 
 from engine.models.config import ModelConfig
 from engine.models.gguf_weights import read_gguf
+from engine.models.huge_pages import trim_heap
 from engine.models.llama import LlamaForCausalLM
 from engine.models.presets import PRESETS
 
@@ -203,7 +204,9 @@ def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: 
         model.fingerprint = fingerprint  # of the very bytes loaded (kv/build.py names pages by it)
     if tp[1] > 1:
         model.shard(*tp)
-    return model.prepare(device, dtype, compute_dtype, sleep_mode, greedy_pick)
+    model = model.prepare(device, dtype, compute_dtype, sleep_mode, greedy_pick)
+    trim_heap()  # (what loading freed, given back: resident memory is the weights')
+    return model
 
 
 def weights_fingerprint(spec: str | None, seed: int = 0) -> bytes:

@@ -38,13 +38,12 @@ Tensor-parallel ranks are other processes: level 2 is refused there.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 
 import torch
 
 import vmm
+from engine.models.huge_pages import trim_heap
 from engine.models.linear import PACK_HINT, Linear
 
 ALIGN = 64  # bytes: a cache line, and every dtype's item size divides it
@@ -96,7 +95,7 @@ class WeightPages:
         self.pool.backend.synchronize()
         self.range.unmap(0, self.range.num_pages)
         self.pool.release_memory()
-        _trim_heap()
+        trim_heap()
         self.state = "released"
 
     def restore(self) -> None:
@@ -174,11 +173,3 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _trim_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc): freed packed weights below
-    malloc's mmap threshold would otherwise stay resident."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
