@@ -211,7 +211,7 @@ def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: 
 
 def weights_fingerprint(spec: str | None, seed: int = 0) -> bytes:
     """SHA-256 of what the weights are: a checkpoint's config and weight files, byte for byte
-    (about 0.3 s per GB); a random preset's shape and seed. Any changed byte changes it. (A
+    (each file's SHA-256, about 0.8 s per GB); a random preset's shape and seed. Any changed byte changes it. (A
     loaded model carries the fingerprint of the bytes it was loaded from: `model.fingerprint`.)"""
     path = checkpoint_dir(spec)
     if path is None:
@@ -219,9 +219,9 @@ def weights_fingerprint(spec: str | None, seed: int = 0) -> bytes:
         h = hashlib.sha256(b"vkv/weights/v1")
         h.update(json.dumps({"random": name, "init": RANDOM_INIT, "seed": seed, "config": PRESETS.get(name)}, sort_keys=True).encode())
         return h.digest()
-    h = hashlib.sha256(b"vkv/weights/v1")
+    h = hashlib.sha256(b"vkv/weights/v2")
     for f in [path / "config.json", *checkpoint_files(path)]:
-        _hash_regular(f, h)
+        h.update(f.name.encode() + b"\0" + _file_sha256(f))
     return h.digest()
 
 
@@ -275,11 +275,27 @@ def _read_regular(f: Path) -> bytearray:
         return data
 
 
-def _hash_regular(f: Path, h) -> None:
-    h.update(f.name.encode() + b"\0")
+# A weight file this process read and checked, by its identity (device, inode, size, modification
+# and change times: any write changes the last two) -> the SHA-256 of its bytes. Read again
+# unchanged (the next engine of a test suite, a model reloaded), it is neither hashed nor checked
+# for non-finite values again.
+_CHECKED: dict[tuple[int, ...], bytes] = {}
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _file_sha256(f: Path) -> bytes:
+    """SHA-256 of a regular file's bytes (remembered as _CHECKED's are)."""
     with _open_regular(f) as stream:
+        known = _CHECKED.get(_identity(os.fstat(stream.fileno())))
+        if known:
+            return known
+        h = hashlib.sha256()
         while chunk := stream.read(16 << 20):
             h.update(chunk)
+        return h.digest()
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -288,23 +304,17 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 MAX_HEADER = 100 << 20  # safetensors' own limit
 
 
-def parse_safetensors(data: bytearray) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file's bytes, each a copy of its own (the file's buffer is not
-    kept alive by any of them). Every field of the header is checked against the bytes there are:
+def _safetensors_entries(header_bytes: bytes, body: int) -> list[tuple[str, torch.dtype, list[int], int, int]]:
+    """(name, dtype, shape, begin, end) of each tensor a safetensors header describes, in the
+    order of their bytes, every field checked against the `body` bytes after the header:
     ValueError saying which does not fit."""
-    if len(data) < 8:
-        raise ValueError("shorter than a safetensors header")
-    n = int.from_bytes(data[:8], "little")
-    if n > min(len(data) - 8, MAX_HEADER):
-        raise ValueError(f"its header claims {n} bytes, the file holds {len(data) - 8}")
     try:
-        header = json.loads(bytes(data[8:8 + n]))
+        header = json.loads(bytes(header_bytes))
     except (ValueError, RecursionError) as exc:
         raise ValueError(f"its header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise ValueError("its header is not a JSON object")
-    body = memoryview(data)[8 + n:]
-    tensors = {}
+    entries = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -313,17 +323,87 @@ def parse_safetensors(data: bytearray) -> dict[str, torch.Tensor]:
         if dtype is None or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise ValueError(f"{name}: no dtype of {sorted(SAFETENSORS_DTYPES)} and shape of sizes")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1] <= len(body)):
-            raise ValueError(f"{name}: data_offsets {offsets!r} outside the file's {len(body)} bytes of data")
+                and 0 <= offsets[0] <= offsets[1] <= body):
+            raise ValueError(f"{name}: data_offsets {offsets!r} outside the file's {body} bytes of data")
         count = math.prod(shape)
         if offsets[1] - offsets[0] != count * dtype.itemsize:
             raise ValueError(f"{name}: {offsets[1] - offsets[0]} bytes for a {shape} {info['dtype']} tensor")
+        entries.append((name, dtype, shape, offsets[0], offsets[1]))
+    entries.sort(key=lambda e: (e[3], e[4]))
+    for before, after in zip(entries, entries[1:]):
+        if after[3] < before[4]:
+            raise ValueError(f"{after[0]}: its bytes overlap {before[0]}'s")
+    return entries
+
+
+def _header_size(head: bytes, size: int) -> int:
+    if len(head) < 8:
+        raise ValueError("shorter than a safetensors header")
+    n = int.from_bytes(head[:8], "little")
+    if n > min(size - 8, MAX_HEADER):
+        raise ValueError(f"its header claims {n} bytes, the file holds {size - 8}")
+    return n
+
+
+def parse_safetensors(data: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file's bytes, each a copy of its own (the file's buffer is not
+    kept alive by any of them); the header checked as _safetensors_entries checks it."""
+    n = _header_size(data[:8], len(data))
+    body = memoryview(data)[8 + n:]
+    tensors = {}
+    for name, dtype, shape, begin, end in _safetensors_entries(data[8:8 + n], len(body)):
         t = torch.empty(shape, dtype=dtype)
-        if count:
-            t.view(-1).view(torch.uint8).copy_(torch.frombuffer(body, dtype=torch.uint8, count=offsets[1] - offsets[0],
-                                                                offset=offsets[0]))
+        if end > begin:
+            t.view(-1).view(torch.uint8).copy_(torch.frombuffer(body, dtype=torch.uint8, count=end - begin, offset=begin))
         tensors[name] = t
     return tensors
+
+
+def read_safetensors(f: Path) -> tuple[dict[str, torch.Tensor], bytes]:
+    """The tensors of one safetensors file, read from it straight into memory of their own (no
+    copy of the whole file first), and the SHA-256 of its bytes; every float checked finite. A
+    file this process read before and that has not changed since (_CHECKED) is neither hashed nor
+    checked again. ValueError, naming the tensor, for a malformed file, a non-finite weight, or a
+    file changed while it was read."""
+    with _open_regular(f) as stream:
+        first = os.fstat(stream.fileno())
+        known = _CHECKED.get(_identity(first))
+        h = None if known else hashlib.sha256()
+
+        def take(view) -> None:  # exactly len(view) bytes of the file, into view
+            view, done = memoryview(view).cast("B"), 0
+            while done < len(view):
+                got = stream.readinto(view[done:])
+                if not got:
+                    raise ValueError("changed while it was read (shorter than when opened)")
+                done += got
+            if h is not None:
+                h.update(view)
+
+        head = bytearray(min(8, first.st_size))
+        take(head)
+        n = _header_size(head, first.st_size)
+        header = bytearray(n)
+        take(header)
+        tensors, at = {}, 0
+        for name, dtype, shape, begin, end in _safetensors_entries(header, first.st_size - 8 - n):
+            if begin > at:
+                take(bytearray(begin - at))
+            t = torch.empty(shape, dtype=dtype)
+            if end > begin:
+                take(t.view(-1).view(torch.uint8).numpy())
+            tensors[name], at = t, max(at, end)
+        if first.st_size - 8 - n > at:
+            take(bytearray(first.st_size - 8 - n - at))
+        if stream.read(1) or _identity(os.fstat(stream.fileno())) != _identity(first):
+            raise ValueError("changed while it was read")
+    if known:
+        return tensors, known
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} is not finite (NaN or infinity)")
+    _CHECKED[_identity(first)] = h.digest()
+    return tensors, _CHECKED[_identity(first)]
 
 
 def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], bytes]:
@@ -333,23 +413,18 @@ def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], bytes]:
     pages another's name. Each file is read once, into memory (a mapping of it would let a
     rewrite pull pages from under the running model: SIGBUS). A tensor in two files, a non-finite
     weight, or a malformed file is a ValueError naming the file."""
-    h = hashlib.sha256(b"vkv/weights/v1")
-    h.update(b"config.json\0" + _read_regular(path / "config.json"))
+    h = hashlib.sha256(b"vkv/weights/v2")
+    h.update(b"config.json\0" + hashlib.sha256(_read_regular(path / "config.json")).digest())
     state: dict[str, torch.Tensor] = {}
     for f in checkpoint_files(path):
-        data = _read_regular(f)
-        h.update(f.name.encode() + b"\0")
-        h.update(data)
         try:
-            tensors = parse_safetensors(data)
+            tensors, digest = read_safetensors(f)
         except ValueError as exc:
             raise ValueError(f"{f}: cannot read its weights: {exc}") from None
-        del data
+        h.update(f.name.encode() + b"\0" + digest)
         for name, t in tensors.items():
             if name in state:
                 raise ValueError(f"{f}: {name} is in two files of the checkpoint")
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise ValueError(f"{f}: {name} is not finite (NaN or infinity)")
             state[name] = t
     return state, h.digest()
 
