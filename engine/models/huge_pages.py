@@ -8,18 +8,19 @@ read: 132,000 a token in fp32, far beyond the TLB. The kernel gives an anonymous
 pages only where asked (`transparent_hugepage/enabled` is usually `madvise`), and torch's
 allocator never asks (measured: benchmarks/results/cpu/design_choices.json, "huge_pages").
 
-Approach. After packing, every panel moves into one arena whose 2 MiB-aligned span is advised
+Approach. Every panel is written into one arena whose 2 MiB-aligned span is advised
 `MADV_HUGEPAGE` before a byte of it is touched, so its first writes fault in huge pages.
-Each panel keeps its Python object (its storage is `set_` to its slice of the arena), so
-whoever holds it (the one-call decode path's lists, `Linear.assign`) holds valid memory.
 
-Implementation. `onto_huge_pages` lays the panels out at 64-byte offsets, allocates the arena
-(torch's CPU allocator; untouched memory costs nothing), advises the aligned span, then copies
-panel by panel, each old storage freed as its panel moves (the peak is the arena plus one panel).
-Who writes what: the model's `prepare` calls it once, before sleep mode moves the weights.
+Implementation. `huge_page_slots` lays tensors out at 64-byte offsets, allocates the arena
+(torch's CPU allocator; untouched memory costs nothing), advises the aligned span, and hands out
+a view per tensor: the model's `prepare` packs each projection's panels straight into its slot
+(one pass over the weights). `onto_huge_pages` moves tensors made elsewhere (the LM head's pick
+copy) into an arena of their own, each keeping its Python object (its storage `set_` to its
+slice), so whoever holds one holds valid memory. Who writes what: `prepare`, once, before sleep
+mode moves the weights.
 
 Limitations. Where the kernel has THP off (`never`), refuses the advice or the arena cannot be
-allocated, the panels stay where they are and the returned line says why. Sleep mode then moves
+allocated, the panels are allocated one by one and the returned line says why. Sleep mode then moves
 every weight into pages of its own, advised the same way (vmm's `PrivateHostBackend`). The kernel may still back
 part of the span with 4 KiB pages (fragmented memory); `AnonHugePages` in /proc/self/smaps says.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 
 import torch
 
@@ -35,35 +37,45 @@ from vmm.host import MADV_HUGEPAGE, thp_mode
 HUGE = 2 << 20
 
 
-def onto_huge_pages(tensors: list[torch.Tensor]) -> str:
-    """Move the CPU tensors into one arena advised onto 2 MiB pages, in place; what was done."""
-    assert all(t.device.type == "cpu" and t.is_contiguous() for t in tensors), "contiguous CPU tensors"
+def huge_page_slots(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[torch.Tensor] | None, str]:
+    """Empty tensors of the given (shape, dtype), at 64-byte offsets in one arena advised onto
+    2 MiB pages before a byte of it is touched (so that writing them faults in huge pages), and
+    what was done; None and why not where that cannot be had (the caller allocates them itself)."""
     mode = thp_mode()
     if mode not in ("always", "madvise"):
-        return f"panels on 4 KiB pages (transparent huge pages: {mode})"
+        return None, f"panels on 4 KiB pages (transparent huge pages: {mode})"
     offsets, end = [], 0
-    for t in tensors:
+    for shape, dtype in specs:
         offsets.append(end)
-        end += -(-t.nbytes // 64) * 64
+        end += -(-math.prod(shape) * dtype.itemsize // 64) * 64
     if end < HUGE:
-        return "panels on 4 KiB pages (under 2 MiB in all)"
+        return None, "panels on 4 KiB pages (under 2 MiB in all)"
     try:
         arena = torch.empty(end + HUGE, dtype=torch.uint8)
     except RuntimeError:  # no room for a second copy's address space: the panels stay, the engine starts
-        return "panels on 4 KiB pages (no memory for the arena)"
+        return None, "panels on 4 KiB pages (no memory for the arena)"
     start = -(-arena.data_ptr() // HUGE) * HUGE
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     span = (arena.data_ptr() + arena.nbytes - start) // HUGE * HUGE  # whole pages inside the arena
     if libc.madvise(start, span, MADV_HUGEPAGE) != 0:
-        return f"panels on 4 KiB pages (madvise: errno {ctypes.get_errno()})"
-    storage, base = arena.untyped_storage(), start - arena.data_ptr()
+        return None, f"panels on 4 KiB pages (madvise: errno {ctypes.get_errno()})"
+    base = start - arena.data_ptr()
+    slots = [arena[base + offset:base + offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+             for (shape, dtype), offset in zip(specs, offsets)]
+    return slots, f"panels on 2 MiB pages ({end / 2**20:.0f} MiB)"
+
+
+def onto_huge_pages(tensors: list[torch.Tensor]) -> str:
+    """Move the CPU tensors into one arena advised onto 2 MiB pages (huge_page_slots), in place;
+    what was done."""
+    assert all(t.device.type == "cpu" and t.is_contiguous() for t in tensors), "contiguous CPU tensors"
+    slots, done = huge_page_slots([(tuple(t.shape), t.dtype) for t in tensors])
     with torch.no_grad():
-        for t, offset in zip(tensors, offsets):
-            slot = arena[base + offset:base + offset + t.nbytes].view(t.dtype).view(t.shape)
+        for t, slot in zip(tensors, slots or []):
             slot.copy_(t)
-            t.set_(storage, (base + offset) // t.element_size(), t.shape, t.stride())
-    return f"panels on 2 MiB pages ({end / 2**20:.0f} MiB)"
+            t.set_(slot.untyped_storage(), slot.storage_offset(), t.shape, t.stride())
+    return done
 
 
 def trim_heap() -> None:

@@ -99,19 +99,29 @@ class Linear(nn.Module):
         self._drop_plain()
         return f"oneDNN packed {str(w.dtype).removeprefix('torch.')}"
 
-    def pack_panels(self, dtype: torch.dtype, drop: bool = True) -> str:
+    def panels_shape(self) -> tuple[int, int, int]:
+        """[ceil(n / width), k, width]: the panels `pack_panels` writes (n, k the weight's shape: a
+        tensor-parallel shard's, not in_features x out_features)."""
+        n, k = self.weight.shape
+        width = torch.ops.vkv.panel_width()
+        return -(-n // width), k, width
+
+    def pack_panels(self, dtype: torch.dtype, drop: bool = True, into: torch.Tensor | None = None) -> str:
         """Pack the weight, in dtype, into the column panels of vkv's GEMM (the native kernels
-        must be built; fp32 arithmetic); the plain weight is dropped as `pack` drops it, unless
-        `pack` comes next (drop=False: panels for decode beside oneDNN's bf16 weight)."""
+        must be built; fp32 arithmetic): into `into` where given (panels_shape, dtype: a slot on huge
+        pages), in one native pass (`write_panels`), the last panel's rows past n zero. The plain
+        weight is dropped as `pack` drops it, unless `pack` comes next (drop=False: panels for
+        decode beside oneDNN's bf16 weight)."""
         if self.gguf is not None:
             return self.pack()
         w = self.weight.detach()
-        n, k = w.shape  # a tensor-parallel shard's, not in_features x out_features
-        width = torch.ops.vkv.panel_width()
-        count = -(-n // width)
-        padded = torch.zeros(count * width, k, dtype=dtype)
-        padded[:n] = w
-        self.panels, self.panels_n = padded.view(count, width, k).transpose(1, 2).contiguous(), n
+        n = w.shape[0]
+        panels = torch.empty(self.panels_shape(), dtype=dtype) if into is None else into
+        assert tuple(panels.shape) == self.panels_shape() and panels.dtype == dtype, "panels of the weight's shape"
+        if panels.shape[0] * panels.shape[2] > n:
+            panels[-1, :, n - (panels.shape[0] - 1) * panels.shape[2]:].zero_()
+        torch.ops.vkv.write_panels(panels, rounded_for(panels, w, dtype, NATIVE_READS).contiguous(), 0)
+        self.panels, self.panels_n = panels, n
         if drop:
             self._drop_plain()
         return f"vkv panel GEMM ({str(dtype).removeprefix('torch.')} weights, float32 arithmetic)"

@@ -29,7 +29,7 @@ import vmm
 from engine.models import ops
 from engine.models.config import ModelConfig
 from engine.models.gguf_weights import GgufStack, GgufWeight
-from engine.models.huge_pages import onto_huge_pages
+from engine.models.huge_pages import huge_page_slots, onto_huge_pages
 from engine.models.linear import FEW_ROWS, Linear
 from engine.models.weight_pages import WeightPages
 
@@ -296,13 +296,19 @@ class LlamaForCausalLM(nn.Module):
                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj))
         one_call = (panels or beside) and not self.config.qk_norm and not self.sharded \
             and len({norm.eps for norm in norms}) == 1 and steps_blocks
-        for module in linears if beside else ():
-            module.pack_panels(dtype, drop=False)
-        paths = sorted({module.pack_panels(dtype) if panels else module.pack() for module in linears})
+        slots, huge = [None] * len(linears), None  # (the panels written straight onto huge pages, where had)
+        if (panels or beside) and device.type == "cpu" and not blocks:  # before sleep mode's move
+            got, huge = huge_page_slots([(m.panels_shape(), dtype) for m in linears])
+            slots = got or slots
+        for module, slot in zip(linears, slots) if beside else ():
+            module.pack_panels(dtype, drop=False, into=slot)
+        paths = sorted({module.pack_panels(dtype, into=slot) if panels else module.pack()
+                        for module, slot in zip(linears, slots)})
         if greedy_pick and one_call and not blocks:  # multi-step decode picks from half the LM head's bytes
             self.lm_head.pack_pick()
-        if (panels or beside) and device.type == "cpu" and not blocks:  # before sleep mode's move
-            paths.append(onto_huge_pages([t for m in linears for t in (m.panels, m.pick) if t is not None]))
+            onto_huge_pages([self.lm_head.pick])  # (its own arena; 4 KiB pages where under 2 MiB)
+        if huge:
+            paths.append(huge)
         if sleep_mode:  # before anything takes views of the weights
             self.pages = WeightPages(self, vmm.make_backend("cuda" if device.type == "cuda" else "host-private",
                                                             device=device.index or 0))
