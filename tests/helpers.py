@@ -315,3 +315,27 @@ def k_quant_model(path) -> str:
         write()
     writer.close()
     return str(path)
+
+
+def one_call_equals_layer_by_layer(model, run, in_one_region: bool, steps: int = 9):
+    """run() (a generation's tokens and logprobs) with the model's decode steps in one native call
+    (decode_layers), then layer by layer in Python (model.decode emptied): asserted equal to the
+    bit, and returned. With in_one_region, the stage clock must count at least `steps` steps
+    whose layers ran in one parallel region (one-row steps on two threads, vector builds)."""
+    import ext
+    if in_one_region and ext.kernel_isa()[0] != "scalar":  # (the scalar build runs them layer by layer)
+        torch.ops.vkv.decode_stage_times(True)
+        torch.ops.vkv.time_decode_stages(True)
+        try:
+            run()
+        finally:
+            torch.ops.vkv.time_decode_stages(False)
+        times = torch.ops.vkv.decode_stage_times(True)
+        assert times["steps in one region"] >= steps, times  # (each token after the prompt's)
+    fused = run()
+    weights, model.decode = model.decode, []
+    try:
+        assert run() == fused
+    finally:
+        model.decode = weights
+    return fused

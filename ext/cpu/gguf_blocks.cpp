@@ -312,7 +312,32 @@ void quantize_rows(const float* x, int64_t M, int64_t K, XBlocks& out) {
   });
 }
 
+// C rows of x from row m of xq, as the interleaved kernels read them: each row's quants, and its
+// blocks' scales d, sums s and half sums h.
+template <int C>
+struct XRows {
+  const int8_t* q[C];
+  const float *d[C], *s[C];
+  const int16_t* h[C];
+  XRows(const XBlocks& xq, int64_t m, int64_t K) {
+    const int64_t blocks = K / kBlock;
+    for (int c = 0; c < C; ++c) {
+      q[c] = xq.q.data() + (m + c) * K;
+      d[c] = xq.d.data() + (m + c) * blocks;
+      s[c] = xq.s.data() + (m + c) * blocks;
+      h[c] = xq.h.data() + 2 * (m + c) * blocks;
+    }
+  }
+};
+
 #if defined(__AVX2__) && defined(__FMA__)
+// x's four bytes at p, in every lane (the interleaved kernels' operand: one row per lane).
+VKV_INLINE __m256i four(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
 // A block's 32 weights as bytes in x's order: Q4's nibbles u (w = d * u + c), Q8_0's q (w = d * q).
 template <int64_t kType>
 VKV_INLINE __m256i block_bytes_of(const uint8_t* block) {
@@ -443,22 +468,12 @@ template <int64_t kType, int C>
 void group_q8(const uint8_t* g, int64_t blocks, const XBlocks& xq, int64_t m, int64_t K, float out[][kGroup]) {
   constexpr int64_t kHalves = kType == kQ4_1 ? 2 : 1, kQuants = kType == kQ8_0 ? 32 : 16;
   constexpr int64_t kStride = kGroup * (2 * kHalves + kQuants);
-  const int8_t* q[C];
-  const float *d[C], *s[C];
-  for (int c = 0; c < C; ++c) {
-    q[c] = xq.q.data() + (m + c) * K;
-    d[c] = xq.d.data() + (m + c) * blocks;
-    s[c] = xq.s.data() + (m + c) * blocks;
-  }
+  const XRows<C> rows(xq, m, K);
+  auto &q = rows.q, &d = rows.d, &s = rows.s;
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
   __m256 acc[C], off[C];
   for (int c = 0; c < C; ++c) acc[c] = off[c] = _mm256_setzero_ps();
-  auto four = [](const int8_t* p) {  // x's four bytes at p, in every lane
-    int32_t v;
-    std::memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-  };
   for (int64_t b = 0; b < blocks; ++b, g += kStride) {
     for (int64_t ahead = 0; ahead < kStride; ahead += 64)
       _mm_prefetch(reinterpret_cast<const char*>(g) + kAhead + ahead, _MM_HINT_T0);
@@ -565,25 +580,13 @@ int64_t group_bytes(int64_t type) {
 template <int64_t kType, int C>
 void group_k(const uint8_t* g, int64_t supers, const XBlocks& xq, int64_t m, int64_t K, float out[][kGroup]) {
   constexpr int64_t kStride = kType == kQ4_K ? kQ4KGroup : kQ6KGroup;
-  const int64_t blocks = K / kBlock;
-  const int8_t* q[C];
-  const float *d[C], *s[C];
-  const int16_t* h[C];
-  for (int c = 0; c < C; ++c) {
-    q[c] = xq.q.data() + (m + c) * K;
-    d[c] = xq.d.data() + (m + c) * blocks;
-    s[c] = xq.s.data() + (m + c) * blocks;
-    h[c] = xq.h.data() + 2 * (m + c) * blocks;
-  }
+  const XRows<C> rows(xq, m, K);
+  auto &q = rows.q, &d = rows.d, &s = rows.s;
+  auto& h = rows.h;
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
   __m256 acc[C], off[C];
   for (int c = 0; c < C; ++c) acc[c] = off[c] = _mm256_setzero_ps();
-  auto four = [](const int8_t* p) {  // x's four bytes at p, in every lane
-    int32_t v;
-    std::memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-  };
   auto bytes8 = [](const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); };
   for (int64_t sb = 0; sb < supers; ++sb, g += kStride) {
     for (int64_t ahead = 0; ahead < kStride; ahead += 64)

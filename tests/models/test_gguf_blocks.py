@@ -12,7 +12,7 @@ from engine.models.gguf_weights import GgufStack, GgufWeight, read_gguf
 from engine.models.gguf_weights import unpermute_rows
 from engine.models.linear import Linear
 from engine.models.loader import bundled_gguf, checkpoint_dir, load_config, read_checkpoint
-from helpers import k_quant_blocks, k_quant_model
+from helpers import k_quant_blocks, k_quant_model, one_call_equals_layer_by_layer
 
 pytestmark = pytest.mark.skipif(ext.cpu_kernels() is None, reason=f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
 
@@ -130,21 +130,7 @@ def test_a_q4_k_m_layout_decodes_in_one_call_as_layer_by_layer_and_scores_as_its
             out = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]
             return [(t, lp[t].logprob) for t, lp in zip(out.token_ids, out.logprobs)]
 
-        if ext.kernel_isa()[0] != "scalar":
-            torch.ops.vkv.decode_stage_times(True)
-            torch.ops.vkv.time_decode_stages(True)
-            try:
-                fused = run()
-            finally:
-                torch.ops.vkv.time_decode_stages(False)
-            assert torch.ops.vkv.decode_stage_times(True)["steps in one region"] >= 9
-        else:
-            fused = run()
-        weights, model.decode = model.decode, []
-        try:
-            assert run() == fused
-        finally:
-            model.decode = weights
+        one_call_equals_layer_by_layer(model, run, in_one_region=True)
         score = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
         served = llm.generate([TEXT], score, use_tqdm=False)[0]
         exact = LLM(model=path, kv_cache_memory=16 << 20, max_model_len=256).generate([TEXT], score, use_tqdm=False)[0]

@@ -12,7 +12,7 @@ import ext
 from engine.models import ops
 from engine import LLM, SamplingParams
 from engine.models.linear import FEW_ROWS, Linear
-from helpers import ROOT, assert_pool_whole
+from helpers import ROOT, assert_pool_whole, one_call_equals_layer_by_layer
 from engine.request.outputs import top_of
 from lossy import (Tolerance, assert_agree_until_a_near_tie, assert_close, continuations, greedy_with_gaps,
                    scored_completion, teacher_forced)
@@ -174,23 +174,8 @@ def test_the_decode_layers_in_one_native_call_equal_the_layer_by_layer_path(dtyp
         return [[(t, lp[t].logprob, top_of(lp, 2)) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                 for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    if rows == 1 and ext.kernel_isa()[0] != "scalar":  # (the vector builds run every step of one row on two
-        # threads in one region: fp32 or bf16 panels, or every projection in blocks; the scalar build layer by layer)
-        torch.ops.vkv.decode_stage_times(True)
-        torch.ops.vkv.time_decode_stages(True)
-        try:
-            run()
-        finally:
-            torch.ops.vkv.time_decode_stages(False)
-        times = torch.ops.vkv.decode_stage_times(True)
-        assert times["steps in one region"] >= 9, times  # (each token after the prompt's)
-
-    fused = run()
-    weights, model.decode = model.decode, []
-    try:
-        assert run() == fused
-    finally:
-        model.decode = weights
+    # (one row on two threads: every step in one region, over fp32 or bf16 panels or every projection in blocks)
+    one_call_equals_layer_by_layer(model, run, in_one_region=rows == 1)
 
 
 @pytest.fixture
