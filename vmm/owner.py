@@ -140,8 +140,10 @@ class PoolOwner:
                 wire.connect(probe, path, 1.0)
             except (ConnectionRefusedError, FileNotFoundError):  # nobody listens: left by an owner that died
                 os.unlink(path)
-            except OSError:  # (a full backlog past the probe's second: an owner lives there, busy)
+            except TimeoutError:  # (a full backlog past the probe's second: an owner lives there, busy)
                 raise ValueError(f"a pool owner already serves {path} (it accepts no connection now)") from None
+            except OSError as exc:  # (not ours to take: another user's socket, not a socket of this kind)
+                raise ValueError(f"{path} is in the way of a pool owner's socket ({exc.strerror})") from None
             else:
                 raise ValueError(f"a pool owner already serves {path}: processes attached to it would split "
                                  f"across two pools (stop it, or give this one another path)")

@@ -61,8 +61,8 @@ NAMES = [  # the file's name -> the Hugging Face name
 @dataclass
 class GgufWeight:
     """A matrix [n, k] in a GGUF file's blocks: `rows` uint8 [n, k / block weights * block bytes]
-    (the file's layout), or [n / 8, k / 32, 8 x block bytes] with its rows interleaved by eight
-    (`interleaved`); `type` ggml's id (one of TYPES)."""
+    (the file's layout), or [n / 8, k / block weights, group bytes] with its rows interleaved by
+    eight (`interleaved`); `type` ggml's id (one of TYPES)."""
     rows: torch.Tensor
     type: int
     k: int
@@ -93,7 +93,11 @@ class GgufWeight:
     def step_view(self) -> torch.Tensor:
         """The rows as the native decode step reads them: [n, k / 32, block bytes] for rows of
         blocks of 32 as the file lays them out, else `rows` (interleaved: [n / 8, k / block weights,
-        group bytes]); the last size names the type (ext/cpu/gguf_blocks.cpp, blocks_type)."""
+        group bytes]); the last size names the type (ext/cpu/gguf_blocks.cpp, blocks_type). A
+        k-quant's rows must be interleaved: as the file lays them out, a Q4_K super-block's 144
+        bytes would read as eight Q4_0 rows interleaved."""
+        if self.k_quant and not self.by_eight:
+            raise ValueError(f"{self.type_name} rows reach the native step interleaved by eight only")
         return self.rows if self.by_eight else self.rows.view(self.n, self.k // 32, -1)
 
     def _parts(self) -> tuple[int, int, int, int]:
@@ -104,8 +108,8 @@ class GgufWeight:
 
     def interleaved(self) -> GgufWeight:
         """The rows interleaved by eight, as the kernels read them fastest (ext/cpu/gguf_blocks.cpp,
-        Note [GGUF rows interleaved by eight]): the same bytes, moved. Itself where that layout does
-        not apply (k-quants, n not a multiple of 8, already interleaved)."""
+        Notes [GGUF rows interleaved by eight], [K-quants interleaved by eight]): the file's bits,
+        moved. Itself where n is not a multiple of 8, or already interleaved."""
         if self.by_eight or self.n % 8:
             return self
         if self.k_quant:

@@ -168,8 +168,7 @@ class GgufEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # (its dtype: the output's)
 
     def step_rows(self) -> torch.Tensor:
-        """The rows as multi-step decode reads them: blocks of 32 weights, [N, K / 32, block bytes]
-        (or interleaved by eight: [N / 8, K / 32, 8 x block bytes])."""
+        """The rows as multi-step decode reads them (GgufWeight.step_view)."""
         return self.gguf.step_view()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

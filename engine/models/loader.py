@@ -20,6 +20,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -278,8 +279,11 @@ def _read_regular(f: Path) -> bytearray:
 # A weight file this process read and checked, by its identity (device, inode, size, modification
 # and change times: any write changes the last two) -> the SHA-256 of its bytes. Read again
 # unchanged (the next engine of a test suite, a model reloaded), it is neither hashed nor checked
-# for non-finite values again.
+# for non-finite values again. Only a file last written SETTLED seconds before the read began is
+# remembered (as git trusts its index): a rewrite within the clock tick of the write before it,
+# or within a coarse filesystem's timestamp step, would keep its identity.
 _CHECKED: dict[tuple[int, ...], bytes] = {}
+SETTLED = 2.0
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:
@@ -365,6 +369,7 @@ def read_safetensors(f: Path) -> tuple[dict[str, torch.Tensor], bytes]:
     file this process read before and that has not changed since (_CHECKED) is neither hashed nor
     checked again. ValueError, naming the tensor, for a malformed file, a non-finite weight, or a
     file changed while it was read."""
+    began = time.time_ns()
     with _open_regular(f) as stream:
         first = os.fstat(stream.fileno())
         known = _CHECKED.get(_identity(first))
@@ -402,8 +407,9 @@ def read_safetensors(f: Path) -> tuple[dict[str, torch.Tensor], bytes]:
     for name, t in tensors.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name} is not finite (NaN or infinity)")
-    _CHECKED[_identity(first)] = h.digest()
-    return tensors, _CHECKED[_identity(first)]
+    if max(first.st_mtime_ns, first.st_ctime_ns) < began - SETTLED * 1e9:
+        _CHECKED[_identity(first)] = h.digest()
+    return tensors, h.digest()
 
 
 def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], bytes]:

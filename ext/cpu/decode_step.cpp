@@ -19,8 +19,8 @@ namespace vkv {
 //   x, residual = add_rms_norm(x, residual)   x = silu_and_mul(x W_gu^T) W_down^T
 //
 // x and residual are [rows, hidden] fp32, updated in place: x ends as the last layer's output.
-// The weights are the projections' panels (linear_panels), or a GGUF file's blocks of 32 weights
-// (`project`: Linear's int8-x arithmetic; decode_layer's path only), a list entry per layer, as are the
+// The weights are the projections' panels (linear_panels), or a GGUF file's blocks (`project`:
+// Linear's int8-x arithmetic; a qkv in two types as qkv_weights' head and qkv_tails' tail), a list entry per layer, as are the
 // caches; the step's intermediates are allocated once and reused by every layer. Given `logits`
 // (and rows, the final norm's weight, the LM head's panels), the call ends with last_logits, the
 // final norm under the layers' eps (one rms_norm_eps in a Llama config): each return from a call
@@ -460,8 +460,8 @@ void decode_layer(DecodeStep& s, at::Tensor& x, at::Tensor& residual, bool first
 // thread that throws marks the pair broken, so the other leaves at its next barrier;
 // at::parallel_for rethrows.
 // Limitations: exactly two threads, one row of one sequence whose attention is one work item (under
-// 256 keys: decode_parts), fp32 or bf16 panels or every projection in Q8_0 / Q4_0 / Q4_1 blocks,
-// the vector build; elsewhere decode_layer's path.
+// 256 keys: decode_parts), fp32 or bf16 panels or every projection in GGUF blocks (blocks_type's
+// views; a qkv of two types as a head and a tail), the vector build; elsewhere decode_layer's path.
 struct Pair {
   struct alignas(64) Count {
     std::atomic<int64_t> n{0};

@@ -26,19 +26,20 @@ namespace vkv {
 // their rows are interleaved by eight and meet x the same way (Note [K-quants interleaved by
 // eight]).
 // Implementation: linear_gguf splits W's rows among the threads. With quantize_x (what Linear asks
-// for Q8_0, Q4_0 and Q4_1 weights, and for interleaved Q4_K and Q6_K), each row of x is first rounded to int8 blocks of 32 with a
-// scale (XBlocks: ggml's Q8_1, as llama.cpp's CPU backend quantizes activations), and each block's
-// products are summed in integers (maddubs: 32 products in two instructions instead of a fp32
-// unpack and four FMAs); four weight rows at a time share each block of x (rows4_q8), or, where the
-// loader interleaved the rows by eight (a model's weights), eight rows share each of its loads
-// (group_q8, Note [GGUF rows interleaved by eight]). The error
-// this adds is rounding x, half its block's step times |w|: the tests' bound. Every row of x is
-// computed alone, so a sequence's output does not depend on its batch. Without quantize_x (k-quant
-// rows not interleaved, and the fp32 reference): for one row of x, each weight row's blocks are unpacked in
-// registers and multiplied with x there (row_dot); for more rows, each thread takes 4 weight rows
-// at a time, unpacks them into fp32 in its own buffer (4 x K floats), and multiplies every row of
-// x with them. dequantize_gguf writes whole rows (the token embedding's lookups). The AVX2 paths
-// are the fast ones; the scalar ones are their reference (x rounded alike: nearest, ties to even).
+// for Q8_0, Q4_0 and Q4_1 weights, and for interleaved Q4_K and Q6_K), each row of x is first
+// rounded to int8 blocks of 32 with a scale (XBlocks: ggml's Q8_1, as llama.cpp's CPU backend
+// quantizes activations), and each block's products are summed in integers (maddubs: 32 products
+// in two instructions instead of a fp32 unpack and four FMAs); four weight rows at a time share
+// each block of x (rows4_q8), or, where the loader interleaved the rows by eight (a model's
+// weights), eight rows share each of its loads (group_q8, group_k). The error this adds is
+// rounding x, half its block's step times |w|: the tests' bound. Every row of x is computed alone,
+// so a sequence's output does not depend on its batch. Without quantize_x (k-quant rows not
+// interleaved, and the fp32 reference): for one row of x, each weight row's blocks are unpacked
+// in registers and multiplied with x there (row_dot); for more rows, each thread takes 4 weight
+// rows at a time, unpacks them into fp32 in its own buffer (4 x K floats), and multiplies every
+// row of x with them. dequantize_gguf writes whole rows (the token embedding's lookups). The AVX2
+// paths are the fast ones; the scalar ones are their reference (x rounded alike: nearest, ties to
+// even).
 // Measured in benchmarks/results/cpu/design_choices.json ("gguf_row_dot") and gguf_blocks.json.
 // Limitations: the other k-quants (Q2_K, Q3_K, Q5_K) are not here (the loader dequantizes them);
 // Q4_K / Q6_K rows not interleaved (N not a multiple of 8) unpack with plain loops and multiply in
@@ -457,8 +458,8 @@ void rows_dot_q8(const XBlocks& xq, int64_t M, int64_t K, const uint8_t* w, int6
 // loop, one row of x or a batch), so a row's output is the same bits alone or batched, and the
 // AVX2 and scalar builds agree to the bit. Weights held this way are [N / 8, K / 32, 8 x block
 // bytes] uint8, the last size naming the type.
-// Limitations: N must be a multiple of 8 (the loader keeps other weights as the file has them); the
-// k-quants keep their layout (fp32 x).
+// Limitations: N must be a multiple of 8 (the loader keeps other weights as the file has them);
+// the k-quants' super-blocks have a layout of their own (Note [K-quants interleaved by eight]).
 constexpr int64_t kGroup = 8;
 
 // The eight rows' sums of one group against C rows of x (xq's rows m .. m + C - 1), in block order
@@ -575,6 +576,15 @@ int64_t group_bytes(int64_t type) {
   return type == kQ4_K ? kQ4KGroup : type == kQ6_K ? kQ6KGroup : kGroup * block_bytes(type);
 }
 
+// Quant i of block `block` (of 8) of row `lane` in eight rows' super-block g (the note's layout):
+// Q4_K's 4 bits, or Q6_K's 6 (w = d scale (q - 32)).
+VKV_INLINE int32_t k_quant(const uint8_t* g, int64_t type, int64_t block, int64_t i, int64_t lane) {
+  const int64_t at = 256 * (block / 2) + 32 * (i / 4) + 4 * lane + i % 4;  // (pair of blocks, step k, row, byte)
+  if (type == kQ4_K) return block % 2 ? g[160 + at] >> 4 : g[160 + at] & 0x0F;
+  const uint8_t bits = g[1168 + 256 * (block / 4) + 32 * (i / 4) + 4 * lane + i % 4];
+  return (block % 2 ? g[144 + at] >> 4 : g[144 + at] & 0x0F) | (((bits >> (2 * (block % 4))) & 3) << 4);
+}
+
 // The eight rows' sums of super-blocks (Note [K-quants interleaved by eight]) against C rows of x
 // from row m of xq: out[c][r].
 template <int64_t kType, int C>
@@ -674,17 +684,7 @@ void group_k(const uint8_t* g, int64_t supers, const XBlocks& xq, int64_t m, int
           const int8_t* x = q[c] + b * kBlock;
           int32_t sum[2] = {0, 0};  // the block's halves of 16
           for (int64_t i = 0; i < kBlock; ++i) {
-            const int64_t k = i / 4, t = i % 4, j = block / 2;
-            int32_t quant;
-            if (kType == kQ4_K) {
-              const uint8_t byte = sg[160 + 256 * j + 32 * k + 4 * r + t];
-              quant = block % 2 ? byte >> 4 : byte & 0x0F;
-            } else {
-              const uint8_t byte = sg[144 + 256 * j + 32 * k + 4 * r + t];
-              const uint8_t bits = sg[1168 + 256 * (block / 4) + 32 * k + 4 * r + t];
-              quant = (block % 2 ? byte >> 4 : byte & 0x0F) | (((bits >> (2 * (block % 4))) & 3) << 4);
-            }
-            sum[i / 16] += quant * x[i];
+            sum[i / 16] += k_quant(sg, kType, block, i, r) * x[i];
           }
           if (kType == kQ4_K) {
             const float scale = dw * static_cast<float>(sg[32 + 8 * block + r]);
@@ -713,18 +713,14 @@ void unpack_group_k(const uint8_t* g, int64_t type, int64_t K, int64_t lane, flo
     const float d = half_at(g + 2 * lane);
     for (int64_t block = 0; block < 8; ++block)
       for (int64_t i = 0; i < kBlock; ++i) {
-        const int64_t k = i / 4, t = i % 4, j = block / 2;
+        const float quant = static_cast<float>(k_quant(g, type, block, i, lane));
         if (type == kQ4_K) {
-          const uint8_t byte = g[160 + 256 * j + 32 * k + 4 * lane + t];
           const float scale = d * static_cast<float>(g[32 + 8 * block + lane]);
           const float low = half_at(g + 16 + 2 * lane) * static_cast<float>(g[96 + 8 * block + lane]);
-          out[block * kBlock + i] = scale * static_cast<float>(block % 2 ? byte >> 4 : byte & 0x0F) - low;
+          out[block * kBlock + i] = scale * quant - low;
         } else {
-          const uint8_t byte = g[144 + 256 * j + 32 * k + 4 * lane + t];
-          const uint8_t bits = g[1168 + 256 * (block / 4) + 32 * k + 4 * lane + t];
-          const int quant = (block % 2 ? byte >> 4 : byte & 0x0F) | (((bits >> (2 * (block % 4))) & 3) << 4);
           const float scale = d * static_cast<float>(static_cast<int8_t>(g[16 + 8 * (2 * block + i / 16) + lane]));
-          out[block * kBlock + i] = scale * static_cast<float>(quant - 32);
+          out[block * kBlock + i] = scale * (quant - 32.0f);
         }
       }
   }
@@ -865,7 +861,8 @@ void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const s
 
 // GGUF blocks as decode_layers takes them: a [N, K / 32, block bytes] uint8 view of Q8_0, Q4_0 or
 // Q4_1, or any of the five types' rows interleaved by eight ([N / 8, K / block weights, group
-// bytes]); the last size names the type (no two of the eight sizes are equal).
+// bytes]); the last size names the type. (Q4_K's rows as the file has them, 144 bytes a
+// super-block, would read as Q4_0 interleaved: GgufWeight.step_view never gives them.)
 int64_t blocks_type(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte, "GGUF blocks in a step: [N, K / 32, block bytes] uint8");
   for (const int64_t type : {kQ8_0, kQ4_0, kQ4_1, kQ4_K, kQ6_K})
@@ -895,7 +892,7 @@ BlocksRef blocks_ref(const at::Tensor& w) {
   return {w.data_ptr<uint8_t>(), type, blocks_rows(w), K, unit, unit_bytes, by_eight};
 }
 
-// Units [lo, hi) of W (each group_q8's or rows4_q8's rows) against one row of x, as groups_q8 and
+// Units [lo, hi) of W (each group_dots' or rows4_q8's rows) against one row of x, as groups_q8 and
 // rows_dot_q8 compute them for a row of x alone.
 void blocks_range(const float* x, const BlocksRef& b, const float* bias, float* out, int64_t lo, int64_t hi) {
   thread_local XBlocks xq;  // (this thread's copy of x in int8 blocks: quantize_rows runs inline here)

@@ -169,3 +169,31 @@ def test_the_disk_tier_namespace_is_the_loaded_bytes_and_the_weights_dtype(tmp_p
             assert llm.engine.config.compute_dtype == torch.float32
             spaces.add(llm.engine.kv.namespace)
     assert len(spaces) == 2
+
+
+def test_a_checked_file_is_read_again_unhashed_and_a_file_written_since_is_hashed_again(tmp_path, monkeypatch):
+    """A weight file this process has read, checked and left unchanged is read again without
+    hashing or checking it (loader._CHECKED); one rewritten in place, the same size, gives its new
+    values and a new fingerprint; one written less than SETTLED seconds before its read is never
+    remembered (a rewrite in the same clock tick would keep its identity)."""
+    import hashlib
+    checkpoint(tmp_path / "m")
+    f = tmp_path / "m" / "model.safetensors"
+    state, digest = loader.read_checkpoint(tmp_path / "m")  # just written: hashed, not remembered
+    assert loader._identity(os.stat(f)) not in loader._CHECKED
+    monkeypatch.setattr(loader, "SETTLED", 0.0)
+    assert loader.read_checkpoint(tmp_path / "m")[1] == digest
+    assert loader._identity(os.stat(f)) in loader._CHECKED
+    hashed, real = [], hashlib.sha256
+    monkeypatch.setattr(loader.hashlib, "sha256", lambda *a: hashed.append(a) or real(*a))
+    again, same = loader.read_checkpoint(tmp_path / "m")
+    assert same == digest and len(hashed) == 2  # (the fingerprint and config.json's digest; not the weights)
+    assert all(torch.equal(again[name], state[name]) for name in state)
+    monkeypatch.undo()
+    assert same == loader.weights_fingerprint(str(tmp_path / "m"))
+    monkeypatch.setattr(loader, "SETTLED", 0.0)
+    size = f.stat().st_size
+    new = checkpoint(tmp_path / "m", seed=1)  # rewritten in place, the same size
+    assert f.stat().st_size == size
+    changed, other = loader.read_checkpoint(tmp_path / "m")
+    assert other != digest and all(torch.equal(changed[name], new[name]) for name in new)
