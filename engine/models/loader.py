@@ -21,7 +21,6 @@ import shutil
 import stat
 import tempfile
 import time
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -87,19 +86,9 @@ def _converted_gguf(path: Path) -> Path:
 
 
 def _file_digest(path: Path) -> str:
-    """SHA-256 of a file's bytes (a GGUF's cache is keyed by it: another file of the same name
-    and size is another model), computed once a process per (inode, size, mtime)."""
-    st = path.stat()
-    return _digest_of(str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-@lru_cache(maxsize=64)
-def _digest_of(path: str, dev: int, ino: int, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as stream:
-        while chunk := stream.read(16 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    """SHA-256 of a file's bytes, hex (a GGUF's cache is keyed by it: another file of the same
+    name and size is another model); remembered as _file_sha256 remembers it."""
+    return _file_sha256(path).hex()
 
 
 def converted_again(path: Path) -> bool:
@@ -276,13 +265,15 @@ def _read_regular(f: Path) -> bytearray:
         return data
 
 
-# A weight file this process read and checked, by its identity (device, inode, size, modification
-# and change times: any write changes the last two) -> the SHA-256 of its bytes. Read again
-# unchanged (the next engine of a test suite, a model reloaded), it is neither hashed nor checked
-# for non-finite values again. Only a file last written SETTLED seconds before the read began is
-# remembered (as git trusts its index): a rewrite within the clock tick of the write before it,
-# or within a coarse filesystem's timestamp step, would keep its identity.
+# Files this process hashed, by their identity (device, inode, size, modification and change
+# times: any write changes the last two) -> the SHA-256 of their bytes: _CHECKED, weight files
+# whose tensors were also checked finite (read_safetensors), _HASHED, any other (a GGUF, a
+# config). Read again unchanged (the next engine of a test suite, a model reloaded), such a file
+# is neither hashed nor checked again. Only a file last written SETTLED seconds before the read
+# began is remembered (as git trusts its index): a rewrite within the clock tick of the write
+# before it, or within a coarse filesystem's timestamp step, would keep its identity.
 _CHECKED: dict[tuple[int, ...], bytes] = {}
+_HASHED: dict[tuple[int, ...], bytes] = {}
 SETTLED = 2.0
 
 
@@ -290,15 +281,23 @@ def _identity(st: os.stat_result) -> tuple[int, ...]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
+def _settled(st: os.stat_result, began: int) -> bool:
+    return max(st.st_mtime_ns, st.st_ctime_ns) < began - SETTLED * 1e9
+
+
 def _file_sha256(f: Path) -> bytes:
-    """SHA-256 of a regular file's bytes (remembered as _CHECKED's are)."""
+    """SHA-256 of a regular file's bytes (remembered in _HASHED, or found in _CHECKED)."""
+    began = time.time_ns()
     with _open_regular(f) as stream:
-        known = _CHECKED.get(_identity(os.fstat(stream.fileno())))
+        st = os.fstat(stream.fileno())
+        known = _CHECKED.get(_identity(st)) or _HASHED.get(_identity(st))
         if known:
             return known
         h = hashlib.sha256()
         while chunk := stream.read(16 << 20):
             h.update(chunk)
+        if _identity(os.fstat(stream.fileno())) == _identity(st) and _settled(st, began):
+            _HASHED[_identity(st)] = h.digest()
         return h.digest()
 
 
@@ -407,7 +406,7 @@ def read_safetensors(f: Path) -> tuple[dict[str, torch.Tensor], bytes]:
     for name, t in tensors.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name} is not finite (NaN or infinity)")
-    if max(first.st_mtime_ns, first.st_ctime_ns) < began - SETTLED * 1e9:
+    if _settled(first, began):
         _CHECKED[_identity(first)] = h.digest()
     return tensors, h.digest()
 

@@ -366,6 +366,16 @@ VKV_INLINE __m256i block_isums(const uint8_t* block, __m256i x) {
 // every row from memory once (design_choices.json, "gguf_rows_ahead": 512 against 256 and 1024).
 constexpr int64_t kAhead = 512;
 
+#if defined(__AVX2__) && defined(__FMA__)
+// An interleaved group's eight fp16 scales d (its first 16 bytes) as fp32; `stride` bytes from
+// kAhead past g asked for into L1 first (a step streams every group once).
+VKV_INLINE __m256 group_scales(const uint8_t* g, int64_t stride) {
+  for (int64_t ahead = 0; ahead < stride; ahead += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(g) + kAhead + ahead, _MM_HINT_T0);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+}
+#endif
+
 // Four weight rows' dot products with one row of x in XBlocks: per block, d_w d_x sum(u q) + c_w s_x
 // (c_w = m for Q4_1, -8 d_w for Q4_0, 0 for Q8_0). The integer sums are exact, each block's scale
 // product rounded once, the terms summed in fp32. Four rows at a time load each block of x once
@@ -476,9 +486,7 @@ void group_q8(const uint8_t* g, int64_t blocks, const XBlocks& xq, int64_t m, in
   __m256 acc[C], off[C];
   for (int c = 0; c < C; ++c) acc[c] = off[c] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b, g += kStride) {
-    for (int64_t ahead = 0; ahead < kStride; ahead += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(g) + kAhead + ahead, _MM_HINT_T0);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+    const __m256 dw = group_scales(g, kStride);
     const uint8_t* quants = g + 16 * kHalves;
     __m256i isum[C];
     if constexpr (kType == kQ8_0) {
@@ -599,9 +607,7 @@ void group_k(const uint8_t* g, int64_t supers, const XBlocks& xq, int64_t m, int
   for (int c = 0; c < C; ++c) acc[c] = off[c] = _mm256_setzero_ps();
   auto bytes8 = [](const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); };
   for (int64_t sb = 0; sb < supers; ++sb, g += kStride) {
-    for (int64_t ahead = 0; ahead < kStride; ahead += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(g) + kAhead + ahead, _MM_HINT_T0);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+    const __m256 dw = group_scales(g, kStride);
     const int64_t b0 = sb * (kSuper / kBlock);  // x's first block here
     if constexpr (kType == kQ4_K) {
       const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)));
