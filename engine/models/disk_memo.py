@@ -13,9 +13,10 @@ dead weight, dropped once the map holds more than MAX_ENTRIES.
 
 Implementation: `get` reads the file each time (a few kilobytes); `put` reads it, adds the entry
 and writes it whole through a temporary file and a rename. Two writers at once lose at most one
-of their entries (found again next time), never the file. A file that cannot be read or parsed
-reads as empty; a cache directory that cannot be written leaves the memo empty and says so once
-at debug level: a memo never stops a process, it only spares it work.
+of their entries (found again next time), never the file. Anything at the path but a regular
+file of JSON under MAX_BYTES reads as empty; a cache directory that cannot be written leaves the
+memo empty and says so at debug level: a memo never stops a process, it only spares it work. Its
+readers check what an entry says before they act on it (the file is only the user's cache).
 
 Limitations: no locking and no expiry beyond MAX_ENTRIES; values must be small (the whole map is
 rewritten by each put).
@@ -25,12 +26,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 log = logging.getLogger("vkv.models")
 
 MAX_ENTRIES = 512
+MAX_BYTES = 4 << 20  # a file larger than MAX_ENTRIES small entries can be: not a memo
 
 
 class DiskMemo:
@@ -60,9 +63,18 @@ class DiskMemo:
             log.debug("vkv: cannot write %s (%s): nothing remembered", self.path, exc)
 
     def _read(self) -> dict:
+        """The map, or {} for anything else at the path (missing, not a regular file (a FIFO would
+        block the read), too large, not JSON, nested past the parser's depth)."""
         try:
-            with open(self.path) as f:
-                entries = json.load(f)
-        except (OSError, ValueError):
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            return {}
+        try:
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BYTES:
+                    return {}
+                entries = json.loads(f.read(MAX_BYTES + 1))
+        except (OSError, ValueError, RecursionError):
             return {}
         return entries if isinstance(entries, dict) else {}

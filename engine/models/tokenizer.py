@@ -10,9 +10,11 @@ TokenizersBackend, whose own load takes 0.35 s).
 Approach: the first load of a directory asks AutoTokenizer and remembers the class it returned
 (a DiskMemo, Note [Facts remembered across processes]); a later load calls that class's
 from_pretrained, which is how AutoTokenizer itself ends. The key holds everything the choice
-reads: transformers' version, the directory's path (AutoTokenizer matches some model names in
-it) and a digest of each of its files but the weights (configs, tokenizer.json, templates,
-vocabularies).
+reads: the versions of transformers and of the packages whose presence changes it (tokenizers,
+sentencepiece, mistral_common, protobuf), the directory's path as given and resolved
+(AutoTokenizer matches some model names in the path as given) and a digest of each of its files
+but the weights (configs, tokenizer.json, templates, vocabularies). A remembered name is used
+only if it names a tokenizer class of transformers' own.
 
 Limitations: a directory whose tokenizer is its own code (`auto_map` in tokenizer_config.json)
 or whose class lives outside transformers is never remembered: AutoTokenizer and its trust checks
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -32,7 +35,9 @@ from engine.models.loader import cache_root, checkpoint_dir
 
 log = logging.getLogger("vkv.models")
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack", ".onnx")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".npz",
+                   ".npy", ".ot")
+CHOICE_PACKAGES = ("transformers", "tokenizers", "sentencepiece", "mistral_common", "protobuf")
 MAX_READ = 256 << 20  # a file the tokenizer could read, at most (tokenizer.json of large vocabularies: ~20 MB)
 
 
@@ -57,14 +62,11 @@ def tokenizer_at(path: Path):
     import transformers
 
     memo = DiskMemo(cache_root() / "tokenizer-classes.json")
-    key = _key(path, transformers.__version__)
+    key = _key(path)
     known = memo.get(key) if key else None
-    if known:
-        try:
-            module, name = known.split(":")
-            return getattr(importlib.import_module(module), name).from_pretrained(path, _from_auto=True)
-        except (ImportError, AttributeError, ValueError) as exc:
-            log.debug("vkv: the remembered tokenizer class %s did not load (%s): asking AutoTokenizer", known, exc)
+    cls = _tokenizer_class(known) if known else None
+    if cls is not None:
+        return cls.from_pretrained(path, _from_auto=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     cls = type(tokenizer)
     if key and cls.__module__.startswith("transformers."):
@@ -72,10 +74,27 @@ def tokenizer_at(path: Path):
     return tokenizer
 
 
-def _key(path: Path, version: str) -> str | None:
+def _tokenizer_class(known: str):
+    """The class a memo's entry names, if it is one of transformers' tokenizer classes (the memo's
+    file is only the user's cache: an entry naming anything else is ignored); else None."""
+    from transformers import PreTrainedTokenizerBase
+
+    module, _, name = known.partition(":")
+    if not module.startswith("transformers."):
+        return None
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        log.debug("vkv: the remembered tokenizer class %s does not load (%s): asking AutoTokenizer", known, exc)
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase) else None
+
+
+def _key(path: Path) -> str | None:
     """What AutoTokenizer's choice of class depends on, hashed; None where the choice is left to
     it every time (the tokenizer is the checkpoint's own code, or a file cannot be read)."""
-    h = hashlib.sha256(f"vkv/tokenizer-class/v1\0{version}\0{path.resolve()}\0".encode())
+    versions = "\0".join(f"{p}={_version(p)}" for p in CHOICE_PACKAGES)
+    h = hashlib.sha256(f"vkv/tokenizer-class/v2\0{versions}\0{os.fspath(path)}\0{path.resolve()}\0".encode())
     try:
         for name in ("tokenizer_config.json", "config.json"):
             config = json.loads((path / name).read_text()) if (path / name).is_file() else {}
@@ -90,6 +109,13 @@ def _key(path: Path, version: str) -> str | None:
     except (OSError, ValueError):
         return None
     return h.hexdigest()
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
 
 
 def _has_tokenizer(path: Path) -> bool:

@@ -2,7 +2,9 @@
 
 A fresh machine's `make test` failed here: two pytest workers converted the GGUF at the same
 moment into the same temporary directory, and one renamed it away under the other."""
+import os
 import shutil
+from pathlib import Path
 import threading
 import time
 
@@ -46,6 +48,7 @@ def test_a_conversion_that_died_halfway_is_done_again(tmp_path, monkeypatch):
 
 def test_a_random_model_borrows_the_tokenizer_vkv_tokenizer_names_without_the_bundled_package(tmp_path, monkeypatch):
     bundled = loader.checkpoint_dir(None)
+    monkeypatch.setenv("VKV_CACHE_DIR", str(tmp_path / "cache"))  # (after the bundled model's usual cache)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(bundled / f, tmp_path / f)
     monkeypatch.setattr(loader, "BUNDLED_PACKAGE", "no_such_package_here")  # a GPU box without it
@@ -61,7 +64,7 @@ def test_a_random_model_borrows_the_tokenizer_vkv_tokenizer_names_without_the_bu
 
 def _copy_tokenizer(to):
     bundled = loader.checkpoint_dir(None)
-    to.mkdir(exist_ok=True)
+    to.mkdir(parents=True, exist_ok=True)
     for f in bundled.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, to / f.name)
@@ -97,7 +100,7 @@ def test_a_later_load_uses_the_class_autotokenizer_chose_and_gets_the_same_token
     assert len(asked) == 1  # another file is another key
 
 
-def test_own_code_a_broken_memo_or_a_class_gone_is_left_to_autotokenizer(tmp_path, monkeypatch):
+def test_own_code_a_broken_memo_or_a_foreign_entry_is_left_to_autotokenizer(tmp_path, monkeypatch):
     import json
     path = _copy_tokenizer(tmp_path / "model")  # from the bundled model's usual cache
     monkeypatch.setenv("VKV_CACHE_DIR", str(tmp_path / "cache"))
@@ -108,29 +111,56 @@ def test_own_code_a_broken_memo_or_a_class_gone_is_left_to_autotokenizer(tmp_pat
     monkeypatch.setattr(AutoTokenizer, "from_pretrained",
                         classmethod(lambda cls, *a, **k: asked.append(a) or real(cls, *a, **k)))
     memo.parent.mkdir(exist_ok=True)
-    memo.write_text("{not json")
-    _same(tokenizer.tokenizer_at(path), truth)
+    for broken in ("{not json", "[" * 100000):  # (the second: deeper than the parser goes)
+        memo.write_text(broken)
+        _same(tokenizer.tokenizer_at(path), truth)
     (key, name), = json.loads(memo.read_text()).items()  # rewritten whole
-    memo.write_text(json.dumps({key: "transformers.no_such_module:Gone"}))
-    _same(tokenizer.tokenizer_at(path), truth)
-    assert len(asked) == 2 and json.loads(memo.read_text()) == {key: name}
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "auto_map": {}}))
+    for foreign in ("transformers.no_such_module:Gone", "os:system", "transformers.configuration_utils:PreTrainedConfig"):
+        memo.write_text(json.dumps({key: foreign}))  # gone, not transformers', not a tokenizer
+        _same(tokenizer.tokenizer_at(path), truth)
+    assert len(asked) == 5 and json.loads(memo.read_text()) == {key: name}
     memo.unlink()
-    tokenizer.tokenizer_at(path)
-    tokenizer.tokenizer_at(path)
-    assert len(asked) == 4 and not memo.exists()  # the checkpoint's own code: AutoTokenizer every time
+    os.mkfifo(memo)  # a FIFO at the memo's path would block a plain read
+    _same(tokenizer.tokenizer_at(path), truth)
+    memo.unlink()
+    for name_ in ("tokenizer_config.json", "config.json"):  # the checkpoint's own code: AutoTokenizer every time
+        config = json.loads((path / name_).read_text())
+        (path / name_).write_text(json.dumps({**config, "auto_map": {}}))
+        before = len(asked)
+        tokenizer.tokenizer_at(path)
+        tokenizer.tokenizer_at(path)
+        assert len(asked) == before + 2 and not memo.exists()
+        (path / name_).write_text(json.dumps(config))
+
+
+def test_the_path_as_given_and_the_packages_present_are_part_of_the_key(tmp_path, monkeypatch):
+    """AutoTokenizer matches some model ids (google/umt5-small, ...) against the path as given,
+    and chooses by which optional packages are installed."""
+    path = _copy_tokenizer(tmp_path / "google" / "umt5-small")
+    monkeypatch.setenv("VKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    given = Path("google/umt5-small")
+    assert tokenizer._key(given) != tokenizer._key(path) and tokenizer._key(path) == tokenizer._key(path)
+    monkeypatch.setattr(tokenizer, "_version", lambda package: "absent" if package == "sentencepiece" else "9.9")
+    absent = tokenizer._key(path)
+    monkeypatch.setattr(tokenizer, "_version", lambda package: "9.9")
+    assert tokenizer._key(path) != absent
 
 
 def test_a_large_files_digest_is_remembered_across_processes_by_its_identity(tmp_path, monkeypatch):
     import hashlib
     monkeypatch.setenv("VKV_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(loader, "SETTLED", 0.0)
     monkeypatch.setattr(loader, "REMEMBERED_SIZE", 1 << 10)
+    memo = tmp_path / "cache" / "file-digests.json"
     f = tmp_path / "weights.gguf"
     f.write_bytes(b"a" * 4096)
-    time.sleep(0.01)
     assert loader._file_sha256(f) == hashlib.sha256(b"a" * 4096).digest()
+    assert not memo.exists()  # written just now: not settled, not remembered
+    monkeypatch.setattr(loader, "SETTLED", 0.0)
+    time.sleep(0.01)
+    loader._HASHED.clear()
+    assert loader._file_sha256(f) == hashlib.sha256(b"a" * 4096).digest()
+    assert memo.exists()
     loader._HASHED.clear()  # as a new process
 
     class NoHashing:
@@ -139,7 +169,8 @@ def test_a_large_files_digest_is_remembered_across_processes_by_its_identity(tmp
             raise AssertionError("hashed again")
     monkeypatch.setattr(loader, "hashlib", NoHashing)
     assert loader._file_sha256(f) == hashlib.sha256(b"a" * 4096).digest()
-    monkeypatch.undo()
-    monkeypatch.setenv("VKV_CACHE_DIR", str(tmp_path / "cache"))
-    f.write_bytes(b"b" * 4096)  # rewritten: another identity, hashed afresh
+    monkeypatch.setattr(loader, "hashlib", hashlib)
+    loader._HASHED.clear()
+    time.sleep(0.01)
+    f.write_bytes(b"b" * 4096)  # rewritten in place, the same size: another identity, hashed afresh
     assert loader._file_sha256(f) == hashlib.sha256(b"b" * 4096).digest()
