@@ -36,15 +36,13 @@ class Turns:
 
 
 class FairWorkers:
-    """A few threads, each with its own state (a tokenizer), serving per-client queues in turn. A
-    thread makes its state when its first job comes (a tokenizer's copy takes 0.2 s; a server
-    answering one client at a time never needs the second)."""
+    """A few threads, each with its own state (a tokenizer), serving per-client queues in turn."""
 
     def __init__(self, threads: int, make_state):
         self._queues: OrderedDict[str, deque] = OrderedDict()  # client -> its jobs, in turn order
         self._cv = threading.Condition()
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, args=(make_state,), name=f"vkv-tokenize-{i}",
+        self._threads = [threading.Thread(target=self._work, args=(make_state(),), name=f"vkv-tokenize-{i}",
                                           daemon=True) for i in range(threads)]
         for t in self._threads:
             t.start()
@@ -60,8 +58,7 @@ class FairWorkers:
             self._cv.notify()
         return future
 
-    def _work(self, make_state) -> None:
-        state = None
+    def _work(self, state) -> None:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._queues or self._closed)
@@ -74,7 +71,6 @@ class FairWorkers:
                     self._queues[client] = jobs
             if future.set_running_or_notify_cancel():
                 try:
-                    state = make_state() if state is None else state
                     future.set_result(fn(state, *args))
                 except BaseException as exc:
                     future.set_exception(exc)
