@@ -22,6 +22,7 @@ load it each time. A class that can no longer be imported is asked of AutoTokeni
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -31,7 +32,7 @@ import os
 from pathlib import Path
 
 from engine.models.disk_memo import DiskMemo
-from engine.models.loader import cache_root, checkpoint_dir
+from engine.models.loader import _file_sha256, cache_root, checkpoint_dir
 
 log = logging.getLogger("vkv.models")
 
@@ -105,12 +106,13 @@ def _key(path: Path) -> str | None:
                 continue
             if f.stat().st_size > MAX_READ:
                 return None
-            h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+            h.update(f.name.encode() + b"\0" + _file_sha256(f))  # (remembered: a process's next engine reads none)
     except (OSError, ValueError):
         return None
     return h.hexdigest()
 
 
+@functools.cache  # (as transformers caches which packages it found)
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
