@@ -10,8 +10,8 @@ holds the weights with their rows interleaved by eight (`GgufWeight.interleaved`
 bits, moved so that one load holds eight rows' weights; Notes [GGUF rows interleaved by eight]
 and [K-quants interleaved by eight]).
 
-Approach. `read_gguf` maps the file's tensor names to the Hugging Face names the model loads,
-keeps each Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrix as a `GgufWeight` (its rows' bytes, uint8
+Approach. `read_gguf` maps the file's tensor names (found by gguf_file.py) to the Hugging Face
+names, keeps each Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrix as a `GgufWeight` (its rows' bytes, uint8
 [N, K / block weights * block bytes], or interleaved by eight as they are copied out of the
 file, and its type), and dequantizes the others with gguf-py
 (norms in F32; the k-quants without a kernel here: Q2_K, Q3_K, Q5_K). llama.cpp's converter permutes the rows of Llama's and Mistral's
@@ -25,6 +25,10 @@ weight updates, LoRA or tensor parallelism over blocks (each refused by name); a
 whose parts differ in type (a Q4_K_M file's Q6_K v beside Q4_K q and k, in some layers) is a
 `GgufStack`, which the one-call step takes only for qkv in two parts (else the model decodes
 layer by layer); the tokenizer and config still come from the converted checkpoint directory.
+A prompt's rows (one int8 GEMM) and a decode step's row (the one-row kernels) sum their blocks'
+products in other orders: the same token's K and V can differ in the last bits, so a sequence
+recomputed after preemption (or verified with speculation after it) may take another token at a
+near tie, where the dequantized checkpoint's outputs do not change.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from engine.models.gguf_file import read_gguf_file
 
 # ggml's Q4_0, Q4_1, Q8_0 (blocks of 32 weights), Q4_K and Q6_K (super-blocks of 256): id -> name
 TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
@@ -286,31 +292,30 @@ def read_gguf(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.
     an fp32 tensor for everything else."""
     try:
         return _read(path, num_heads, num_kv_heads)
-    except (IndexError, KeyError, TypeError, OverflowError, struct.error, EOFError) as exc:  # (and ValueError)
+    except (IndexError, KeyError, TypeError, OverflowError, struct.error, EOFError,
+            RecursionError) as exc:  # (and ValueError)
         raise ValueError(f"not a readable GGUF file ({type(exc).__name__}: {exc})") from None
 
 
 def _read(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor | GgufWeight]:
-    from gguf import GGMLQuantizationType, GGUFReader, quants
+    from gguf import GGMLQuantizationType, quants
 
-    reader = GGUFReader(path)
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field else ""
+    file = read_gguf_file(path)
     state: dict[str, torch.Tensor | GgufWeight] = {}
-    for tensor in reader.tensors:
+    for tensor in file.tensors:
         name = hf_name(tensor.name)
-        kind = int(tensor.tensor_type)
-        shape = [int(d) for d in reversed(tensor.shape.tolist())]  # GGUF lists the fastest dimension first
+        kind = tensor.type
+        shape = [int(d) for d in reversed(tensor.dims)]
         if kind in TYPES and len(shape) == 2:
-            data = np.asarray(tensor.data).view(np.uint8).reshape(shape[0], -1)
+            data = tensor.data.view(np.uint8).reshape(shape[0], -1)
             with warnings.catch_warnings():  # (a view of the read-only file: copied once below)
                 warnings.simplefilter("ignore", UserWarning)
                 value: torch.Tensor | GgufWeight = GgufWeight(torch.from_numpy(data), kind, shape[1])
         else:
-            array = np.asarray(tensor.data) if kind in (0, 1) else quants.dequantize(tensor.data, GGMLQuantizationType(kind))
+            array = tensor.data if kind in (0, 1) else quants.dequantize(tensor.data, GGMLQuantizationType(kind))
             value = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
         heads = {"q_proj": num_heads, "k_proj": num_kv_heads}.get(name.split(".")[-2])
-        if arch in ("llama", "mistral") and heads and name.endswith("weight"):
+        if file.architecture in ("llama", "mistral") and heads and name.endswith("weight"):
             order = torch.from_numpy(unpermute_rows(shape[0], heads))
             value = (GgufWeight(value.rows[order].contiguous(), value.type, value.k) if isinstance(value, GgufWeight)
                      else value[order].contiguous())
