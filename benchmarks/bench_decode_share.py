@@ -52,7 +52,7 @@ def single_stream(dtype: str, steps: int):
     where the native kernels or the one-call decode path do not run."""
     if ext.cpu_kernels() is None:
         sys.exit(f"the native CPU kernels are unavailable: {ext.cpu_kernels_error()}")
-    with LLM(dtype=dtype, num_scheduler_steps=steps, enable_prefix_caching=False) as llm:
+    with LLM(dtype=dtype, quantization="dequantize", num_scheduler_steps=steps, enable_prefix_caching=False) as llm:
         if not llm.engine.model.decode:
             sys.exit(f"{dtype}: the one-call decode path does not run here ({llm.engine.model.gemm_path})")
         yield llm

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, save  # noqa: E402
 
-CONFIGS = {"gguf": ("gguf", True), "gguf-fp32-x": ("gguf", False), "plain": (None, None)}
+CONFIGS = {"gguf": ("gguf", True), "gguf-fp32-x": ("gguf", False), "plain": ("dequantize", None)}
 
 
 def rss_mib() -> float:

@@ -57,7 +57,7 @@ def main() -> None:
     prompts = [r.prompt_ids for r in sample_requests(tok, args.prompts, seed=0, max_prompt=512)]
     root = Path(tempfile.mkdtemp(prefix="vkv-bench-lora-"))
     results = {}
-    with LLM(max_num_seqs=32) as base:
+    with LLM(max_num_seqs=32, quantization="dequantize") as base:  # (as LoRA serves it)
         cfg = base.engine.model_config
         results["base"] = max(run(base, prompts, [None] * len(prompts), args.max_tokens) for _ in range(args.repeat))
     print(f"[bench] base: {results['base']:.1f} tok/s", flush=True)

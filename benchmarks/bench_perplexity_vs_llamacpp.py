@@ -123,7 +123,7 @@ def main() -> None:
     finally:
         os.unlink(f.name)
     ours = {}
-    for name, quantization in (("gguf", "gguf"), ("plain", None)):
+    for name, quantization in (("gguf", "gguf"), ("plain", "dequantize")):
         with LLM(model=str(model), quantization=quantization, kv_cache_memory=64 << 20,
                  max_model_len=args.ctx + 8) as llm:
             tokenizer = llm.tokenizer

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     if ext.cpu_kernels() is None:
         sys.exit(f"the native CPU kernels are unavailable: {ext.cpu_kernels_error()}")
     lp, width = torch.ops.vkv.linear_panels, torch.ops.vkv.panel_width()
-    with LLM(dtype=args.dtype, enable_prefix_caching=False, kv_cache_memory=16 << 20) as llm:
+    with LLM(dtype=args.dtype, quantization="dequantize", enable_prefix_caching=False, kv_cache_memory=16 << 20) as llm:
         model = llm.engine.model
         if not model.decode:
             sys.exit(f"{args.dtype}: the one-call decode path does not run here ({model.gemm_path})")

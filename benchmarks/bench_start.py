@@ -29,6 +29,7 @@ from common import machine_info, save  # noqa: E402
 from engine.worker.parallel import free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUNDLED = "bundled"  # --model bundled: the bundled GGUF, at each tree's defaults
 
 
 def env(root: str) -> dict[str, str]:
@@ -37,7 +38,8 @@ def env(root: str) -> dict[str, str]:
 
 def start_llm(root: str, model: str) -> float:
     began = time.perf_counter()
-    subprocess.run([sys.executable, "-c", f"from engine import LLM; LLM(model={model!r}, kv_cache_memory=32 << 20)"],
+    spec = None if model == BUNDLED else model
+    subprocess.run([sys.executable, "-c", f"from engine import LLM; LLM(model={spec!r}, kv_cache_memory=32 << 20)"],
                    env=env(root), cwd=root, check=True, capture_output=True)
     return time.perf_counter() - began
 
@@ -45,7 +47,8 @@ def start_llm(root: str, model: str) -> float:
 def start_serve(root: str, model: str, deadline: float = 300.0) -> float:
     port = free_port()
     began = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--model", model, "--port", str(port),
+    named = [] if model == BUNDLED else ["--model", model]
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", *named, "--port", str(port),
                              "--kv-cache-memory", str(32 << 20), "--log-level", "warning"], env=env(root), cwd=root,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -66,7 +69,8 @@ def start_serve(root: str, model: str, deadline: float = 300.0) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="random:smollm2-kv", help="the model each process loads")
+    parser.add_argument("--model", default="random:smollm2-kv",
+                        help=f"the model each process loads ({BUNDLED!r}: the bundled GGUF, as each tree serves it by default)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--baseline", help="another checkout of vkv, alternated with this one")
     parser.add_argument("--json")

@@ -28,7 +28,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 
 def run_vkv(requests: list[BenchRequest], model: str | None, layout: str, max_num_seqs: int, **options) -> dict:
     start = time.perf_counter()
-    llm = LLM(model=model, kv_layout=layout, max_num_seqs=max_num_seqs, **options)
+    llm = LLM(model=model, kv_layout=layout, max_num_seqs=max_num_seqs, quantization="dequantize", **options)  # (as transformers)
     load = time.perf_counter() - start
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     start = time.perf_counter()

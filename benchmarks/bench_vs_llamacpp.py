@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
         # prompts of a shape are the same in every repeat)
         stored = dtype.startswith("gguf")  # vkv serves the file's blocks (quantization="gguf")
         repack[dtype] = repacked(bin_dir, model)
-        with LLM(model=str(model) if stored or args.shape else None, quantization="gguf" if stored else None,
+        with LLM(model=str(model) if stored or args.shape else None, quantization="gguf" if stored else "dequantize",
                  kv_cache_memory=3 << 29, dtype="float32" if stored else dtype, max_num_seqs=max(seqs),
                  max_model_len=1024, enable_prefix_caching=False, num_scheduler_steps=args.num_scheduler_steps) as llm:
             vkv_run(llm, 16, 8, 2)  # first-call costs, untimed

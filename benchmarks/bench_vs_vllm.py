@@ -66,7 +66,7 @@ def worker(system: str, dtype: str, workload_path: str, model: str | None) -> di
     else:
         from engine import LLM, SamplingParams
 
-        llm = LLM(dtype=dtype, max_num_seqs=32, max_model_len=2048)
+        llm = LLM(dtype=dtype, quantization="dequantize", max_num_seqs=32, max_model_len=2048)  # (vLLM's weights)
 
         def generate(prompts, lens):
             params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]

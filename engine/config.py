@@ -20,6 +20,7 @@ KV_LAYOUTS = ("interleaved", "per_layer", "paged")
 # e5m2 2 bits up to 57344. Half of bf16's bytes, a quarter of fp32's.
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
+QUANTIZATIONS = ("gguf", "dequantize")  # a GGUF's weights as stored, or the weights in dtype (ModelArgs)
 ATTENTION_BACKENDS = ("flash-attn-4", "flash-attn", "flash", "native", "sdpa")  # by preference
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -172,10 +173,18 @@ class ModelArgs:
     attention_backend: str | None = None  # one of ATTENTION_BACKENDS; default: best present
     enable_sleep_mode: bool = False  # weights in pages that sleep(level=2) gives back (engine/models/weight_pages.py)
     seed: int = 0  # a random:<preset> model's weights
-    quantization: str | None = None  # "gguf": a GGUF file's weights kept in their blocks (gguf_weights.TYPES)
+    # "gguf": a GGUF model's weights kept in their blocks (gguf_weights.TYPES); "dequantize": the
+    # weights in dtype (a GGUF's widened once); default (None): "gguf" for a GGUF where the blocks
+    # serve the other settings, else "dequantize" (`gguf_blocks`)
+    quantization: str | None = None
 
     def __post_init__(self):
         self.check_model()
+
+    @property
+    def gguf_model(self) -> bool:
+        """Whether the model is a GGUF file (the bundled model is one)."""
+        return self.model is None or str(self.model).endswith(".gguf")
 
     def check_model(self) -> None:
         self.device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -190,12 +199,13 @@ class ModelArgs:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}: "
                              f"choose one of {ATTENTION_BACKENDS}")
-        if self.quantization not in (None, "gguf"):
-            raise ValueError(f"unknown quantization {self.quantization!r}: 'gguf' (a .gguf model's blocks as stored)")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"unknown quantization {self.quantization!r}: 'gguf' (a .gguf model's blocks as "
+                             "stored) or 'dequantize' (its weights widened to dtype)")
         if self.quantization == "gguf":
-            if self.model is not None and not str(self.model).endswith(".gguf"):
-                raise ValueError("quantization='gguf' serves a .gguf file (or the bundled model); "
-                                 f"{self.model!r} is not one")
+            if not self.gguf_model:
+                raise ValueError(f"quantization='gguf' serves a .gguf file (or the bundled model); {self.model!r} "
+                                 "is not one")
             if self.device.type != "cpu":
                 raise ValueError("quantization='gguf' runs on the CPU so far")
             if self.enable_sleep_mode:
@@ -346,7 +356,7 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
           KV tiers, kv_pool (cache)      x enable_prefix_caching, kv_layout, tensor_parallel_size
           KV events (cache)              x enable_prefix_caching
           tensor_parallel_size           x device, enable_lora
-          quantization (model)           x tensor_parallel_size, enable_lora"""
+          quantization (model)           x tensor_parallel_size, enable_lora (its default: gguf_blocks)"""
         if self.kv_layout is None:
             # On the CPU per_layer is the faster (design_choices.json, "cpu_default_layout"): the
             # host maps 4 KiB page-table entries, and an interleaved token
@@ -376,8 +386,19 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora with tensor_parallel_size > 1 is not wired: the adapters' deltas "
                              "would need sharding like the weights")
-        if self.quantization and (self.tensor_parallel_size > 1 or self.enable_lora):
+        if self.quantization == "gguf" and (self.tensor_parallel_size > 1 or self.enable_lora):
             raise ValueError("quantization='gguf' with tensor parallelism or LoRA is not wired yet")
+
+    @property
+    def gguf_blocks(self) -> bool:
+        """Whether the weights stay in a GGUF's blocks: quantization "gguf", or by default a GGUF
+        model on the CPU with vkv's kernels built, one rank, no LoRA and no sleep mode (what the
+        blocks serve so far: gguf_weights.py, Limitations). Read, never stored: a copy of this
+        config for another model (MultiLLM) decides again."""
+        if self.quantization is not None:
+            return self.quantization == "gguf"
+        return (self.gguf_model and self.device.type == "cpu" and self.tensor_parallel_size == 1
+                and not self.enable_lora and not self.enable_sleep_mode and ext.cpu_kernels() is not None)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -448,9 +469,9 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
         g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
         g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-        g.add_argument("--quantization", default=None, choices=["gguf"],
-                       help="gguf: keep a .gguf model's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights in their blocks (CPU; "
-                            "default: dequantized once to the dtype)")
+        g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                       help="a .gguf model's weights: gguf keeps its Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks (the "
+                            "default on the CPU with one rank, no LoRA, no sleep mode); dequantize widens them to --dtype")
         g.add_argument("--enable-sleep-mode", action="store_true", help="keep the weights in pages that "
                        "sleep level 2 gives back (RL loops; costs start time: off by default)")
         g.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, choices=SCHEDULING_POLICIES,

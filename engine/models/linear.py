@@ -169,7 +169,8 @@ class Linear(nn.Module):
         start 0 and every row). No tensor is replaced, so whatever holds one (the one-call decode
         path) stays valid (engine/models/weights.py)."""
         if self.gguf is not None:
-            raise ValueError("a weight held in GGUF blocks is not updated in place")
+            raise ValueError("a weight held in GGUF blocks is not updated in place (serve the file with "
+                             "quantization='dequantize' to update its weights)")
         dtype = dtype or self.weight.dtype
         end = start + w.shape[0]
         if self.weight.numel() and not self.tied:

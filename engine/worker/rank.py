@@ -64,7 +64,7 @@ def build_rank(c: EngineConfig, rank: int = 0, model=None, pool: vmm.PoolShare |
     if model is None:
         model = load_model(c.model, mc, c.device, c.dtype, c.seed, (rank, tp), c.compute_dtype,
                            sleep_mode=c.enable_sleep_mode, greedy_pick=c.num_scheduler_steps > 1,
-                           quantization=c.quantization)
+                           quantization="gguf" if c.gguf_blocks else None)
     attention = pick_attention(c.attention_backend, c.device, c.compute_dtype, c.kv_layout, mc.head_dim,
                                c.block_size, mc.sliding_window, c.kv_dtype)
     peak = 0

@@ -1,5 +1,6 @@
 """The engine's greedy tokens equal transformers' on the same weights, whatever the KV layout,
-batching, chunking or memory pressure."""
+batching, chunking or memory pressure (the bundled GGUF dequantized, as transformers loads it; its
+blocks against the dequantized model: test_gguf_blocks.py)."""
 import pytest
 import torch
 
@@ -8,6 +9,7 @@ from engine.request.outputs import top_of
 from helpers import PROMPTS, assert_pool_whole, bundled_dir, hf_greedy
 
 MAX_NEW = 16
+QUANTIZATION = "dequantize"  # (the bundled GGUF's weights as transformers loads them: fp32)
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
 
 
@@ -26,7 +28,7 @@ def reference(prompt_ids):
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("kv_layout", ["interleaved", "per_layer", "paged"])
 def test_greedy_matches_transformers(kv_layout, prefix_caching, prompt_ids, reference):
-    llm = LLM(kv_layout=kv_layout, enable_prefix_caching=prefix_caching)
+    llm = LLM(quantization=QUANTIZATION, kv_layout=kv_layout, enable_prefix_caching=prefix_caching)
     outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert_pool_whole(llm)
@@ -38,7 +40,7 @@ def test_prompt_logprobs_equal_transformers_in_chunks_and_never_come_from_the_ca
     is computed again (a cached page has no logits), and preemption writes no token twice."""
     from helpers import hf_model
     model = hf_model(bundled_dir())
-    llm = LLM(kv_cache_memory=90 * 65536, max_num_seqs=6, max_num_batched_tokens=8, page_size=4096)
+    llm = LLM(quantization=QUANTIZATION, kv_cache_memory=90 * 65536, max_num_seqs=6, max_num_batched_tokens=8, page_size=4096)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, prompt_logprobs=2)
     for _ in range(2):  # the second finds its pages cached
         llm.generate(prompt_ids[4], GREEDY, use_tqdm=False)
@@ -64,7 +66,7 @@ def test_prompt_logprobs_equal_transformers_in_chunks_and_never_come_from_the_ca
 def test_preemption_under_a_tiny_budget_changes_nothing(kv_layout, prompt_ids, reference):
     # 90 pages of 64 KiB (1.4 interleaved fp32 tokens each; paged: 16-token blocks of the same
     # bytes) hold about two of these sequences at once.
-    llm = LLM(kv_layout=kv_layout, kv_cache_memory=90 * 65536, max_num_seqs=6)
+    llm = LLM(quantization=QUANTIZATION, kv_layout=kv_layout, kv_cache_memory=90 * 65536, max_num_seqs=6)
     outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     stats = llm.stats()
@@ -78,7 +80,7 @@ def test_preemption_by_swap_changes_nothing(kv_layout, page_size, num_pages, pro
     # As above (per_layer: 10 pages of 5 tokens per region), but preempted sequences keep
     # their KV in a swap file and come back to the same virtual addresses.
     swap_file = tmp_path / "swap"
-    llm = LLM(kv_layout=kv_layout, kv_cache_memory=num_pages * page_size, page_size=page_size, max_num_seqs=6,
+    llm = LLM(quantization=QUANTIZATION, kv_layout=kv_layout, kv_cache_memory=num_pages * page_size, page_size=page_size, max_num_seqs=6,
               preemption_mode="swap", swap_space=0.25, swap_path=str(swap_file))
     llm.engine.scheduler.swap_min_tokens = 1  # these prompts are short: swap every preempted one
     assert swap_file.exists()
@@ -93,7 +95,7 @@ def test_preemption_by_swap_changes_nothing(kv_layout, page_size, num_pages, pro
 
 
 def test_chunked_prefill_and_small_steps_change_nothing(prompt_ids, reference):
-    llm = LLM(kv_layout="per_layer", max_num_batched_tokens=7, max_num_seqs=3)
+    llm = LLM(quantization=QUANTIZATION, kv_layout="per_layer", max_num_batched_tokens=7, max_num_seqs=3)
     outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert_pool_whole(llm)

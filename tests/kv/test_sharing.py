@@ -113,7 +113,7 @@ def hf_beam_search(prompt_ids: list[int], width: int, max_new_tokens: int, eos_i
 def test_beam_search_matches_transformers_and_releases_every_page(kv_layout, length_penalty):
     from engine import BeamSearchParams
 
-    llm = LLM(kv_layout=kv_layout)
+    llm = LLM(kv_layout=kv_layout, quantization="dequantize")  # (transformers: the GGUF in fp32)
     questions = ["What is 2+2? Reply with one number.", "Say hi.", "Name a primary color in one word."]
     prompts = [chat_prompt_ids(llm.tokenizer, q) for q in questions]
     width, steps = 3, 20

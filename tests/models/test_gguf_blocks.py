@@ -94,7 +94,7 @@ def test_served_in_blocks_it_scores_and_generates_as_the_dequantized_model(monke
     served = blocks.generate([TEXT], score, use_tqdm=False)[0]
     monkeypatch.setattr(GgufWeight, "quantizes_x", property(lambda self: False))
     exact = blocks.generate([TEXT], score, use_tqdm=False)[0]
-    plain = LLM(kv_cache_memory=32 << 20, max_model_len=256).generate([TEXT], score, use_tqdm=False)[0]
+    plain = LLM(quantization="dequantize", kv_cache_memory=32 << 20, max_model_len=256).generate([TEXT], score, use_tqdm=False)[0]
 
     def logprobs(out):
         return [lp[t].logprob for t, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
@@ -133,7 +133,7 @@ def test_a_q4_k_m_layout_decodes_in_one_call_as_layer_by_layer_and_scores_as_its
         one_call_equals_layer_by_layer(model, run, in_one_region=True)
         score = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
         served = llm.generate([TEXT], score, use_tqdm=False)[0]
-        exact = LLM(model=path, kv_cache_memory=16 << 20, max_model_len=256).generate([TEXT], score, use_tqdm=False)[0]
+        exact = LLM(model=path, quantization="dequantize", kv_cache_memory=16 << 20, max_model_len=256).generate([TEXT], score, use_tqdm=False)[0]
     finally:
         torch.set_num_threads(threads)
 

@@ -45,6 +45,9 @@ def wait_idle(engine: AsyncEngine) -> dict:
     raise AssertionError(f"engine still busy: {engine.stats}")
 
 
+ASK_PARIS = "What is the capital of France? Answer in one sentence."  # (as `make run` asks; test_engine_api.py)
+
+
 def test_completions_and_chat_with_the_openai_client(client, server):
     out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert out.choices[0].text and 1 <= out.usage.completion_tokens <= 8
@@ -52,11 +55,11 @@ def test_completions_and_chat_with_the_openai_client(client, server):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True) if c.choices)
     assert streamed == out.choices[0].text
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK_PARIS}],
                                           max_tokens=16, temperature=0)
     assert "Paris" in chat.choices[0].message.content
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        model=MODEL, messages=[{"role": "user", "content": ASK_PARIS}],
         max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}) if c.choices]
     assert "".join(pieces) == chat.choices[0].message.content
     many = client.completions.create(model=MODEL, prompt="My name is", max_tokens=6, n=3, temperature=1.0, seed=3,

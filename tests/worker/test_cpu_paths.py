@@ -31,14 +31,14 @@ def no_native_bf16(monkeypatch):
 
 
 def test_bf16_without_native_bf16_runs_in_fp32_over_a_bf16_cache(no_native_bf16):
-    llm = LLM(dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=4)
+    llm = LLM(quantization="dequantize", dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=4)
     platform = llm.stats().platform
     assert platform["compute_dtype"] == "float32" and platform["kv_dtype"] == "bfloat16"
     assert "forced by the test" in platform["compute_reason"] and "float32" in platform["gemm"]
     assert {c.dtype for c in llm.engine.kv.layout.k_caches} == {torch.bfloat16}
     weights = [p for p in llm.engine.model.parameters() if p.numel() > 1]
     assert all(p.dtype == torch.float32 and torch.equal(p, p.bfloat16().float()) for p in weights)  # bf16 values
-    fp32 = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
+    fp32 = LLM(quantization="dequantize", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
     assert llm.engine.kv.layout.token_bytes * 2 == fp32.engine.kv.layout.token_bytes
     sequences = continuations(fp32, PROMPTS, GREEDY.max_tokens)  # bf16 weights: held by bf16's tolerance
     first = [len(s) - GREEDY.max_tokens for s in sequences]
@@ -130,7 +130,7 @@ def test_native_bf16_runs_onednn_for_batches_and_bf16_panels_in_fp32_for_decode(
     to the fp32 engine's on the same tokens by bf16's computed tolerance (tests/lossy.py)."""
     if not ext.bf16_gemm()[0] or ext.cpu_kernels() is None:
         pytest.skip(f"this CPU computes bf16 in fp32: {ext.bf16_gemm()[1]}")
-    llm = LLM(dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=4)
+    llm = LLM(quantization="dequantize", dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=4)
     model = llm.engine.model
     assert llm.stats().platform["compute_dtype"] == "bfloat16" and model.decode
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -138,7 +138,7 @@ def test_native_bf16_runs_onednn_for_batches_and_bf16_panels_in_fp32_for_decode(
     params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=2)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)  # decode steps of 3 rows and fewer
     got = [scored_completion(o.outputs[0]) for o in outs]
-    fp32 = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
+    fp32 = LLM(quantization="dequantize", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
     want = teacher_forced(fp32, [o.prompt_token_ids + o.outputs[0].token_ids for o in outs],
                           [len(o.prompt_token_ids) for o in outs])
     print(assert_close(got, want, Tolerance.computed(torch.bfloat16)))
@@ -162,8 +162,8 @@ def test_the_decode_layers_in_one_native_call_equal_the_layer_by_layer_path(dtyp
     if rows == 1:  # on two threads, the layers share one parallel region (layers_in_one_region)
         request.getfixturevalue("two_threads")
     gguf = dtype == "gguf"
-    llm = LLM(dtype="float32" if gguf else dtype, quantization="gguf" if gguf else None, kv_cache_memory=16 << 20,
-              max_num_seqs=rows)
+    llm = LLM(dtype="float32" if gguf else dtype, quantization="gguf" if gguf else "dequantize",
+              kv_cache_memory=16 << 20, max_num_seqs=rows)
     model = llm.engine.model
     assert model.decode, "the one-call path should be on for the bundled model on the CPU"
     assert gguf == ("GGUF Q4_1 blocks" in llm.stats().platform["gemm"])
@@ -193,7 +193,7 @@ def refusal_of_a_malformed_step(monkeypatch, mutate, max_tokens: int) -> str:
     itself must still run and leave the pool whole."""
     if ext.cpu_kernels() is None:
         pytest.skip(f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
-    llm = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=1)
+    llm = LLM(quantization="dequantize", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=1)
     model, outcomes = llm.engine.model, []
     one_call = model._one_call
 
@@ -265,7 +265,7 @@ import os, sys, time
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, before any thread starts
 import torch
 from engine import LLM, SamplingParams
-llm = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=1, num_scheduler_steps=8)
+llm = LLM(quantization="dequantize", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=1, num_scheduler_steps=8)
 params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 runs = {}
 for threads in (1, 2, 1, 2):
@@ -324,5 +324,5 @@ def test_a_few_row_step_asks_for_its_next_panel_as_this_cpu_vendor_wants():
         assert hint.startswith("non-temporal") == (vendor == "AuthenticAMD"), (vendor, hint)
         # the AVX2 kernels' one-row streams also ask 2 KiB further into L2 (kStreamFar); the AVX-512 ones do not
         assert ("into L2 too" in hint) == (ext.kernel_isa()[0] == "avx2" and vendor != "AuthenticAMD"), hint
-    llm = LLM(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=2)
+    llm = LLM(quantization="dequantize", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=2)
     assert llm.stats().platform["panel_prefetch"] == hint
