@@ -5,8 +5,10 @@ A model spec is one of:
   path/to/file.gguf  a GGUF file, read through transformers' GGUF loader
   path/to/dir        a Hugging Face checkpoint: config.json + *.safetensors (+ tokenizer files)
   random:<preset>    a known shape with random weights (see presets.py)
-GGUF files are dequantized once and cached as a checkpoint directory under $VKV_CACHE_DIR
-(default ~/.cache/vkv), so later starts take seconds.
+A GGUF file is converted once into a checkpoint directory under $VKV_CACHE_DIR (default
+~/.cache/vkv) in two stages: its config and tokenizer (`model_dir`: what serving its blocks
+needs), then, only when its weights are asked for dequantized (`checkpoint_dir`), its tensors in
+fp32 beside them, so an 8B Q4_K_M file served in its blocks never costs 32 GB of fp32 on disk.
 """
 from __future__ import annotations
 
@@ -57,7 +59,18 @@ def bundled_gguf() -> Path:
 
 
 def checkpoint_dir(spec: str | None) -> Path | None:
-    """The checkpoint directory a spec loads from (converting GGUF once); None for random."""
+    """The checkpoint directory a spec loads its weights from (a GGUF's converted once, its
+    tensors dequantized); None for random."""
+    return _directory(spec, weights=True)
+
+
+def model_dir(spec: str | None) -> Path | None:
+    """The directory of a spec's config.json and tokenizer: for a GGUF, converted without its
+    tensors unless they already were; None for random."""
+    return _directory(spec, weights=False)
+
+
+def _directory(spec: str | None, weights: bool) -> Path | None:
     if spec is not None and spec.startswith("random:"):
         return None
     path = bundled_gguf() if spec is None else Path(spec).expanduser()
@@ -66,23 +79,29 @@ def checkpoint_dir(spec: str | None) -> Path | None:
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
         return path
     if path.is_file() and path.suffix == ".gguf":
-        return _converted_gguf(path)
+        return _converted_gguf(path, weights)
     raise FileNotFoundError(f"unknown model {spec!r}: not a checkpoint directory, a .gguf file, "
                             f"or random:<{'|'.join(PRESETS)}>")
 
 
-def _converted_gguf(path: Path) -> Path:
-    """The GGUF converted once into the cache. Several processes may start at once (a test
-    suite's workers, replicas): one converts under a file lock while the others wait for it,
-    and the result appears whole (written in a directory of its own, then renamed)."""
+def _converted_gguf(path: Path, weights: bool) -> Path:
+    """The GGUF converted once into the cache: config and tokenizer, and with `weights` its
+    tensors too. Several processes may start at once (a test suite's workers, replicas): one
+    converts under a file lock while the others wait for it, and each stage appears whole (the
+    directory written apart and renamed; the tensors' file written apart and renamed into it)."""
     out = cache_root() / "models" / f"{path.stem}-{_file_digest(path)[:16]}"
-    if (out / "model.safetensors").is_file():
+    done = out / ("model.safetensors" if weights else "config.json")
+    if done.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
-        if not (out / "model.safetensors").is_file():
-            _convert(path, out)
+        if done.is_file():
+            pass
+        elif weights and (out / "config.json").is_file():
+            _convert_tensors(path, out)
+        else:
+            _convert(path, out, weights)
     return out
 
 
@@ -102,27 +121,60 @@ def converted_again(path: Path) -> bool:
     return True
 
 
-def _convert(path: Path, out: Path) -> None:
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _convert(path: Path, out: Path, weights: bool = True) -> None:
+    """transformers' conversion of the GGUF at path into the directory out: its tokenizer and
+    config, and with `weights` its tensors in fp32."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     print(f"vkv: converting {path.name} once into {out} ...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    config = hf.config.to_dict()
-    config.pop("quantization_config", None)
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()
-             if not (config.get("tie_word_embeddings") and k == "lm_head.weight")}
+    if weights:
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        config = _plain_config(hf.config)
+    else:
+        hf, config = None, _plain_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent))
     try:
         tokenizer.save_pretrained(tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        save_file(state, str(tmp / "model.safetensors"))
+        if hf is not None:
+            _save_tensors(hf, config, tmp / "model.safetensors")
         if out.exists():  # left by a conversion that died before its last file: redone
             shutil.rmtree(out)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_tensors(path: Path, out: Path) -> None:
+    """The GGUF's tensors in fp32, added to a directory that holds its config and tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    print(f"vkv: dequantizing {path.name}'s tensors once into {out} ...", flush=True)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    fd, tmp = tempfile.mkstemp(prefix="model.", suffix=".tmp", dir=out)
+    os.close(fd)
+    try:
+        _save_tensors(hf, json.loads((out / "config.json").read_text()), Path(tmp))
+        os.replace(tmp, out / "model.safetensors")
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _plain_config(config) -> dict:
+    """A converted GGUF's config.json: transformers' config less what says it came from a GGUF
+    or in which dtype transformers loaded it (the same whichever stage wrote it)."""
+    out = config.to_dict()
+    for key in ("quantization_config", "dtype", "torch_dtype"):
+        out.pop(key, None)
+    return out
+
+
+def _save_tensors(hf, config: dict, path: Path) -> None:
+    from safetensors.torch import save_file
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()
+             if not (config.get("tie_word_embeddings") and k == "lm_head.weight")}
+    save_file(state, str(path))
 
 def load_config(spec: str | None) -> ModelConfig:
     if spec is not None and spec.startswith("random:"):
@@ -130,7 +182,7 @@ def load_config(spec: str | None) -> ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return ModelConfig.from_hf(PRESETS[name])
-    return read_config(checkpoint_dir(spec) / "config.json")
+    return read_config(model_dir(spec) / "config.json")
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -152,7 +204,7 @@ def load_model(spec: str | None, cfg: ModelConfig, device: torch.device, dtype: 
     be given back (engine/models/weight_pages.py); greedy_pick: see LlamaForCausalLM.prepare;
     quantization "gguf": a GGUF file's weights of the types in gguf_weights.TYPES kept in their blocks
     (engine/models/gguf_weights.py)."""
-    path = checkpoint_dir(spec)
+    path = None if quantization == "gguf" else checkpoint_dir(spec)  # (blocks: no fp32 conversion)
     if quantization == "gguf":
         gguf = bundled_gguf() if spec is None else Path(spec).expanduser()
         with torch.device("meta"):

@@ -32,7 +32,7 @@ import os
 from pathlib import Path
 
 from engine.models.disk_memo import DiskMemo
-from engine.models.loader import _file_sha256, cache_root, checkpoint_dir
+from engine.models.loader import _file_sha256, cache_root, model_dir
 
 log = logging.getLogger("vkv.models")
 
@@ -47,12 +47,12 @@ def load_tokenizer(spec: str | None):
     directory $VKV_TOKENIZER names (a tokenizer.json beside its tokenizer_config.json, for a
     machine without the bundled model's package, a GPU box running random models), else the
     bundled model's."""
-    path = checkpoint_dir(spec)
+    path = model_dir(spec)
     if path is None or not _has_tokenizer(path):
         borrowed = os.environ.get("VKV_TOKENIZER")
         if path is not None:  # said: a checkpoint of another vocabulary would decode to wrong text
             log.warning("vkv: %s has no tokenizer files: borrowing %s's", path, borrowed or "the bundled model")
-        path = Path(borrowed).expanduser() if borrowed else checkpoint_dir(None)
+        path = Path(borrowed).expanduser() if borrowed else model_dir(None)
         if borrowed and not _has_tokenizer(path):
             raise FileNotFoundError(f"VKV_TOKENIZER={borrowed}: no tokenizer.json or tokenizer_config.json there")
     return tokenizer_at(path)

@@ -132,7 +132,7 @@ def test_a_gguf_conversion_is_cached_by_its_bytes_and_a_damaged_one_is_done_agai
         f.write_bytes(byte * 4096)
     converted = []
 
-    def convert(path, out):  # stands in for transformers' conversion: a checkpoint per source
+    def convert(path, out, weights):  # stands in for transformers' conversion: a checkpoint per source
         converted.append(path)
         checkpoint(out, seed=path.read_bytes()[0])
 

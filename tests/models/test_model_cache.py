@@ -1,4 +1,5 @@
-"""The bundled GGUF is converted once, even when several processes start at once.
+"""The bundled GGUF is converted once, even when several processes start at once; served in its
+blocks it is converted without its tensors, which are added when asked for.
 
 A fresh machine's `make test` failed here: two pytest workers converted the GGUF at the same
 moment into the same temporary directory, and one renamed it away under the other."""
@@ -18,7 +19,7 @@ def test_processes_starting_at_once_convert_the_gguf_once_and_all_get_it(tmp_pat
     monkeypatch.setenv("VKV_CACHE_DIR", str(tmp_path))
     calls = []
 
-    def slow_convert(path, out):  # stands in for the 20 s conversion: same files, same end
+    def slow_convert(path, out, weights):  # stands in for the 20 s conversion: same files, same end
         calls.append(threading.get_ident())
         time.sleep(0.3)
         out.mkdir(parents=True)
@@ -36,14 +37,36 @@ def test_processes_starting_at_once_convert_the_gguf_once_and_all_get_it(tmp_pat
     assert (results[0] / "model.safetensors").read_bytes() == b"weights"
 
 
-def test_a_conversion_that_died_halfway_is_done_again(tmp_path, monkeypatch):
+def test_the_tensors_are_converted_only_when_asked_for_and_once(tmp_path, monkeypatch):
+    """model_dir (config and tokenizer: what serving the blocks reads) converts without the
+    tensors; checkpoint_dir then adds them once, however many ask at once, into the same
+    directory (a conversion of an earlier version that died before its tensors is finished so)."""
     monkeypatch.setenv("VKV_CACHE_DIR", str(tmp_path))
-    gguf = loader.bundled_gguf()
-    half = tmp_path / "models" / f"{gguf.stem}-{loader._file_digest(gguf)[:16]}"
-    half.mkdir(parents=True)
-    (half / "config.json").write_text("{}")  # no weights: it died before them
-    monkeypatch.setattr(loader, "_convert", lambda path, out: (out / "model.safetensors").write_bytes(b"w"))
-    assert (loader.checkpoint_dir(None) / "model.safetensors").read_bytes() == b"w"
+    stages = []
+
+    def convert(path, out, weights):
+        stages.append(("all" if weights else "config", path))
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+    def convert_tensors(path, out):
+        stages.append(("tensors", path))
+        time.sleep(0.3)
+        (out / "model.safetensors").write_bytes(b"w")
+
+    monkeypatch.setattr(loader, "_convert", convert)
+    monkeypatch.setattr(loader, "_convert_tensors", convert_tensors)
+    out = loader.model_dir(None)
+    assert stages == [("config", loader.bundled_gguf())] and not (out / "model.safetensors").exists()
+    assert loader.model_dir(None) == out and len(stages) == 1
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(loader.checkpoint_dir(None))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [out] * 4 and stages[1:] == [("tensors", loader.bundled_gguf())]
+    assert (out / "model.safetensors").read_bytes() == b"w" and loader.model_dir(None) == out
 
 
 def test_a_random_model_borrows_the_tokenizer_vkv_tokenizer_names_without_the_bundled_package(tmp_path, monkeypatch):
