@@ -7,6 +7,7 @@ import argparse
 import json
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -392,13 +393,19 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
     @property
     def gguf_blocks(self) -> bool:
         """Whether the weights stay in a GGUF's blocks: quantization "gguf", or by default a GGUF
-        model on the CPU with vkv's kernels built, one rank, no LoRA and no sleep mode (what the
-        blocks serve so far: gguf_weights.py, Limitations). Read, never stored: a copy of this
-        config for another model (MultiLLM) decides again."""
+        model on the CPU with vkv's kernels built, one rank, no LoRA, no sleep mode, computing in
+        fp32 or bf16 (what the blocks serve so far: gguf_weights.py, Limitations), whose matrices
+        are mostly of types the blocks serve (`mostly_in_blocks`). Read, never stored: a copy of
+        this config for another model (MultiLLM) decides again."""
         if self.quantization is not None:
             return self.quantization == "gguf"
-        return (self.gguf_model and self.device.type == "cpu" and self.tensor_parallel_size == 1
-                and not self.enable_lora and not self.enable_sleep_mode and ext.cpu_kernels() is not None)
+        if not (self.gguf_model and self.device.type == "cpu" and self.tensor_parallel_size == 1
+                and not self.enable_lora and not self.enable_sleep_mode
+                and self.compute_dtype in (torch.float32, torch.bfloat16) and ext.cpu_kernels() is not None):
+            return False
+        from engine.models.gguf_weights import mostly_in_blocks
+        from engine.models.loader import bundled_gguf
+        return mostly_in_blocks(bundled_gguf() if self.model is None else Path(self.model).expanduser())
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -471,7 +478,8 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="a .gguf model's weights: gguf keeps its Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks (the "
-                            "default on the CPU with one rank, no LoRA, no sleep mode); dequantize widens them to --dtype")
+                            "default on the CPU for a file mostly of those, with one rank, no LoRA, no sleep mode); "
+                            "dequantize widens them to --dtype")
         g.add_argument("--enable-sleep-mode", action="store_true", help="keep the weights in pages that "
                        "sleep level 2 gives back (RL loops; costs start time: off by default)")
         g.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, choices=SCHEDULING_POLICIES,

@@ -248,6 +248,8 @@ class LLMEngine:
         """A checkpoint's tensors, read and checked against this model (ValueError by name);
         changes nothing, so it may run off the engine's thread (the server reads there, and
         checks every model an update names before any of them takes it)."""
+        if self.model.gguf_blocks:  # (before a GGUF at path is converted for nothing)
+            weights.check(self.model, {})
         try:
             where = checkpoint_dir(path)
             if where is None:

@@ -28,6 +28,8 @@ MAGIC = b"GGUF"
 # metadata value types (gguf-py's GGUFValueType): fixed sizes; 8 = string, 9 = array
 FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 STRING, ARRAY = 8, 9
+MAX_KEY = 65535  # the spec's longest key; a tensor's name or the architecture: 64 in llama.cpp, 256 here
+MAX_NAME = 256
 PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
 
 
@@ -46,6 +48,13 @@ class GgufFile:
 
 
 def read_gguf_file(path: Path) -> GgufFile:
+    try:
+        return _read(path)
+    except RecursionError:  # (arrays of arrays nested past Python's depth)
+        raise ValueError("metadata arrays nested too deep") from None
+
+
+def _read(path: Path) -> GgufFile:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     data = np.memmap(path, mode="r")
@@ -56,13 +65,20 @@ def read_gguf_file(path: Path) -> GgufFile:
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} (2 and 3 are read; a big-endian file reads as another)")
     n_tensors, n_kv = header.unpack("<QQ")
-    architecture, alignment = "", 32
+    if 24 * n_tensors + 12 * n_kv > len(data):  # (the least a tensor's info and a value take)
+        raise ValueError(f"{n_tensors} tensors and {n_kv} metadata values: more than the file's {len(data)} bytes hold")
+    architecture, alignment, keys = "", 32, set()
     for _ in range(n_kv):
-        key = header.string()
+        key = header.string(MAX_KEY)
+        if key in keys:
+            raise ValueError(f"metadata key {key!r} given twice")
+        keys.add(key)
         kind = header.unpack("<I")
         if key == "general.architecture" and kind == STRING:
-            architecture = header.string()
-        elif key == "general.alignment" and kind == 4:
+            architecture = header.string(MAX_NAME)
+        elif key == "general.alignment":
+            if kind != 4:
+                raise ValueError(f"general.alignment of value type {kind}, not uint32")
             alignment = header.unpack("<I")
             if alignment == 0 or alignment & (alignment - 1):
                 raise ValueError(f"general.alignment {alignment} is not a power of two")
@@ -70,7 +86,7 @@ def read_gguf_file(path: Path) -> GgufFile:
             header.skip_value(kind)
     infos = []
     for _ in range(n_tensors):
-        name = header.string()
+        name = header.string(MAX_NAME)
         dims = header.unpack_all(f"<{header.unpack('<I')}Q")  # (a count past the file fails there)
         infos.append((name, header.unpack("<I"), dims, header.unpack("<Q")))
     start = -(-header.offset // alignment) * alignment
@@ -79,6 +95,8 @@ def read_gguf_file(path: Path) -> GgufFile:
         if name in names:
             raise ValueError(f"tensor {name!r} listed twice")
         names.add(name)
+        if offset % alignment:
+            raise ValueError(f"tensor {name!r}: offset {offset} is not a multiple of the alignment {alignment}")
         try:
             block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
         except (ValueError, KeyError):
@@ -124,8 +142,12 @@ class _Header:
         values = self.unpack_all(fmt)
         return values[0] if len(values) == 1 else values
 
-    def string(self) -> str:
-        return self.take(self.unpack("<Q")).decode("utf-8", "replace")
+    def string(self, limit: int) -> str:
+        """A string of at most `limit` bytes, read; a longer one is refused before it is read."""
+        n = self.unpack("<Q")
+        if n > limit:
+            raise ValueError(f"a string of {n} bytes at byte {self.offset} (at most {limit} here)")
+        return self.take(n).decode("utf-8", "replace")
 
     def skip(self, n: int) -> None:
         if self.offset + n > len(self.buffer):

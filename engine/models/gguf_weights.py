@@ -19,7 +19,8 @@ q and k projections for its rotary layout; transformers' loader undoes it on the
 here the same permutation moves whole rows of blocks, so both load the same matrix.
 
 Limitations. CPU only, with the native kernels built (else the loader refuses it by name and
-the dequantized checkpoint serves); k-quant rows interleave only where a matrix has a multiple
+the dequantized checkpoint serves; by default, so does a file whose matrices are mostly of other
+types: `mostly_in_blocks`); k-quant rows interleave only where a matrix has a multiple
 of 8 rows (else they multiply in fp32, and the model decodes layer by layer); no sleep mode,
 weight updates, LoRA or tensor parallelism over blocks (each refused by name); a fused projection
 whose parts differ in type (a Q4_K_M file's Q6_K v beside Q4_K q and k, in some layers) is a
@@ -41,11 +42,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.models.gguf_file import read_gguf_file
+from engine.models.gguf_file import PLAIN, read_gguf_file
 
 # ggml's Q4_0, Q4_1, Q8_0 (blocks of 32 weights), Q4_K and Q6_K (super-blocks of 256): id -> name
 TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
 
+# llama.cpp's Llama 3 files carry the rope's frequency factors, which the model computes from the
+# config's rope_scaling (as transformers' conversion does, which skips them too)
+SKIPPED = {"rope_freqs.weight"}
 NAMES = [  # the file's name -> the Hugging Face name
     (r"token_embd\.weight", "model.embed_tokens.weight"),
     (r"output_norm\.weight", "model.norm.weight"),
@@ -274,6 +278,19 @@ def _k_plain(groups: torch.Tensor, type_name: str, n: int, k: int) -> torch.Tens
     return rows.view(n, supers * 210)
 
 
+def mostly_in_blocks(path: Path) -> bool:
+    """Whether most of a GGUF's matrix bytes are of a type its blocks serve (TYPES): a Q4_K_M or
+    Q8_0 file is; a Q5_K_M or F16 file is not (its matrices would be dequantized at every start,
+    where the converted checkpoint is dequantized once and cached). False for a file that does
+    not read as a GGUF (its conversion then says what is wrong)."""
+    try:
+        tensors = [t for t in read_gguf_file(path).tensors if len(t.dims) == 2]
+    except (OSError, ValueError):
+        return False
+    served = sum(t.data.nbytes for t in tensors if t.type in TYPES)
+    return 2 * served > sum(t.data.nbytes for t in tensors)
+
+
 def hf_name(name: str) -> str:
     for pattern, replacement in NAMES:
         if re.fullmatch(pattern, name):
@@ -303,6 +320,8 @@ def _read(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tens
     file = read_gguf_file(path)
     state: dict[str, torch.Tensor | GgufWeight] = {}
     for tensor in file.tensors:
+        if tensor.name in SKIPPED:
+            continue
         name = hf_name(tensor.name)
         kind = tensor.type
         shape = [int(d) for d in reversed(tensor.dims)]
@@ -312,7 +331,7 @@ def _read(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tens
                 warnings.simplefilter("ignore", UserWarning)
                 value: torch.Tensor | GgufWeight = GgufWeight(torch.from_numpy(data), kind, shape[1])
         else:
-            array = tensor.data if kind in (0, 1) else quants.dequantize(tensor.data, GGMLQuantizationType(kind))
+            array = tensor.data if kind in PLAIN else quants.dequantize(tensor.data, GGMLQuantizationType(kind))
             value = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
         heads = {"q_proj": num_heads, "k_proj": num_kv_heads}.get(name.split(".")[-2])
         if file.architecture in ("llama", "mistral") and heads and name.endswith("weight"):

@@ -117,7 +117,9 @@ def converted_again(path: Path) -> bool:
     models = (cache_root() / "models").resolve()
     if path.resolve().parent != models:
         return False
-    shutil.rmtree(path, ignore_errors=True)
+    with open(path.parent / f"{path.name}.lock", "w") as lock:  # (not under a conversion in flight)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        shutil.rmtree(path, ignore_errors=True)
     return True
 
 
@@ -151,8 +153,10 @@ def _convert_tensors(path: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     print(f"vkv: dequantizing {path.name}'s tensors once into {out} ...", flush=True)
+    for stale in out.parent.glob(f"{out.name}.model.*.tmp"):  # (a conversion that died: under the lock)
+        stale.unlink(missing_ok=True)
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    fd, tmp = tempfile.mkstemp(prefix="model.", suffix=".tmp", dir=out)
+    fd, tmp = tempfile.mkstemp(prefix=f"{out.name}.model.", suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
         _save_tensors(hf, json.loads((out / "config.json").read_text()), Path(tmp))

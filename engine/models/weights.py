@@ -94,6 +94,9 @@ def check(model, named_tensors, whole: bool = False) -> Checked:
     if model.sharded:
         raise ValueError("updating the weights of a tensor-parallel engine is not wired (its other ranks "
                          "are other processes)")
+    if model.gguf_blocks:
+        raise ValueError("the weights are held in a GGUF's blocks, which take no update: serve the file with "
+                         "quantization='dequantize' (--quantization dequantize) to update its weights")
     shapes = checkpoint_shapes(model.config)
     update: dict[str, torch.Tensor] = {}
     tied: list[torch.Tensor] = []

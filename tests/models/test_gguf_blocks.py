@@ -170,3 +170,28 @@ def test_several_steps_a_call_over_blocks_pick_the_tokens_single_steps_pick(monk
 def test_what_blocks_cannot_serve_yet_is_refused_by_name(settings, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**{"quantization": "gguf", **settings})
+
+
+def test_the_default_keeps_a_files_blocks_where_they_serve_and_dequantizes_elsewhere(tmp_path):
+    """quantization's default (EngineConfig.gguf_blocks): the bundled Q4_1 file in its blocks on
+    the CPU; dequantized with LoRA, sleep mode, two ranks, fp16 arithmetic, by name, or for a
+    file whose matrices are mostly of a type without a kernel (F16 here; Q5_K alike), which the
+    cached conversion dequantizes once rather than every start."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+    assert EngineConfig().gguf_blocks and EngineConfig(quantization="gguf").gguf_blocks
+    for settings in ({"enable_lora": True}, {"enable_sleep_mode": True}, {"tensor_parallel_size": 2},
+                     {"dtype": "float16"}, {"quantization": "dequantize"}, {"model": "random:tiny"}):
+        assert not EngineConfig(**settings).gguf_blocks, settings
+    rng = np.random.default_rng(0)
+    for name, kind, served in (("f16", "F16", False), ("q8", "Q8_0", True)):
+        writer = GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama")
+        values = rng.standard_normal((64, 64)).astype(np.float32)
+        writer.add_tensor("blk.0.attn_q.weight", quants.quantize(values, GGMLQuantizationType[kind]),
+                          raw_dtype=GGMLQuantizationType[kind])
+        writer.add_tensor("rope_freqs.weight", np.ones(32, np.float32))  # (llama.cpp's Llama 3: skipped)
+        for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+            step()
+        writer.close()
+        assert EngineConfig(model=str(tmp_path / f"{name}.gguf")).gguf_blocks == served, name
+    assert list(read_gguf(tmp_path / "q8.gguf", num_heads=4, num_kv_heads=2)) == ["model.layers.0.self_attn.q_proj.weight"]

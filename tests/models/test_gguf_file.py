@@ -82,7 +82,8 @@ def test_a_file_cut_short_or_changed_is_a_value_error(tmp_path_factory, good, da
 @pytest.mark.parametrize("change, message", [
     (lambda raw: b"GGUX" + raw[4:], "no GGUF magic"),
     (lambda raw: raw[:4] + (1).to_bytes(4, "little") + raw[8:], "GGUF version 1"),
-    (lambda raw: raw[:8] + (2 ** 40).to_bytes(8, "little") + raw[16:], "past the file's end"),
+    (lambda raw: raw[:8] + (2 ** 40).to_bytes(8, "little") + raw[16:], "more than the file's"),
+    (lambda raw: raw[:24] + (10 ** 9).to_bytes(8, "little") + raw[32:], "a string of 1000000000 bytes"),
     (lambda raw: raw[:len(raw) - 100], "past the file's end"),
 ])
 def test_what_is_wrong_is_named(tmp_path, good, change, message):

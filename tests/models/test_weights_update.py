@@ -85,6 +85,28 @@ def test_a_mismatched_update_is_refused_by_name_and_changes_nothing(tmp_path):
         assert greedy(llm) == before
 
 
+def test_weights_in_gguf_blocks_refuse_an_update_before_changing_or_converting_anything(monkeypatch):
+    """The default for a GGUF on the CPU: its blocks take no update; the refusal names the fix and
+    comes before any tensor is written (a norm first in the update stays as it was) and before a
+    GGUF named on disk is converted."""
+    from engine.models import loader
+    with LLM(kv_cache_memory=16 << 20) as llm:
+        model = llm.engine.model
+        assert model.gguf_blocks
+        norm = model.model.layers[0].input_layernorm.weight
+        before = norm.clone()
+        update = {"model.layers.0.input_layernorm.weight": torch.full_like(before, 3.0),
+                  "model.layers.0.self_attn.o_proj.weight": torch.zeros(576, 576)}
+        for new in (update, {"model.embed_tokens.weight": torch.zeros(49152, 576)}):
+            with pytest.raises(ValueError, match="quantization='dequantize'"):
+                llm.update_weights_from_tensor(new)
+        assert torch.equal(norm, before) and llm.engine.weights_version == 0
+        monkeypatch.setattr(loader, "_convert", lambda *a: pytest.fail("converted"))
+        monkeypatch.setattr(loader, "_convert_tensors", lambda *a: pytest.fail("converted"))
+        with pytest.raises(ValueError, match="GGUF's blocks"):
+            llm.engine.read_weights_from_disk(str(loader.bundled_gguf()))
+
+
 def test_a_checkpoint_read_from_disk_is_checked_once(tmp_path, monkeypatch):
     """The server reads and checks a checkpoint off the engine's thread (read_weights_from_disk);
     the update then takes that answer without reading every tensor again on the engine's thread.
