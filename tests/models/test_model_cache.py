@@ -15,6 +15,17 @@ from transformers import AutoTokenizer
 from engine.models import loader, tokenizer
 
 
+def at_once(ask, n: int = 4) -> list:
+    """ask() on n threads started together: their answers."""
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(ask())) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
 def test_processes_starting_at_once_convert_the_gguf_once_and_all_get_it(tmp_path, monkeypatch):
     monkeypatch.setenv("VKV_CACHE_DIR", str(tmp_path))
     calls = []
@@ -26,12 +37,7 @@ def test_processes_starting_at_once_convert_the_gguf_once_and_all_get_it(tmp_pat
         (out / "model.safetensors").write_bytes(b"weights")
 
     monkeypatch.setattr(loader, "_convert", slow_convert)
-    results = []
-    threads = [threading.Thread(target=lambda: results.append(loader.checkpoint_dir(None))) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = at_once(lambda: loader.checkpoint_dir(None))
     assert len(calls) == 1, calls
     assert len(results) == 4 and len(set(results)) == 1
     assert (results[0] / "model.safetensors").read_bytes() == b"weights"
@@ -59,12 +65,7 @@ def test_the_tensors_are_converted_only_when_asked_for_and_once(tmp_path, monkey
     out = loader.model_dir(None)
     assert stages == [("config", loader.bundled_gguf())] and not (out / "model.safetensors").exists()
     assert loader.model_dir(None) == out and len(stages) == 1
-    results = []
-    threads = [threading.Thread(target=lambda: results.append(loader.checkpoint_dir(None))) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = at_once(lambda: loader.checkpoint_dir(None))
     assert results == [out] * 4 and stages[1:] == [("tensors", loader.bundled_gguf())]
     assert (out / "model.safetensors").read_bytes() == b"w" and loader.model_dir(None) == out
 
