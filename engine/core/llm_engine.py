@@ -248,8 +248,7 @@ class LLMEngine:
         """A checkpoint's tensors, read and checked against this model (ValueError by name);
         changes nothing, so it may run off the engine's thread (the server reads there, and
         checks every model an update names before any of them takes it)."""
-        if self.model.gguf_blocks:  # (before a GGUF at path is converted for nothing)
-            weights.check(self.model, {})
+        weights.refuse_updates_if_unwired(self.model)  # (before a GGUF at path is converted for nothing)
         try:
             where = checkpoint_dir(path)
             if where is None:

@@ -123,17 +123,20 @@ class _Header:
     def __init__(self, buffer: memoryview):
         self.buffer, self.offset = buffer, 0
 
-    def take(self, n: int) -> bytes:
+    def need(self, n: int) -> None:
+        """ValueError unless n more bytes are there."""
         if n < 0 or self.offset + n > len(self.buffer):
             raise ValueError(f"the header runs past the file's end (at byte {self.offset}, {n} more)")
+
+    def take(self, n: int) -> bytes:
+        self.need(n)
         out = bytes(self.buffer[self.offset:self.offset + n])
         self.offset += n
         return out
 
     def unpack_all(self, fmt: str) -> tuple:
         size = struct.calcsize(fmt)
-        if self.offset + size > len(self.buffer):
-            raise ValueError(f"the header runs past the file's end (at byte {self.offset}, {size} more)")
+        self.need(size)
         values = struct.unpack_from(fmt, self.buffer, self.offset)
         self.offset += size
         return values
@@ -150,8 +153,7 @@ class _Header:
         return self.take(n).decode("utf-8", "replace")
 
     def skip(self, n: int) -> None:
-        if self.offset + n > len(self.buffer):
-            raise ValueError(f"the header runs past the file's end (at byte {self.offset}, {n} more)")
+        self.need(n)
         self.offset += n
 
     def skip_value(self, kind: int) -> None:

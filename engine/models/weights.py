@@ -87,16 +87,21 @@ def checked(model, named_tensors, whole: bool = False) -> dict[str, torch.Tensor
     return check(model, named_tensors, whole)
 
 
-def check(model, named_tensors, whole: bool = False) -> Checked:
-    """The update as {name: tensor}, every name, shape and dtype checked; ValueError naming the
-    first that does not fit (nothing is changed). whole: every weight must be there (weights
-    that woke up empty after sleep level 2)."""
+def refuse_updates_if_unwired(model) -> None:
+    """ValueError if no update can be written into this model (before anything is read for one)."""
     if model.sharded:
         raise ValueError("updating the weights of a tensor-parallel engine is not wired (its other ranks "
                          "are other processes)")
     if model.gguf_blocks:
         raise ValueError("the weights are held in a GGUF's blocks, which take no update: serve the file with "
                          "quantization='dequantize' (--quantization dequantize) to update its weights")
+
+
+def check(model, named_tensors, whole: bool = False) -> Checked:
+    """The update as {name: tensor}, every name, shape and dtype checked; ValueError naming the
+    first that does not fit (nothing is changed). whole: every weight must be there (weights
+    that woke up empty after sleep level 2)."""
+    refuse_updates_if_unwired(model)
     shapes = checkpoint_shapes(model.config)
     update: dict[str, torch.Tensor] = {}
     tied: list[torch.Tensor] = []
