@@ -43,7 +43,8 @@ namespace vkv {
 // Measured in benchmarks/results/cpu/design_choices.json ("gguf_row_dot") and gguf_blocks.json.
 // Limitations: the other k-quants (Q2_K, Q3_K, Q5_K) are not here (the loader dequantizes them);
 // Q4_K / Q6_K rows not interleaved (N not a multiple of 8) unpack with plain loops and multiply in
-// fp32; no VNNI or AMX int8 path yet (AVX2's maddubs on every x86 CPU with AVX2); decode_layers
+// fp32; the integer sums take VNNI's dpbusd where the build has it (dot4 below), the same ymm
+// width and the same integers as AVX2's maddubs (no zmm or AMX int8 path yet); decode_layers
 // (decode_step.cpp) takes the blocks (linear_blocks, blocks_range, blocks_row) in each of its paths,
 // but its greedy steps pick from the full logits (no half-bytes copy of a blocks LM head).
 
@@ -339,6 +340,24 @@ VKV_INLINE __m256i four(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// Whether the build has VNNI's dpbusd (AVX512-VNNI with VL: Intel since Cascade Lake, AMD since
+// Zen 4; or AVX-VNNI: Intel since Alder Lake): four u8 x s8 products summed into each int32 lane in
+// one instruction. Without it, maddubs sums pairs into int16 and madd widens them (three
+// instructions); the sums are the same integers either way (no pair can saturate int16: the
+// callers' bounds), so a row's output is the same bits on either path.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnni = true;
+VKV_INLINE __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+constexpr bool kVnni = true;
+VKV_INLINE __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+constexpr bool kVnni = false;
+VKV_INLINE __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+
 // A block's 32 weights as bytes in x's order: Q4's nibbles u (w = d * u + c), Q8_0's q (w = d * q).
 template <int64_t kType>
 VKV_INLINE __m256i block_bytes_of(const uint8_t* block) {
@@ -495,23 +514,26 @@ void group_q8(const uint8_t* g, int64_t blocks, const XBlocks& xq, int64_t m, in
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * k));
         const __m256i magnitude = _mm256_sign_epi8(w, w);
         for (int c = 0; c < C; ++c) {
-          const __m256i x = _mm256_sign_epi8(four(q[c] + b * kBlock + 4 * k), w);
-          isum[c] = _mm256_add_epi32(isum[c], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
+          isum[c] = dot4(isum[c], magnitude, _mm256_sign_epi8(four(q[c] + b * kBlock + 4 * k), w));
         }
       }
     } else {
-      __m256i pairs[C];
+      __m256i pairs[C];  // (int16 pairs; with VNNI, int32 sums)
       for (int c = 0; c < C; ++c) pairs[c] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j));
         const __m256i low = _mm256_and_si256(packed, mask), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
         for (int c = 0; c < C; ++c) {
           const int8_t* x = q[c] + b * kBlock;
-          pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(low, four(x + 4 * j)));
-          pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(high, four(x + 16 + 4 * j)));
+          if constexpr (kVnni) {
+            pairs[c] = dot4(dot4(pairs[c], low, four(x + 4 * j)), high, four(x + 16 + 4 * j));
+          } else {
+            pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(low, four(x + 4 * j)));
+            pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(high, four(x + 16 + 4 * j)));
+          }
         }
       }
-      for (int c = 0; c < C; ++c) isum[c] = _mm256_madd_epi16(pairs[c], ones);
+      for (int c = 0; c < C; ++c) isum[c] = kVnni ? pairs[c] : _mm256_madd_epi16(pairs[c], ones);
     }
     const __m256 c_w = kType == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)))
                                       : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));  // (Q8_0: unused)
@@ -575,8 +597,10 @@ void group_q8(const uint8_t* g, int64_t blocks, const XBlocks& xq, int64_t m, in
 //         (|t| <= 2 x 128 x 16 x 32 x 127 < 2^24, so exact in fp32 too); acc = fma(t, d * d_x, acc)
 // and the row's output acc + off, the same operations on the AVX2 and scalar paths and for any
 // number of rows of x, as for the 32-weight types.
-// Limitations: N a multiple of 8 (else the rows stay as the file has them, unpacked in fp32); no
-// VNNI path; Q2_K, Q3_K and Q5_K are dequantized by the loader.
+// With VNNI (dot4), each step's products go straight into int32 sums, two chains a sum for one row
+// of x (a chain of dpbusd waits on its latency), one for several rows (their chains are enough).
+// Limitations: N a multiple of 8 (else the rows stay as the file has them, unpacked in fp32);
+// Q2_K, Q3_K and Q5_K are dequantized by the loader.
 constexpr int64_t kQ4KGroup = 1184, kQ6KGroup = 1680;  // bytes of eight rows' super-block
 
 // Bytes of eight rows' block (32 weights) or super-block (256), interleaved.
@@ -612,34 +636,52 @@ void group_k(const uint8_t* g, int64_t supers, const XBlocks& xq, int64_t m, int
     if constexpr (kType == kQ4_K) {
       const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)));
       for (int j = 0; j < 4; ++j) {
-        __m256i low_pairs[C], high_pairs[C];
-        for (int c = 0; c < C; ++c) low_pairs[c] = high_pairs[c] = _mm256_setzero_si256();
+        __m256i low_pairs[C], high_pairs[C], odd[2][C];  // (with VNNI, int32 sums: odd k's apart, two chains)
+        for (int c = 0; c < C; ++c) low_pairs[c] = high_pairs[c] = odd[0][c] = odd[1][c] = _mm256_setzero_si256();
+        #pragma GCC unroll 8
         for (int k = 0; k < 8; ++k) {
           const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 160 + 256 * j + 32 * k));
           const __m256i low = _mm256_and_si256(packed, mask), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
           for (int c = 0; c < C; ++c) {
             const int8_t* x = q[c] + (b0 + 2 * j) * kBlock + 4 * k;
-            low_pairs[c] = _mm256_add_epi16(low_pairs[c], _mm256_maddubs_epi16(low, four(x)));
-            high_pairs[c] = _mm256_add_epi16(high_pairs[c], _mm256_maddubs_epi16(high, four(x + kBlock)));
+            if constexpr (kVnni) {
+              __m256i& lo = C == 1 && k % 2 ? odd[0][c] : low_pairs[c];  // (C > 1: chains enough)
+              __m256i& hi = C == 1 && k % 2 ? odd[1][c] : high_pairs[c];
+              lo = dot4(lo, low, four(x));
+              hi = dot4(hi, high, four(x + kBlock));
+            } else {
+              low_pairs[c] = _mm256_add_epi16(low_pairs[c], _mm256_maddubs_epi16(low, four(x)));
+              high_pairs[c] = _mm256_add_epi16(high_pairs[c], _mm256_maddubs_epi16(high, four(x + kBlock)));
+            }
           }
         }
+        if constexpr (kVnni && C == 1)
+          for (int c = 0; c < C; ++c) {
+            low_pairs[c] = _mm256_add_epi32(low_pairs[c], odd[0][c]);
+            high_pairs[c] = _mm256_add_epi32(high_pairs[c], odd[1][c]);
+          }
+        #pragma GCC unroll 8
         for (int half = 0; half < 2; ++half) {
           const int64_t group = 2 * j + half, b = b0 + group;
           const __m256 scale = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(g + 32 + 8 * group))));
           const __m256 low_c = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(g + 96 + 8 * group))));
           for (int c = 0; c < C; ++c) {
-            const __m256i isum = _mm256_madd_epi16(half ? high_pairs[c] : low_pairs[c], ones);
+            const __m256i pairs = half ? high_pairs[c] : low_pairs[c];
+            const __m256i isum = kVnni ? pairs : _mm256_madd_epi16(pairs, ones);
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scale, _mm256_set1_ps(d[c][b])), acc[c]);
             off[c] = _mm256_fnmadd_ps(low_c, _mm256_set1_ps(s[c][b]), off[c]);
           }
         }
       }
     } else {
+      #pragma GCC unroll 8
       for (int j = 0; j < 4; ++j) {  // blocks 2 j (low nibbles) and 2 j + 1 (high)
         __m256i sums[2][2][C];  // [block][half of 16][row of x]
+        #pragma GCC unroll 8
         for (int half = 0; half < 2; ++half) {
           __m256i pairs[2][C];
           for (int c = 0; c < C; ++c) sums[0][half][c] = sums[1][half][c] = _mm256_setzero_si256();
+          #pragma GCC unroll 8
           for (int k = 4 * half; k < 4 * half + 4; ++k) {
             const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 144 + 256 * j + 32 * k));
             const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 1168 + 256 * (j / 2) + 32 * k));
@@ -651,6 +693,16 @@ void group_k(const uint8_t* g, int64_t supers, const XBlocks& xq, int64_t m, int
                                                _mm256_and_si256(hi_b, top));
             for (int c = 0; c < C; ++c) {  // (two steps of pairs at most 2 x 2 x 63 x 127 fit int16)
               const int8_t* x = q[c] + (b0 + 2 * j) * kBlock + 4 * k;
+              if constexpr (kVnni) {  // (odd k's in pairs: two chains a sum)
+                if (k % 2 == 0) {
+                  pairs[0][c] = dot4(_mm256_setzero_si256(), qa, four(x));
+                  pairs[1][c] = dot4(_mm256_setzero_si256(), qb, four(x + kBlock));
+                } else {
+                  sums[0][half][c] = _mm256_add_epi32(sums[0][half][c], dot4(pairs[0][c], qa, four(x)));
+                  sums[1][half][c] = _mm256_add_epi32(sums[1][half][c], dot4(pairs[1][c], qb, four(x + kBlock)));
+                }
+                continue;
+              }
               const __m256i pa = _mm256_maddubs_epi16(qa, four(x)), pb = _mm256_maddubs_epi16(qb, four(x + kBlock));
               if (k % 2 == 0) {
                 pairs[0][c] = pa;
@@ -662,6 +714,7 @@ void group_k(const uint8_t* g, int64_t supers, const XBlocks& xq, int64_t m, int
             }
           }
         }
+        #pragma GCC unroll 8
         for (int e = 0; e < 2; ++e) {
           const int64_t block = 2 * j + e, b = b0 + block;
           const __m256i scale_lo = _mm256_cvtepi8_epi32(bytes8(g + 16 + 8 * (2 * block)));
@@ -750,16 +803,20 @@ VKV_INLINE void group_dots(const uint8_t* g, const XBlocks& xq, int64_t m, int64
 }
 
 // x W^T over W interleaved by eight (the note above), x rounded to int8 blocks (XBlocks): each task
-// a group of eight weight rows against every row of x, two rows of x at a time.
+// a group of eight weight rows against every row of x, up to kTile rows of x at a time (each load
+// and unpacking of the weights shared by them).
 template <int64_t kType>
 void groups_q8(const XBlocks& xq, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* out) {
   const int64_t bytes = K / block_weights(kType) * group_bytes(kType);  // a group of eight rows
+  constexpr int64_t kTile = 4;
   at::parallel_for(0, N / kGroup, M == 1 ? 2 : 1, [&](int64_t lo, int64_t hi) {
-    float dots[2][kGroup];
+    float dots[kTile][kGroup];
     for (int64_t g = lo; g < hi; ++g)
-      for (int64_t m = 0; m < M; m += 2) {
-        const int64_t C = std::min<int64_t>(2, M - m);
-        if (C == 2)
+      for (int64_t m = 0, C = 0; m < M; m += C) {
+        C = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+        if (C == 4)
+          group_dots<kType, 4>(w + g * bytes, xq, m, K, dots);
+        else if (C == 2)
           group_dots<kType, 2>(w + g * bytes, xq, m, K, dots);
         else
           group_dots<kType, 1>(w + g * bytes, xq, m, K, dots);

@@ -217,6 +217,13 @@ def test_gguf_blocks_unpack_to_the_formats_definition(kind, rows):
     assert torch.equal(rows_out.double(), exact[picked])
 
 
+# Each interleaved kind's outputs in the test below, kept for the other ISAs' runs to compare with:
+# VNNI's dpbusd, AVX2's maddubs + madd and the scalar loop sum the same integers (no pair saturates),
+# so every build gives the same bits (PARENT_BITS: the file a child reads them from).
+BITS: dict[str, torch.Tensor] = {}
+PARENT_BITS = "VKV_TEST_PARENT_GGUF_BITS"
+
+
 @pytest.mark.parametrize("kind, by_eight", [(kind, by_eight) for kind in ("Q8_0", "Q4_0", "Q4_1")
                                              for by_eight in (False, True)] + [("Q4_K", True), ("Q6_K", True)],
                          ids=lambda v: {False: "rows", True: "interleaved"}.get(v, v) if isinstance(v, bool) else v)
@@ -272,6 +279,10 @@ def test_gguf_blocks_times_int8_activations_stay_within_the_quantization_step(ki
         alone = torch.empty(rows.stop - rows.start, n)
         torch.ops.vkv.linear_gguf(x[rows].contiguous(), raw, int(qtype), bias, alone, True)
         assert torch.equal(alone, out[rows])
+    if by_eight and os.environ.get(PARENT_BITS):  # (in another ISA's run: the same bits as the parent's build)
+        assert torch.equal(out, torch.load(os.environ[PARENT_BITS])[kind]), kind
+    if by_eight:
+        BITS[kind] = out.clone()
     x[4, 100] = float("nan")
     torch.ops.vkv.linear_gguf(x, raw, int(qtype), bias, out, True)
     assert out[4].isnan().all() and not out[torch.arange(9) != 4].isnan().any()
@@ -522,18 +533,24 @@ LEFT_OUT = ("other_isa", "without_the_native_kernels", "dead_builder", "only_an_
 
 
 @pytest.mark.parametrize("isa", other_isas())
-def test_every_other_isa_builds_and_equals_the_references(isa):
+def test_every_other_isa_builds_and_equals_the_references(isa, tmp_path):
     """The kernels built for another ISA (VKV_CPU_ISA: on an AVX-512 machine the AVX2 and plain
     paths, on an AVX2 machine the plain one and the AVX-512 one emulated) pass this file's tests
-    in a child process. Left out there: this test, the engine without kernels, and the two tests of
-    the build's machinery (a one-op source of their own, whatever the ISA), named in LEFT_OUT and
-    counted: a renamed test would otherwise run in every child (18 s each, seen)."""
+    in a child process, GGUF blocks times int8 x giving this build's bits (BITS). Left out there:
+    this test, the engine without kernels, and the two tests of the build's machinery (a one-op
+    source of their own, whatever the ISA), named in LEFT_OUT and counted: a renamed test would
+    otherwise run in every child (18 s each, seen)."""
     if isa == ext.EMULATED and ext.simde_include() is None:
         pytest.skip("SIMDe's headers are not installed (pip install simde-py)")
+    if len(BITS) < 5:  # (this worker did not run them: once more, here)
+        for kind in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"):
+            test_gguf_blocks_times_int8_activations_stay_within_the_quantization_step(kind, True)
+    torch.save(BITS, tmp_path / "bits.pt")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                            "-k", " and ".join(f"not {name}" for name in LEFT_OUT)],
-                          capture_output=True, text=True, env={**os.environ, "VKV_CPU_ISA": isa, "VKV_OTHER_ISA_RUN": "1"},
-                          cwd=str(ROOT))
+                          capture_output=True, text=True, cwd=str(ROOT),
+                          env={**os.environ, "VKV_CPU_ISA": isa, "VKV_OTHER_ISA_RUN": "1",
+                               PARENT_BITS: str(tmp_path / "bits.pt")})
     assert done.returncode == 0, (isa, done.stdout[-3000:], done.stderr[-2000:])
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-1000:]
     assert f"{len(other_isas()) + len(LEFT_OUT) - 1} deselected" in done.stdout, done.stdout[-1000:]
