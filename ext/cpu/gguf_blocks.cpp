@@ -501,6 +501,7 @@ void group_q8(const uint8_t* g, int64_t blocks, const XBlocks& xq, int64_t m, in
   const XRows<C> rows(xq, m, K);
   auto &q = rows.q, &d = rows.d, &s = rows.s;
 #if defined(__AVX2__) && defined(__FMA__)
+  constexpr bool vnni = kVnni && C > 1;  // (one row of x, a decode step bound by memory: maddubs)
   const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
   __m256 acc[C], off[C];
   for (int c = 0; c < C; ++c) acc[c] = off[c] = _mm256_setzero_ps();
@@ -514,7 +515,9 @@ void group_q8(const uint8_t* g, int64_t blocks, const XBlocks& xq, int64_t m, in
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * k));
         const __m256i magnitude = _mm256_sign_epi8(w, w);
         for (int c = 0; c < C; ++c) {
-          isum[c] = dot4(isum[c], magnitude, _mm256_sign_epi8(four(q[c] + b * kBlock + 4 * k), w));
+          const __m256i x = _mm256_sign_epi8(four(q[c] + b * kBlock + 4 * k), w);
+          isum[c] = vnni ? dot4(isum[c], magnitude, x)
+                         : _mm256_add_epi32(isum[c], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
         }
       }
     } else {
@@ -525,7 +528,7 @@ void group_q8(const uint8_t* g, int64_t blocks, const XBlocks& xq, int64_t m, in
         const __m256i low = _mm256_and_si256(packed, mask), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
         for (int c = 0; c < C; ++c) {
           const int8_t* x = q[c] + b * kBlock;
-          if constexpr (kVnni) {
+          if constexpr (vnni) {
             pairs[c] = dot4(dot4(pairs[c], low, four(x + 4 * j)), high, four(x + 16 + 4 * j));
           } else {
             pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(low, four(x + 4 * j)));
@@ -533,7 +536,7 @@ void group_q8(const uint8_t* g, int64_t blocks, const XBlocks& xq, int64_t m, in
           }
         }
       }
-      for (int c = 0; c < C; ++c) isum[c] = kVnni ? pairs[c] : _mm256_madd_epi16(pairs[c], ones);
+      for (int c = 0; c < C; ++c) isum[c] = vnni ? pairs[c] : _mm256_madd_epi16(pairs[c], ones);
     }
     const __m256 c_w = kType == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)))
                                       : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));  // (Q8_0: unused)
@@ -597,8 +600,9 @@ void group_q8(const uint8_t* g, int64_t blocks, const XBlocks& xq, int64_t m, in
 //         (|t| <= 2 x 128 x 16 x 32 x 127 < 2^24, so exact in fp32 too); acc = fma(t, d * d_x, acc)
 // and the row's output acc + off, the same operations on the AVX2 and scalar paths and for any
 // number of rows of x, as for the 32-weight types.
-// With VNNI (dot4), each step's products go straight into int32 sums, two chains a sum for one row
-// of x (a chain of dpbusd waits on its latency), one for several rows (their chains are enough).
+// With VNNI (dot4) and several rows of x (a prompt, a batch), each step's products go straight into
+// int32 sums (Q6_K's in two chains a sum: a chain of dpbusd waits on its latency); one row of x (a
+// decode step, bound by memory) keeps maddubs, the same integers.
 // Limitations: N a multiple of 8 (else the rows stay as the file has them, unpacked in fp32);
 // Q2_K, Q3_K and Q5_K are dequantized by the loader.
 constexpr int64_t kQ4KGroup = 1184, kQ6KGroup = 1680;  // bytes of eight rows' super-block
@@ -626,6 +630,7 @@ void group_k(const uint8_t* g, int64_t supers, const XBlocks& xq, int64_t m, int
   auto &q = rows.q, &d = rows.d, &s = rows.s;
   auto& h = rows.h;
 #if defined(__AVX2__) && defined(__FMA__)
+  constexpr bool vnni = kVnni && C > 1;  // (one row of x, a decode step bound by memory: maddubs)
   const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
   __m256 acc[C], off[C];
   for (int c = 0; c < C; ++c) acc[c] = off[c] = _mm256_setzero_ps();
@@ -636,30 +641,23 @@ void group_k(const uint8_t* g, int64_t supers, const XBlocks& xq, int64_t m, int
     if constexpr (kType == kQ4_K) {
       const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)));
       for (int j = 0; j < 4; ++j) {
-        __m256i low_pairs[C], high_pairs[C], odd[2][C];  // (with VNNI, int32 sums: odd k's apart, two chains)
-        for (int c = 0; c < C; ++c) low_pairs[c] = high_pairs[c] = odd[0][c] = odd[1][c] = _mm256_setzero_si256();
+        __m256i low_pairs[C], high_pairs[C];  // (with VNNI, int32 sums)
+        for (int c = 0; c < C; ++c) low_pairs[c] = high_pairs[c] = _mm256_setzero_si256();
         #pragma GCC unroll 8
         for (int k = 0; k < 8; ++k) {
           const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 160 + 256 * j + 32 * k));
           const __m256i low = _mm256_and_si256(packed, mask), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
           for (int c = 0; c < C; ++c) {
             const int8_t* x = q[c] + (b0 + 2 * j) * kBlock + 4 * k;
-            if constexpr (kVnni) {
-              __m256i& lo = C == 1 && k % 2 ? odd[0][c] : low_pairs[c];  // (C > 1: chains enough)
-              __m256i& hi = C == 1 && k % 2 ? odd[1][c] : high_pairs[c];
-              lo = dot4(lo, low, four(x));
-              hi = dot4(hi, high, four(x + kBlock));
+            if constexpr (vnni) {
+              low_pairs[c] = dot4(low_pairs[c], low, four(x));
+              high_pairs[c] = dot4(high_pairs[c], high, four(x + kBlock));
             } else {
               low_pairs[c] = _mm256_add_epi16(low_pairs[c], _mm256_maddubs_epi16(low, four(x)));
               high_pairs[c] = _mm256_add_epi16(high_pairs[c], _mm256_maddubs_epi16(high, four(x + kBlock)));
             }
           }
         }
-        if constexpr (kVnni && C == 1)
-          for (int c = 0; c < C; ++c) {
-            low_pairs[c] = _mm256_add_epi32(low_pairs[c], odd[0][c]);
-            high_pairs[c] = _mm256_add_epi32(high_pairs[c], odd[1][c]);
-          }
         #pragma GCC unroll 8
         for (int half = 0; half < 2; ++half) {
           const int64_t group = 2 * j + half, b = b0 + group;
@@ -667,7 +665,7 @@ void group_k(const uint8_t* g, int64_t supers, const XBlocks& xq, int64_t m, int
           const __m256 low_c = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(g + 96 + 8 * group))));
           for (int c = 0; c < C; ++c) {
             const __m256i pairs = half ? high_pairs[c] : low_pairs[c];
-            const __m256i isum = kVnni ? pairs : _mm256_madd_epi16(pairs, ones);
+            const __m256i isum = vnni ? pairs : _mm256_madd_epi16(pairs, ones);
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scale, _mm256_set1_ps(d[c][b])), acc[c]);
             off[c] = _mm256_fnmadd_ps(low_c, _mm256_set1_ps(s[c][b]), off[c]);
           }
@@ -693,7 +691,7 @@ void group_k(const uint8_t* g, int64_t supers, const XBlocks& xq, int64_t m, int
                                                _mm256_and_si256(hi_b, top));
             for (int c = 0; c < C; ++c) {  // (two steps of pairs at most 2 x 2 x 63 x 127 fit int16)
               const int8_t* x = q[c] + (b0 + 2 * j) * kBlock + 4 * k;
-              if constexpr (kVnni) {  // (odd k's in pairs: two chains a sum)
+              if constexpr (vnni) {  // (odd k's in pairs: two chains a sum)
                 if (k % 2 == 0) {
                   pairs[0][c] = dot4(_mm256_setzero_si256(), qa, four(x));
                   pairs[1][c] = dot4(_mm256_setzero_si256(), qb, four(x + kBlock));
