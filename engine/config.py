@@ -393,15 +393,15 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
     @property
     def gguf_blocks(self) -> bool:
         """Whether the weights stay in a GGUF's blocks: quantization "gguf", or by default a GGUF
-        model on the CPU with vkv's kernels built, one rank, no LoRA, no sleep mode, computing in
-        fp32 or bf16 (what the blocks serve so far: gguf_weights.py, Limitations), whose matrices
+        model on the CPU with vkv's kernels built, one rank, no LoRA, no sleep mode, dtype fp32 or
+        bf16 (what the blocks serve so far: gguf_weights.py, Limitations), whose matrices
         are mostly of types the blocks serve (`mostly_in_blocks`). Read, never stored: a copy of
         this config for another model (MultiLLM) decides again."""
         if self.quantization is not None:
             return self.quantization == "gguf"
         if not (self.gguf_model and self.device.type == "cpu" and self.tensor_parallel_size == 1
                 and not self.enable_lora and not self.enable_sleep_mode
-                and self.compute_dtype in (torch.float32, torch.bfloat16) and ext.cpu_kernels() is not None):
+                and self.dtype in (torch.float32, torch.bfloat16) and ext.cpu_kernels() is not None):
             return False
         from engine.models.gguf_weights import mostly_in_blocks
         from engine.models.loader import bundled_gguf
@@ -422,8 +422,12 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
         """(compute dtype, why). bf16 on a CPU without native bf16 arithmetic (AVX2, most
         AVX-512 before Cooper Lake) keeps bf16 weights' values and a bf16 KV cache but computes
         in fp32: oneDNN refuses bf16 weights there, and where it emulates them it is several
-        times slower than fp32."""
+        times slower than fp32. Weights in GGUF blocks compute in fp32 on every CPU: their kernels
+        take fp32 x (rounding it to int8 themselves) and so does the one-call decode step over
+        them, so a bf16 GGUF model gives the same tokens on every machine."""
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            if self.gguf_blocks:
+                return torch.float32, "bf16 KV cache and norms, fp32 arithmetic: the weights are in GGUF blocks"
             native, why = ext.bf16_gemm()
             if not native:
                 return torch.float32, f"bf16 weights and KV cache, fp32 arithmetic: {why}"

@@ -176,10 +176,14 @@ def test_the_default_keeps_a_files_blocks_where_they_serve_and_dequantizes_elsew
     """quantization's default (EngineConfig.gguf_blocks): the bundled Q4_1 file in its blocks on
     the CPU; dequantized with LoRA, sleep mode, two ranks, fp16 arithmetic, by name, or for a
     file whose matrices are mostly of a type without a kernel (F16 here; Q5_K alike), which the
-    cached conversion dequantizes once rather than every start."""
+    cached conversion dequantizes once rather than every start. bf16 over blocks computes in fp32
+    everywhere (a CPU with native bf16 once took bf16 there and lost the one-call decode step)."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter, quants
     assert EngineConfig().gguf_blocks and EngineConfig(quantization="gguf").gguf_blocks
+    # bf16 over blocks computes in fp32 on every CPU (their kernels take fp32 x), native bf16 or not
+    bf16 = EngineConfig(dtype="bfloat16")
+    assert bf16.gguf_blocks and bf16.compute_dtype == torch.float32 and bf16.kv_dtype == torch.bfloat16
     for settings in ({"enable_lora": True}, {"enable_sleep_mode": True}, {"tensor_parallel_size": 2},
                      {"dtype": "float16"}, {"quantization": "dequantize"}, {"model": "random:tiny"}):
         assert not EngineConfig(**settings).gguf_blocks, settings
