@@ -166,8 +166,10 @@ class Linear(nn.Module):
         every copy this projection keeps, in place and in one pass each: the plain weight (if
         kept and its own: a tied one is the embedding's to write), the panels (rounded and
         transposed in one native pass: `write_panels`), oneDNN's packed weight (that one whole:
-        start 0 and every row). No tensor is replaced, so whatever holds one (the one-call decode
-        path) stays valid (engine/models/weights.py)."""
+        start 0 and every row). No tensor that anything else holds is replaced, so the one-call
+        decode path stays valid (engine/models/weights.py); oneDNN's packed weight, held by this
+        Linear alone, is made anew (one pack, no copy into the old one; after sleep level 2 there
+        is no old one: engine/models/weight_pages.py)."""
         if self.gguf is not None:
             raise ValueError("a weight held in GGUF blocks is not updated in place (serve the file with "
                              "quantization='dequantize' to update its weights)")
@@ -183,8 +185,7 @@ class Linear(nn.Module):
         if self.packed is not None:
             if (start, end) != (0, self.out_features):
                 raise ValueError("oneDNN's packed weight is written whole")
-            packed = w.to(dtype).to(self.packed.dtype)
-            self.packed.copy_(torch.ops.mkldnn._reorder_linear_weight(packed, PACK_HINT))
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype).to(self.packed.dtype), PACK_HINT)
 
     def tie(self, weight: nn.Parameter) -> None:
         """Share `weight` (an embedding's) instead of owning one; packing keeps it."""

@@ -30,8 +30,8 @@ storage is switched only after its bytes are copied, and a half-made pool is rel
 
 Limitations. oneDNN's packed weights (bf16 arithmetic on a CPU that has it; no native kernels)
 are opaque tensors that cannot live in a reservation: `release()` drops them (and trims the
-C heap so their memory leaves the process) and `restore()` makes new ones, held only by their
-`Linear`. Sleep mode is off by default: moving the weights costs start time. Where the kernel
+C heap so their memory leaves the process) and the whole update after `restore()` makes new ones,
+held only by their `Linear`. Sleep mode is off by default: moving the weights costs start time. Where the kernel
 refuses huge pages the weights sit on 4 KiB pages (slower decode and wake-up: the design
 choices' "weight_pages" and "wake_at_copy_floor" in benchmarks/results/cpu/design_choices.json).
 Tensor-parallel ranks are other processes: level 2 is refused there.
@@ -44,7 +44,7 @@ import torch
 
 import vmm
 from engine.models.huge_pages import trim_heap
-from engine.models.linear import PACK_HINT, Linear
+from engine.models.linear import Linear
 
 ALIGN = 64  # bytes: a cache line, and every dtype's item size divides it
 
@@ -91,7 +91,7 @@ class WeightPages:
         """Give every page back; the tensors keep their addresses (touching them now faults)."""
         if self.state == "released":
             return
-        _packed(self.model, drop=True)
+        _drop_packed(self.model)
         self.pool.backend.synchronize()
         self.range.unmap(0, self.range.num_pages)
         self.pool.release_memory()
@@ -108,7 +108,6 @@ class WeightPages:
         except BaseException:
             self.pool.release_memory()
             raise
-        _packed(self.model, drop=False)
         self.state = "empty"
 
     def _map(self) -> None:
@@ -157,16 +156,13 @@ def _point(t: torch.Tensor, storage: torch.UntypedStorage, offset: int) -> None:
     t.set_(storage, offset // itemsize + t.storage_offset(), t.shape, t.stride())
 
 
-def _packed(model: torch.nn.Module, drop: bool) -> None:
-    """oneDNN's packed weights: dropped at release, made again (zero) at restore."""
+def _drop_packed(model: torch.nn.Module) -> None:
+    """oneDNN's packed weights, dropped at release: an empty placeholder of their dtype (`packed is
+    None` means "never packed") until the whole update that follows restore makes them anew
+    (Linear.assign); making zeros at restore only to overwrite them cost a pack of every projection."""
     for module in model.modules():
         if isinstance(module, Linear) and module.packed is not None:
-            if drop:
-                module.packed = torch.empty(0)  # (a placeholder: `packed is None` means "never packed")
-            else:
-                dtype = module.weight.dtype
-                zeros = torch.zeros(module.out_features, module.in_features, dtype=dtype)
-                module.packed = torch.ops.mkldnn._reorder_linear_weight(zeros, PACK_HINT)
+            module.packed = torch.empty(0, dtype=module.packed.dtype)
 
 
 def _aligned(n: int) -> int:

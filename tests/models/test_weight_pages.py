@@ -15,6 +15,7 @@ from engine import LLM
 from engine.config import EngineConfig
 from engine.core.llm_engine import EngineSleeping
 from engine.models import load_config, load_model
+from engine.models.linear import Linear
 from engine.models.weight_pages import WeightPages
 from vmm.host import resident_bytes
 from test_weights_update import GREEDY, PROMPTS, greedy
@@ -35,12 +36,14 @@ def held_bytes(pages: WeightPages) -> int:
     return resident_bytes(pages.range.addr, pages.range.nbytes)
 
 
-@pytest.mark.parametrize("layout,steps", [("per_layer", 1), ("paged", 1), ("per_layer", 8)])
-def test_sleep_level_2_gives_the_weights_back_and_wakes_them_at_the_same_addresses(tmp_path, layout, steps):
-    """(steps: multi-step decode, whose greedy pick's bf16 copy of the LM head sleeps and wakes too)"""
+@pytest.mark.parametrize("layout,steps,dtype", [("per_layer", 1, "float32"), ("paged", 1, "float32"),
+                                                ("per_layer", 8, "float32"), ("per_layer", 1, "bfloat16")])
+def test_sleep_level_2_gives_the_weights_back_and_wakes_them_at_the_same_addresses(tmp_path, layout, steps, dtype):
+    """(steps: multi-step decode, whose greedy pick's bf16 copy of the LM head sleeps and wakes too;
+    bf16 on a CPU with native bf16: oneDNN's packed weights, dropped asleep and made by the update)"""
     checkpoint(tmp_path / "w", seed=1)
     with LLM(model=str(tmp_path / "w"), kv_layout=layout, kv_cache_memory=4 << 20, enable_sleep_mode=True,
-             kv_offloading_size=0.01, num_scheduler_steps=steps) as llm:
+             kv_offloading_size=0.01, num_scheduler_steps=steps, dtype=dtype) as llm:
         before = greedy(llm)
         model, pages = llm.engine.model, llm.engine.model.pages
         tensors = weight_tensors(model)
@@ -56,6 +59,7 @@ def test_sleep_level_2_gives_the_weights_back_and_wakes_them_at_the_same_address
             llm.update_weights_from_disk(str(tmp_path / "w"))
         llm.wake_up(["weights"])
         assert held_bytes(pages) == 0 and llm.is_sleeping()  # nothing written yet; the KV cache still sleeps
+        assert all(m.packed is None or m.packed.numel() == 0 for m in model.modules() if isinstance(m, Linear))
         llm.wake_up(["kv_cache"])
         with pytest.raises(EngineSleeping, match="empty"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -65,6 +69,7 @@ def test_sleep_level_2_gives_the_weights_back_and_wakes_them_at_the_same_address
         assert [t.data_ptr() for t in tensors] == addresses
         assert pages.range.nbytes >= held_bytes(pages) >= sum(distinct.values())
         assert greedy(llm) == before
+        assert all(m.packed is None or m.packed.numel() for m in model.modules() if isinstance(m, Linear))
         assert_pool_whole(llm)
         pages.pool.audit([pages.range])
 
