@@ -424,7 +424,7 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
         in fp32: oneDNN refuses bf16 weights there, and where it emulates them it is several
         times slower than fp32. Weights in GGUF blocks compute in fp32 on every CPU: their kernels
         take fp32 x (rounding it to int8 themselves) and so does the one-call decode step over
-        them, so a bf16 GGUF model gives the same tokens on every machine."""
+        them, so a bf16 GGUF model's tokens do not depend on the CPU having native bf16."""
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             if self.gguf_blocks:
                 return torch.float32, "bf16 KV cache and norms, fp32 arithmetic: the weights are in GGUF blocks"

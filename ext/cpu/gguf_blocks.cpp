@@ -344,8 +344,9 @@ VKV_INLINE __m256i four(const int8_t* p) {
 // Zen 4; or AVX-VNNI: Intel since Alder Lake): four u8 x s8 products summed into each int32 lane in
 // one instruction. Without it, maddubs sums pairs into int16 and madd widens them (three
 // instructions); the sums are the same integers either way (no pair can saturate int16: the
-// callers' bounds), so a row's output is the same bits on either path.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// callers' bounds), so a row's output is the same bits on either path. The emulated AVX-512 build
+// (VKV_EMULATE_AVX512) takes dpbusd through SIMDe, so this path builds and is tested on any CPU.
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(VKV_EMULATE_AVX512)
 constexpr bool kVnni = true;
 VKV_INLINE __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #elif defined(__AVXVNNI__)
