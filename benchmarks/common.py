@@ -4,9 +4,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 
 from engine.machine import machine_info  # noqa: F401  (re-exported for the benchmarks)
+
+
+def vkv_commit() -> str:
+    """The short hash of the checkout's HEAD (a result's code), or "unknown" outside git."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(__file__))
+    return done.stdout.strip() or "unknown"
 
 
 def save(result: dict, json_path: str | None, plot_path: str | None, plot) -> None:

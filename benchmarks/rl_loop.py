@@ -32,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine_info, save  # noqa: E402
+from common import machine_info, save, vkv_commit  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models.loader import checkpoint_dir  # noqa: E402
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     kv = llm.engine.kv.pool.num_pages * llm.engine.kv.pool.page_size
     llm.close()
     result = {"benchmark": "rl_loop", "command": "python benchmarks/rl_loop.py " + " ".join(argv or sys.argv[1:]),
-              "machine": machine_info(), "threads": torch.get_num_threads(),
+              "machine": machine_info(), "threads": torch.get_num_threads(), "vkv_commit": vkv_commit(),
               "model": f"bundled SmolLM2-135M-Instruct (Q4_1 weights dequantized to fp32), {args.dtype} in vkv, "
                        "fp32 in the trainer",
               "sleep_level": args.sleep_level, "dtype": args.dtype, "device": str(device),

@@ -33,6 +33,7 @@ near tie, where the dequantized checkpoint's outputs do not change.
 """
 from __future__ import annotations
 
+import functools
 import re
 import struct
 import warnings
@@ -282,9 +283,19 @@ def mostly_in_blocks(path: Path) -> bool:
     """Whether most of a GGUF's matrix bytes are of a type its blocks serve (TYPES): a Q4_K_M or
     Q8_0 file is; a Q5_K_M or F16 file is not (its matrices would be dequantized at every start,
     where the converted checkpoint is dequantized once and cached). False for a file that does
-    not read as a GGUF (its conversion then says what is wrong)."""
+    not read as a GGUF (its conversion then says what is wrong). Read once per version of the
+    file (the config asks several times a start)."""
     try:
-        tensors = [t for t in read_gguf_file(path).tensors if len(t.dims) == 2]
+        stat = path.stat()
+    except OSError:
+        return False
+    return _mostly_in_blocks(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _mostly_in_blocks(path: str, mtime_ns: int, size: int) -> bool:
+    try:
+        tensors = [t for t in read_gguf_file(Path(path)).tensors if len(t.dims) == 2]
     except (OSError, ValueError):
         return False
     served = sum(t.data.nbytes for t in tensors if t.type in TYPES)
