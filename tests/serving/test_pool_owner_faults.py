@@ -4,6 +4,7 @@ ends its requests in flight with an error that names the owner, and exits with s
 replicas' front door, an owner that stops is started again by the front door and the replicas
 attach to the new one; both recoveries are timed against the issue's 10 s."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +33,12 @@ def healthy(url: str) -> bool:
         return False
 
 
+def running(url: str) -> bool:
+    found = re.search(r"^vkv:num_requests_running (\S+)$",
+                      httpx.get(url + "/metrics", headers={"authorization": f"Bearer {KEY}"}, timeout=5).text, re.M)
+    return bool(found) and float(found.group(1)) >= 1
+
+
 def owner(socket_path: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "pool-owner", "--socket", socket_path,
                              "--kv-cache-memory", str(32 << 20)], env=child_env())
@@ -55,9 +62,10 @@ def test_a_standalone_engine_whose_owner_dies_fails_its_requests_by_name_and_exi
         wait_until(lambda: healthy(url), 120, "the engine serves")
         answers = []
         long = threading.Thread(target=lambda: answers.append(helpers.complete(
-            url, list(range(100, 300)), key=KEY, max_tokens=300, timeout=30)))
+            url, list(range(100, 200)), key=KEY, max_tokens=400, timeout=30)))
         long.start()
-        time.sleep(1.0)  # it runs
+        # killed once it runs (a fixed wait let a fast CPU finish all 400 tokens first)
+        wait_until(lambda: running(url), 30, "the long request runs", every=0.02)
         first.send_signal(signal.SIGKILL)
         died = time.monotonic()
         assert engine.wait(timeout=5) == OWNER_GONE_STATUS and time.monotonic() - died < 2.5
