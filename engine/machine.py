@@ -19,27 +19,12 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _family_model() -> str:
-    """/proc/cpuinfo's "family/model" of the first CPU (a virtual machine's model name may say only
-    "AMD EPYC": family 23 is Zen 1-2, 25 Zen 3-4), or "unknown"."""
-    found: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("cpu family", "model") and key.strip() not in found:
-                    found[key.strip()] = value.strip()
-                if len(found) == 2 or not line.strip():
-                    break
-    except OSError:
-        pass
-    return f"{found['cpu family']}/{found['model']}" if len(found) == 2 else "unknown"
-
-
 def cpu_isa() -> dict:
     """The CPU's model and the vector ISA features that decide vkv's paths."""
     flags = ext.cpu_flags()
-    return {"cpu_model": ext.cpu_model(), "cpu_family_model": _family_model(),
+    # (a virtual machine's model name may say only "AMD EPYC": family 23 is Zen 1-2, 25 Zen 3-4)
+    family, model = ext.cpu_field("cpu family"), ext.cpu_field("model")
+    return {"cpu_model": ext.cpu_model(), "cpu_family_model": "unknown" if "unknown" in (family, model) else f"{family}/{model}",
             "isa": [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_vnni",
                                 "avx_ne_convert", "amx_bf16", "amx_int8") if f in flags],
             "kernel_isa": ext.kernel_isa()[0], "native_bf16_gemm": ext.bf16_gemm()[0]}

@@ -59,12 +59,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpu_features().decode(errors="replace").partition(":")[2].split())
 
 
-def cpu_model() -> str:
+def cpu_field(name: str) -> str:
+    """The first CPU's /proc/cpuinfo field `name` ("model name", "cpu family", "model"), or "unknown"."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "unknown")
+            return next((value.strip() for key, _, value in (line.partition(":") for line in f)
+                         if key.strip() == name), "unknown")
     except OSError:
         return "unknown"
+
+
+def cpu_model() -> str:
+    return cpu_field("model name")
 
 
 def native_isa() -> str:

@@ -346,6 +346,9 @@ VKV_INLINE __m256i four(const int8_t* p) {
 // instructions); the sums are the same integers either way (no pair can saturate int16: the
 // callers' bounds), so a row's output is the same bits on either path. The emulated AVX-512 build
 // (VKV_EMULATE_AVX512) takes dpbusd through SIMDe, so this path builds and is tested on any CPU.
+VKV_INLINE __m256i dot4_maddubs(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(VKV_EMULATE_AVX512)
 constexpr bool kVnni = true;
 VKV_INLINE __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
@@ -354,9 +357,7 @@ constexpr bool kVnni = true;
 VKV_INLINE __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #else
 constexpr bool kVnni = false;
-VKV_INLINE __m256i dot4(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
+VKV_INLINE __m256i dot4(__m256i acc, __m256i u, __m256i s) { return dot4_maddubs(acc, u, s); }
 #endif
 
 // A block's 32 weights as bytes in x's order: Q4's nibbles u (w = d * u + c), Q8_0's q (w = d * q).
@@ -517,8 +518,7 @@ void group_q8(const uint8_t* g, int64_t blocks, const XBlocks& xq, int64_t m, in
         const __m256i magnitude = _mm256_sign_epi8(w, w);
         for (int c = 0; c < C; ++c) {
           const __m256i x = _mm256_sign_epi8(four(q[c] + b * kBlock + 4 * k), w);
-          isum[c] = vnni ? dot4(isum[c], magnitude, x)
-                         : _mm256_add_epi32(isum[c], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
+          isum[c] = vnni ? dot4(isum[c], magnitude, x) : dot4_maddubs(isum[c], magnitude, x);
         }
       }
     } else {
