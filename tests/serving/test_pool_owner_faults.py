@@ -73,7 +73,9 @@ def test_a_standalone_engine_whose_owner_dies_fails_its_requests_by_name_and_exi
         assert answers and answers[0].status_code == 503, answers
         message = answers[0].json()["error"]["message"]
         assert "KV pool's owner" in message and "Broken pipe" not in message, message
-        # the supervisor's part: the owner and the engine started again
+        # the supervisor's part: the owner and the engine started again (the dead owner's socket file
+        # removed first, so that owner() waits for the new one's rather than finding the old one)
+        os.unlink(path)
         procs.append(owner(path))
         procs.append(server(path, port))
         wait_until(lambda: healthy(url), 60, "serving again")
