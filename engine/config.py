@@ -22,7 +22,7 @@ KV_LAYOUTS = ("interleaved", "per_layer", "paged")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
 QUANTIZATIONS = ("gguf", "dequantize")  # a GGUF's weights as stored, or the weights in dtype (ModelArgs)
-ATTENTION_BACKENDS = ("flash-attn-4", "flash-attn", "flash", "native", "sdpa")  # by preference
+ATTENTION_BACKENDS = ("flash-attn-4", "flash-attn", "flash", "native", "flex", "sdpa")  # by preference
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREEMPTION_MODES = ("recompute", "swap")
 

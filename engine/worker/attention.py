@@ -18,6 +18,12 @@ and per sequence a row of a block table. A kernel reads sequence b's position p 
                 built-in flash's contract (`cu_seqlens_k` = slot offsets, `seqused_k`). It
                 loads whole 128-row tiles, so the KV cache maps whole tiles and zeroes new
                 pages (`tile_rows`).
+  flex          FlexAttention (torch.nn.attention.flex_attention; torch.compile'd on CUDA): a
+                maintained library's paged kernel, reading the block table's blocks (or a
+                virtual slot's pieces) through a block mask: decodes in one call, prefill
+                chunks per sequence on sdpa. The block table's blocks must be a multiple of 16
+                rows (its kernels prefer 128). On the CPU it runs only when named, over the
+                block table: torch's unfused path there reads the whole cache
   sdpa          the reference: torch's rotary math, an indexed store, and one
                 scaled_dot_product_attention call per sequence over its slot (a block table's
                 blocks gathered first)
@@ -28,6 +34,7 @@ chosen once by `pick_attention`; a GPU library is imported only by its backend, 
 from __future__ import annotations
 
 import importlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +42,7 @@ import torch
 import ext
 from engine.config import ATTENTION_BACKENDS
 from engine.kv.batch import StepBatch
-from engine.worker.attention_step import FP8, FlashStep, KVCacheStep, NativeStep, TorchStep, flash_varlen
+from engine.worker.attention_step import FP8, FlashStep, FlexStep, KVCacheStep, NativeStep, TorchStep, flash_varlen
 
 LIBRARIES = {"flash-attn": ("flash_attn", "flash_attn_with_kvcache"),
              "flash-attn-4": ("flash_attn.cute", "flash_attn_varlen_func")}
@@ -85,6 +92,7 @@ class Target:
     block_size: int = 16
     sliding_window: int | None = None
     kv_dtype: torch.dtype | None = None
+    named: bool = False  # the user named this backend (a backend may run only when asked for)
 
     @property
     def gpu_ready(self) -> bool:
@@ -204,7 +212,41 @@ class FlashAttn(AttentionBackend):
         return KVCacheStep(k_caches, v_caches, batch, cos_sin, window, self.call, paged)
 
 
-BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (FlashAttn4, FlashAttn, Flash, Native, Sdpa)}
+class Flex(AttentionBackend):
+    name = "flex"
+    compiled = None  # torch.compile(flex_attention), made once a process (its kernels are cached by shape)
+
+    def unavailable(self, t: Target) -> str | None:
+        if t.kv_layout == "paged" and t.block_size % 16:
+            return f"reads blocks of a multiple of 16 rows, not {t.block_size} (--block-size)"
+        if t.kv_dtype not in (None, t.dtype):
+            return "reads KV in the compute dtype only: an fp8 cache runs on sdpa"
+        if t.device.type == "cuda" and t.gpu_ready:
+            return None
+        if t.device.type == "cpu" and t.named and t.kv_layout == "paged":
+            return None
+        return "runs on a CUDA GPU in fp16/bf16 with head_dim a multiple of 8 up to 256 (on the CPU: when named, " \
+            "over the block table: torch's unfused path there reads every row of the cache, mapped or not)"
+
+    def prepare(self, k_caches, v_caches, batch, cos_sin, paged=False, window=None) -> FlexStep:
+        rows = k_caches[0].shape[1]
+        kv_block = rows if paged else next(b for b in (128, 64, 32, 16, 8, 4, 2, 1) if rows % b == 0)
+        return FlexStep(k_caches, v_caches, batch, cos_sin, window, self.kernel(k_caches[0].device), kv_block, paged)
+
+    @classmethod
+    def kernel(cls, device: torch.device):
+        """flex_attention as it runs on `device`: compiled on CUDA (the unfused path reads the whole
+        cache), as it is on the CPU (compiling there takes ~20 s a shape; the CPU's kernel is native)."""
+        from torch.nn.attention.flex_attention import flex_attention
+        if device.type != "cuda":  # (unfused by choice: torch's warning about it said once, here)
+            warnings.filterwarnings("ignore", "flex_attention called without torch.compile", UserWarning)
+            return flex_attention
+        if cls.compiled is None:
+            cls.compiled = torch.compile(flex_attention)
+        return cls.compiled
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (FlashAttn4, FlashAttn, Flash, Native, Flex, Sdpa)}
 
 
 def pick_attention(name: str | None, device: torch.device, dtype: torch.dtype, kv_layout: str,
@@ -213,7 +255,7 @@ def pick_attention(name: str | None, device: torch.device, dtype: torch.dtype, k
     """The user's choice, checked; else the best backend that runs here, in BACKENDS' order (a
     sliding window runs on sdpa alone: the others are not given the window)."""
     assert tuple(BACKENDS) == ATTENTION_BACKENDS
-    target = Target(device, dtype, kv_layout, head_dim, block_size, sliding_window, kv_dtype)
+    target = Target(device, dtype, kv_layout, head_dim, block_size, sliding_window, kv_dtype, named=bool(name))
     for candidate in ([name] if name else BACKENDS):
         if candidate not in BACKENDS:
             raise ValueError(f"unknown attention backend {candidate!r}: choose one of {ATTENTION_BACKENDS}")

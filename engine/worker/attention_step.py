@@ -7,8 +7,15 @@ attends over each sequence's rows.
   TorchStep    the reference: torch's rotary math, an indexed store, sdpa per sequence
   FlashStep    FlashAttention's varlen contract over the slots flattened into one key range
   KVCacheStep  flash-attn 2.x's flash_attn_with_kvcache (slots, or the block table)
+  FlexStep     FlexAttention over the slots or the block table, through a block mask
+
+A step built from a batch whose sequences all decode one token reads nothing back to the host
+(no `.tolist()`, no tensor made from Python values), so it can be built inside a CUDA graph's
+capture and replayed (engine/worker/cuda_graphs.py).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +57,6 @@ class TorchStep:
 
     def __init__(self, k_caches, v_caches, batch: StepBatch, cos_sin: torch.Tensor, window: int | None):
         self.k_caches, self.v_caches, self.batch, self.window = k_caches, v_caches, batch, window
-        self.tables = batch.block_table.tolist()
         self.rows = cos_sin[batch.positions]
         block = batch.block_table[batch.token_seq.long(), batch.positions // batch.block_size]
         self.store_at = (block.long(), batch.positions % batch.block_size)
@@ -62,9 +68,17 @@ class TorchStep:
         v_cache[self.store_at] = narrow(v, v_cache.dtype)
         return self.attend(q, k_cache, v_cache)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    @functools.cached_property
+    def tables(self) -> list[list[int]]:
+        """The block table on the host (read once a step, by the per-sequence paths only)."""
+        return self.batch.block_table.tolist()
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               members: list[int] | None = None) -> torch.Tensor:
+        """sdpa per sequence (all of them, or the batch's sequences `members`)."""
         b, out = self.batch, torch.empty_like(q)
-        for table, start, q_len, ctx in zip(self.tables, b.starts, b.q_lens, b.ctx_lens):
+        for i in range(len(b.starts)) if members is None else members:
+            table, start, q_len, ctx = self.tables[i], b.starts[i], b.q_lens[i], b.ctx_lens[i]
             first = max(0, ctx - q_len - self.window + 1) if self.window else 0  # the first key any query sees
             keys, values = (sequence_rows(c, table, ctx, first).to(q.dtype) for c in (k_cache, v_cache))
             out[start:start + q_len] = sdpa_sequence(q[start:start + q_len], keys, values, self.window, first)
@@ -81,7 +95,7 @@ class FlashStep(TorchStep):
         self.varlen = varlen
         slots = batch.block_table[:, 0]
         rows = k_caches[0].shape[1]
-        total = torch.tensor([k_caches[0].shape[0] * rows], dtype=torch.int32, device=slots.device)
+        total = slots.new_full((1,), k_caches[0].shape[0] * rows)  # (made on the device: capturable)
         self.slot_starts = torch.cat([slots * rows, total]).to(torch.int32)
 
     def attend(self, q, k_cache, v_cache):
@@ -125,6 +139,100 @@ class KVCacheStep(TorchStep):
             out[token] = result[group, row]
         return out
 
+
+
+class FlexStep(TorchStep):
+    """FlexAttention (torch.nn.attention.flex_attention) reading the cache as it lies, slots or
+    the block table, through a block mask: the library's own paged path (its PagedAttention
+    helper builds the same mask from its page table; this one is built from vkv's table).
+
+    The sequences that decode one token go in one call: q is [sequences, heads, 1, D] and the
+    whole layer cache one key range [1, kv_heads, blocks * rows, D] that every sequence shares.
+    The mask lists each sequence's KV blocks (`kv_block` rows each: a block of the table, or a
+    slot cut in pieces), every one full but the last, so the kernel reads those blocks alone and
+    evaluates `mask_mod` in the last only. mask_mod is the whole truth on its own (the kernel
+    skips it in full blocks; torch's unfused path applies it everywhere): a key belongs to the
+    sequence and lies before its length. Over the block table that needs a block's place in the
+    sequence: `logical_of[block]`, one per block (a block shared by several sequences, a
+    prefix or a fork, sits at the same place in each). Sequences with several queries (prefill
+    chunks) run on sdpa, one by one (TorchStep.attend)."""
+
+    def __init__(self, k_caches, v_caches, batch, cos_sin, window, flex, kv_block: int, paged: bool):
+        no_window(window, "FlexAttention's step")
+        super().__init__(k_caches, v_caches, batch, cos_sin, window)
+        self.flex, self.kv_block = flex, kv_block
+        decoding = [i for i, n in enumerate(batch.q_lens) if n == 1]
+        self.prefilling = [i for i, n in enumerate(batch.q_lens) if n > 1]
+        self.decode_rows = None  # every sequence decodes: q's rows are the batch's, in order
+        table, ctx = batch.block_table, batch.ctx_len
+        if self.prefilling and decoding:
+            self.decode_rows = torch.tensor([batch.starts[i] for i in decoding], device=table.device)
+            which = torch.tensor(decoding, device=table.device)
+            table, ctx = table[which], ctx[which]
+        self.mask = decode_mask(table, ctx, k_caches[0].shape[0], k_caches[0].shape[1], kv_block, paged) \
+            if decoding else None
+
+    def attend(self, q, k_cache, v_cache, members=None):
+        if self.mask is None:
+            return super().attend(q, k_cache, v_cache)
+        out = super().attend(q, k_cache, v_cache, self.prefilling) if self.prefilling else None
+        rows = q if self.decode_rows is None else q[self.decode_rows]
+        keys, values = (flatten_slots(c).unsqueeze(0).transpose(1, 2) for c in (k_cache, v_cache))
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        result = self.flex(rows.unsqueeze(2), keys, values, block_mask=self.mask, enable_gqa=True)[:, :, 0]
+        if out is None:
+            return result
+        out[self.decode_rows] = result
+        return out
+
+
+def decode_mask(table: torch.Tensor, ctx: torch.Tensor, blocks: int, rows: int, kv_block: int, paged: bool):
+    """FlexAttention's BlockMask for sequences decoding one token each over a cache of `blocks`
+    blocks of `rows` rows (table [sequences, width] int32, ctx [sequences] int32 lengths),
+    seen as one key range cut in pieces of kv_block rows (rows % kv_block == 0). Built on the
+    table's device with no read back to the host (capturable)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n_seqs, width = table.shape
+    per_block = rows // kv_block
+    pieces = blocks * per_block  # the mask's width: the kernel checks it covers the key range
+    count = (ctx + kv_block - 1) // kv_block  # pieces each sequence reads, >= 1
+    step = torch.arange(pieces if not paged else width, device=table.device, dtype=torch.int32)
+    if paged:  # a piece is a block of the table
+        listed = table
+    else:  # a slot's pieces, in order
+        listed = table[:, :1] * per_block + step[:per_block]
+    full = listed.new_zeros(n_seqs, 1, 1, pieces)
+    listed_width = min(listed.shape[1], pieces)  # (a table may be wider than the cache has blocks)
+    full[:, 0, 0, :listed_width] = listed[:, :listed_width]
+    last = listed.gather(1, (count - 1).long()[:, None])
+    partial = listed.new_zeros(n_seqs, 1, 1, pieces)
+    partial[:, 0, 0, :1] = last
+    ctx = ctx.to(torch.int32)
+    if paged:
+        columns = step[None, :].expand(n_seqs, width)
+        where = torch.where(columns < count[:, None], table.long(), blocks)  # unused columns: a spare entry
+        logical_of = table.new_zeros(blocks + 1)
+        logical_of[where.flatten()] = columns.flatten()
+        tbl = table
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            block = kv_idx // rows
+            place = logical_of[block]
+            return (tbl[b, place] == block) & (place * rows + kv_idx % rows < ctx[b])
+    else:
+        first = table[:, 0] * rows
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx >= first[b]) & (kv_idx < first[b] + ctx[b])
+    args = dict(BLOCK_SIZE=(128, kv_block), mask_mod=mask_mod, seq_lengths=(1, blocks * rows))
+    try:
+        return BlockMask.from_kv_blocks(torch.ones_like(count).view(n_seqs, 1, 1), partial,
+                                        (count - 1).view(n_seqs, 1, 1), full, compute_q_blocks=False, **args)
+    except TypeError:  # a torch without compute_q_blocks (the backward's transpose: unneeded here)
+        return BlockMask.from_kv_blocks(torch.ones_like(count).view(n_seqs, 1, 1), partial,
+                                        (count - 1).view(n_seqs, 1, 1), full, **args)
 
 def narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x as a cache of `dtype` stores it: rounded to nearest even, and for fp8 saturated at the

@@ -10,7 +10,8 @@ through the real kernels on CUDA tensors (test_the_real_kernels_on_cuda_give_wha
 PyTorch's built-in flash op, and flash-attn and flash-attn-4 where installed. A kernel that is
 installed and fails is a failure, not a skip; only a missing GPU, a missing package, or a GPU
 the library itself does not support (flash-attn-4 before Hopper) skips, with the reason.
-(FlexAttention is no backend of the engine's, so no call of it is checked.)"""
+FlexAttention runs here as it is (torch's unfused path on the CPU), so its cases call the
+library itself, on the CPU and, compiled, on CUDA."""
 import subprocess
 import sys
 import textwrap
@@ -99,7 +100,8 @@ BATCHES = [[(1, 40), (1, 300), (1, 7)], [(17, 17), (1, 200), (64, 100), (1, 1)],
 @pytest.mark.parametrize("kernel, layout", [("flash", "interleaved"), ("flash", "per_layer"),
                                             ("flash-attn-4", "interleaved"), ("flash-attn-4", "per_layer"),
                                             ("flash-attn", "interleaved"), ("flash-attn", "per_layer"),
-                                            ("flash-attn", "paged")])
+                                            ("flash-attn", "paged"), ("flex", "interleaved"), ("flex", "per_layer"),
+                                            ("flex", "paged")])
 def test_the_engine_calls_each_library_as_its_contract_says(monkeypatch, kernel, layout, seqs):
     monkeypatch.setattr(attention, "flash_varlen", flash_varlen_contract)
     monkeypatch.setattr(attention, "library", {"flash-attn": lambda _: with_kvcache_contract,
@@ -122,7 +124,8 @@ def test_the_engine_calls_each_library_as_its_contract_says(monkeypatch, kernel,
 @pytest.mark.parametrize("kernel, layout", [("flash", "interleaved"), ("flash", "per_layer"),
                                             ("flash-attn-4", "interleaved"), ("flash-attn-4", "per_layer"),
                                             ("flash-attn", "interleaved"), ("flash-attn", "per_layer"),
-                                            ("flash-attn", "paged")])
+                                            ("flash-attn", "paged"), ("flex", "interleaved"), ("flex", "per_layer"),
+                                            ("flex", "paged")])
 def test_the_real_kernels_on_cuda_give_what_sdpa_gives(kernel, layout, seqs):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU: the contracts above stand in for the kernels")
@@ -145,6 +148,32 @@ def test_the_real_kernels_on_cuda_give_what_sdpa_gives(kernel, layout, seqs):
     want = StepAttention("sdpa", *reference, batch, cos_sin, paged=layout == "paged")(0, q.clone(), k.clone(), v.clone())
     got = StepAttention(kernel, k_caches, v_caches, batch, cos_sin, paged=layout == "paged")(0, q, k, v)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)  # bf16: 2^-8 per value, summed
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_flex_reads_blocks_shared_by_several_sequences_at_their_place(device):
+    """A prefix's blocks (and a fork's) sit in several sequences' tables at the same place: the
+    block mask finds each block's place once for all of them. Two sequences share their first
+    two blocks, a third shares none; all decode over the block table in random order."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    torch.manual_seed(3)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    block, blocks = 16, 12
+    k_caches, v_caches = ([torch.randn(blocks, block, HKV, D, dtype=dtype, device=device)] for _ in range(2))
+    order = torch.randperm(blocks).tolist()
+    shared = [order.pop(), order.pop()]
+    table = [shared + [order.pop()], shared + [order.pop(), order.pop()], [order.pop()]]
+    seqs = [(1, 40), (1, 60), (1, 9)]
+    batch = make_batch(seqs, table, block, device=device)
+    q, k, v = (torch.randn(len(seqs), h, D, dtype=dtype, device=device) for h in (HQ, HKV, HKV))
+    cos_sin = COS_SIN.to(device=device, dtype=dtype)
+    # the new rows land in each sequence's own last block, so sdpa and flex may share nothing else
+    reference = ([c.clone() for c in k_caches], [c.clone() for c in v_caches])
+    want = StepAttention("sdpa", *reference, batch, cos_sin, paged=True)(0, q.clone(), k.clone(), v.clone())
+    got = StepAttention("flex", k_caches, v_caches, batch, cos_sin, paged=True)(0, q, k, v)
+    tol = 2e-2 if device == "cuda" else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_flash_attention_4_tiles_are_mapped_and_zeroed_by_the_kv_cache():
