@@ -173,6 +173,7 @@ class ModelArgs:
     dtype: str | torch.dtype | None = None  # default: bf16 on cuda, fp32 on cpu
     attention_backend: str | None = None  # one of ATTENTION_BACKENDS; default: best present
     enable_sleep_mode: bool = False  # weights in pages that sleep(level=2) gives back (engine/models/weight_pages.py)
+    enforce_eager: bool = False  # vLLM's: no CUDA graphs for decode steps (engine/worker/cuda_graphs.py)
     seed: int = 0  # a random:<preset> model's weights
     # "gguf": a GGUF model's weights kept in their blocks (gguf_weights.TYPES); "dequantize": the
     # weights in dtype (a GGUF's widened once); default (None): "gguf" for a GGUF where the blocks
@@ -479,6 +480,8 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
         g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
+        g.add_argument("--enforce-eager", action="store_true",
+                       help="run every step eagerly: no CUDA graphs for decode steps (GPU)")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="a .gguf model's weights: gguf keeps its Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks (the "
@@ -533,7 +536,7 @@ class EngineConfig(LoRAConfig, ParallelConfig, SchedulerConfig, CacheConfig, Mod
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = ("model", "device", "dtype", "kv_cache_dtype", "kv_layout", "kv_cache_memory", "page_size", "block_size",
-                 "max_num_seqs", "max_model_len", "max_num_batched_tokens", "attention_backend",
+                 "max_num_seqs", "max_model_len", "max_num_batched_tokens", "attention_backend", "enforce_eager",
                  "enable_prefix_caching", "enable_sleep_mode", "quantization", "scheduling_policy", "preemption_mode", "swap_space", "swap_path",
                  "kv_offloading_size", "kv_offloading_path", "kv_offloading_path_size", "kv_pool",
                  "tensor_parallel_size", "distributed_init", "tensor_parallel_workers", "map_ahead_tokens", "speculative_config",

@@ -24,6 +24,7 @@ import vmm
 from engine.config import EngineConfig
 from engine.kv.manager import KVManager
 from engine.worker.map_ahead import MapAhead
+from engine.worker.cuda_graphs import capture_sizes, why_eager
 from engine.worker.model_runner import ModelRunner
 from engine.core import multi_step
 from engine.core.sample_step import StepSample, sample_step
@@ -57,11 +58,23 @@ class EngineCore:
         self.tenant = SchedulerTenant(self.scheduler)  # over a pool several models share, the others ask it
         if isinstance(kv.pool, vmm.PoolShare):  # for pages (the share holds it weakly: this object keeps it)
             kv.pool.register(self.tenant)
-        self.runner = ModelRunner(model, kv, attention, max_model_len, c.device, c.compute_dtype, workers)
+        self.eager_reason = why_eager(c.device, c.enforce_eager, attention.name, c.tensor_parallel_size,
+                                      c.enable_sleep_mode)
+        self.runner = ModelRunner(model, kv, attention, max_model_len, c.device, c.compute_dtype, workers,
+                                  None if self.eager_reason else capture_sizes(c.max_num_seqs))
         spec = c.speculative_config
         self.proposer = NgramProposer(SpeculativeConfig.from_dict(spec)) if spec else None
         self.map_ahead = MapAhead(kv, c.map_ahead_tokens, self.scheduler.headroom_pages) if c.map_ahead_tokens else None
         self.max_steps = c.num_scheduler_steps
+
+    @property
+    def decode_path(self) -> str:
+        """How decode steps run: replayed CUDA graphs (how many, their memory), or eagerly and why."""
+        graphs = self.runner.graphs
+        if graphs is None:
+            return f"eager ({self.runner.graph_error or self.eager_reason})"
+        return (f"CUDA graphs for batch sizes {graphs.sizes[0]}..{graphs.sizes[-1]} ({len(graphs.sizes)} graphs, "
+                f"{graphs.bytes / 2 ** 20:.0f} MiB, captured in {graphs.seconds:.1f} s)")
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.queues.add(seq)

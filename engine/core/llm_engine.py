@@ -78,7 +78,7 @@ class LLMEngine:
 
     def platform(self) -> dict[str, str]:
         """Which paths run on this machine, and why (engine/worker/rank.py)."""
-        return self.rank.platform(self.config)
+        return {**self.rank.platform(self.config), "decode": self.core.decode_path}
 
     # -- requests -------------------------------------------------------------------------
     def process_inputs(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams, *,

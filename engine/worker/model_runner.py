@@ -3,17 +3,22 @@ of the prompt rows whose logprobs are wanted)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from engine.worker.attention import AttentionBackend
+from engine.worker.cuda_graphs import DecodeGraphs
 from engine.kv.manager import KVManager
 from engine.kv.batch import StepBatch
 from engine.worker.lora import LoRABatch
 from engine.models.linear import FEW_ROWS
 from engine.models.ops import rope_table
+from engine.request.sampling_params import SamplingParams
 from engine.request.sequence import Sequence
 from engine.sched.step import Scheduled
+
+log = logging.getLogger("vkv.runner")
 
 
 @torch.inference_mode()
@@ -34,10 +39,35 @@ def activation_peak(model, max_tokens: int, max_rows: int, device: torch.device)
 
 class ModelRunner:
     def __init__(self, model, kv: KVManager, attention: AttentionBackend, max_model_len: int,
-                 device: torch.device, dtype: torch.dtype, workers=None):
+                 device: torch.device, dtype: torch.dtype, workers=None, graph_sizes: list[int] | None = None):
+        """graph_sizes: the batch sizes whose decode steps are captured as CUDA graphs (None: eager)."""
         self.model, self.kv, self.attention, self.device = model, kv, attention, device
         self.workers = workers  # engine.worker.parallel.Workers when tensor parallel (kv is then a RecordedKV)
+        self.max_model_len = max_model_len
         self.cos_sin = rope_table(model.inv_freq, max_model_len, dtype, device)
+        self.graphs, self.graph_error = None, None
+        if graph_sizes:
+            try:
+                self.graphs = self._capture(graph_sizes)
+            except Exception as exc:  # a capture the GPU or a kernel refuses: every step eager, and said
+                self.graph_error = f"capturing the decode graphs failed: {type(exc).__name__}: {exc}"[:400]
+                log.warning("vkv: %s; every step runs eagerly", self.graph_error)
+                torch.cuda.synchronize(device)
+
+    def _capture(self, sizes: list[int]) -> DecodeGraphs:
+        """The decode graphs, captured over one mapped page that a placeholder sequence holds
+        meanwhile (engine/worker/cuda_graphs.py)."""
+        holder = Sequence("vkv-graph-capture", 0, [0], SamplingParams(max_tokens=1), 0.0)
+        self.kv.admit(holder, cached=False)
+        try:
+            if not self.kv.ensure_mapped(holder, 1):
+                raise RuntimeError("no KV page free to capture the decode graphs over: lower max_num_seqs "
+                                   "or pass enforce_eager")
+            table, block_size = self.kv.layout.block_table([holder], [1])
+            width = -(-self.max_model_len // block_size)
+            return DecodeGraphs(self.forward, sizes, width, block_size, self.max_model_len, table[0], self.device)
+        finally:
+            self.kv.release(holder, keep_pages=False)
 
     def runs_steps(self, rows: int) -> bool:
         """Whether several greedy decode steps of `rows` sequences can run in one native call
@@ -87,6 +117,10 @@ class ModelRunner:
     def run(self, scheduled: Scheduled) -> tuple[torch.Tensor, list, list]:
         """The step's logits, the sampling rows and the prompt-scoring rows (see prepare)."""
         input_ids, batch, logits_indices, sampling, scoring, lora = self.prepare(scheduled)
+        if self.graphs and lora is None and len(logits_indices) == len(batch.q_lens):  # (no prompt rows scored)
+            logits = self.graphs.run(input_ids, batch)
+            if logits is not None:  # a decode step a graph holds
+                return logits, sampling, scoring
         if self.workers:  # tensor parallel: the other ranks apply the KV operations and run the same step
             self.workers.send(self.kv.take_ops(), (input_ids, dataclasses.replace(batch, seqs=[]), logits_indices))
         try:

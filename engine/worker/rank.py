@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.kv.build import make_kv_cache
 from engine.kv.manager import KVManager
 from engine.kv.memory import KVMemory
+from engine.worker.cuda_graphs import why_eager
 from engine.worker.model_runner import activation_peak
 from engine.models import load_config, load_model
 from engine.models.config import ModelConfig
@@ -70,6 +71,8 @@ def build_rank(c: EngineConfig, rank: int = 0, model=None, pool: vmm.PoolShare |
     peak = 0
     if c.device.type == "cuda" and c.kv_cache_memory is None:
         peak = activation_peak(model, c.max_num_batched_tokens, c.max_num_seqs, c.device)
+        if why_eager(c.device, c.enforce_eager, attention.name, tp, c.enable_sleep_mode) is None:
+            peak += activation_peak(model, c.max_num_seqs, c.max_num_seqs, c.device)  # the graphs' pool
     kv = make_kv_cache(c, shard_config(mc, tp), c.kv_budget_bytes(peak) // tp, max_model_len,
                        attention.tile_rows(attention.target), pool, mc.sliding_window, model.fingerprint)
     return Rank(mc, max_model_len, model, attention, kv, KVMemory(kv))

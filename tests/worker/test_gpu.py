@@ -12,7 +12,7 @@ from helpers import assert_pool_whole, make_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(vmm.cuda_unavailable_reason() is not None,
                                                   reason=f"no GPU: {vmm.cuda_unavailable_reason()}")]
-KERNELS = ["flash", "flash-attn", "flash-attn-4"]
+KERNELS = ["flash", "flash-attn", "flash-attn-4", "flex"]
 
 
 def usable(kernel: str, layout: str) -> bool:
@@ -83,3 +83,34 @@ def test_the_default_kv_budget_leaves_room_for_a_worst_case_step():
                           use_tqdm=False)[0].outputs[0]
     assert guided.finish_reason == "stop" and guided.text in ("yes", "no")
     assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("layout, kernel, block_size", [("interleaved", "flash", 16), ("per_layer", "flash", 16),
+                                                        ("per_layer", "flex", 16), ("paged", "flex", 16),
+                                                        ("paged", "flex", 128)])
+def test_decode_graphs_give_the_eager_steps_tokens(layout, kernel, block_size):
+    """Decode steps replayed as CUDA graphs (the default on a GPU) give the tokens eager steps
+    give: five sequences of different lengths, so steps of 5, then fewer, pad up to a bucket
+    (8, 4, 2, 1) with copies of their last sequence; the pool is whole afterwards."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Photosynthesis is", "Once upon a time in a land",
+               "1, 2, 3,"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 9, 17, 3, 30)]
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(model="random:smollm2-135m", device="cuda", dtype="bfloat16", attention_backend=kernel,
+                  kv_layout=layout, block_size=block_size, kv_cache_memory=1 << 30, max_num_seqs=8,
+                  enforce_eager=eager)
+        assert ("CUDA graphs" in llm.engine.platform()["decode"]) != eager, llm.engine.platform()["decode"]
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert_pool_whole(llm)
+        llm.engine.close()
+    assert [len(t) for t in outs[False]] == [24, 9, 17, 3, 30]
+    same = sum(a[:8] == b[:8] for a, b in zip(outs[True], outs[False]))
+    assert same == len(prompts), outs  # bf16 GEMMs of another row count may part ways late
+
+
+def test_graphs_are_off_where_a_step_reads_the_host():
+    """sdpa reads the block table on the host: its engine runs eagerly and says why."""
+    llm = LLM(model="random:smollm2-135m", device="cuda", attention_backend="sdpa", kv_cache_memory=1 << 30)
+    assert llm.engine.platform()["decode"].startswith("eager (attention 'sdpa'")
+    llm.engine.close()
