@@ -121,24 +121,20 @@ def timed(fn, repeats: int, device) -> float:
     return statistics.median(samples)
 
 
-def graph_time(fn, repeats: int, calls: int = 20) -> tuple[float | None, str | None]:
-    """(seconds per call on the device alone, why not): the call captured in a CUDA graph and
-    replayed `calls` times between two events, so the host's launch cost (which `timed` counts,
-    as the engine meets it) drops out and what is left is the kernels' time."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+def graph_samples(fn, repeats: int, calls: int = 20) -> list[float]:
+    """Seconds per call of each of `repeats` runs of `calls` replays of fn captured in a CUDA
+    graph (two warm-up calls first, outside the capture: kernels chosen, compiled, autotuned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
             fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        torch.cuda.synchronize()
-    except Exception as exc:  # a call that syncs with the host cannot be captured: timed() alone then
-        torch.cuda.synchronize()
-        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -149,7 +145,18 @@ def graph_time(fn, repeats: int, calls: int = 20) -> tuple[float | None, str | N
         torch.cuda.synchronize()
         samples.append(start.elapsed_time(end) / 1e3 / calls)
     del graph
-    return statistics.median(samples), None
+    return samples
+
+
+def graph_time(fn, repeats: int, calls: int = 20) -> tuple[float | None, str | None]:
+    """(seconds per call on the device alone, why not): the call captured in a CUDA graph and
+    replayed `calls` times between two events, so the host's launch cost (which `timed` counts,
+    as the engine meets it) drops out and what is left is the kernels' time."""
+    try:
+        return statistics.median(graph_samples(fn, repeats, calls)), None
+    except Exception as exc:  # a call that syncs with the host cannot be captured: timed() alone then
+        torch.cuda.synchronize()
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
 
 
 def copy_bandwidth(device) -> float:

