@@ -40,12 +40,12 @@ def test_enforce_eager_is_vllms_flag():
 
 @pytest.mark.parametrize("layout, kernel", [("per_layer", "native"), ("paged", "native"), ("paged", "flex")])
 def test_a_buckets_static_batch_padded_with_the_last_sequence_gives_the_eager_tokens(layout, kernel):
-    """What a graph replays, run eagerly on the CPU: steps of 5, 3, 2 and 1 sequences copied
-    into the static batch of the bucket above (8, 4, 2, 1), the padding rows the last sequence
+    """What a graph replays, run eagerly on the CPU: steps of 5 sequences down to 1 copied into
+    the static batch of the bucket above (8, 4, 4, 2, 1), the padding rows the last sequence
     again (they write what it writes where it writes it); the same tokens as plain steps, every
     decode step through the buckets, and the pool whole afterwards."""
     prompts = [[1 + (i * 11 + j) % 400 for j in range(n)] for i, n in enumerate((3, 17, 9, 30, 5))]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 7, 13, 3, 24)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 4, 7, 2, 12)]
     outs = {}
     for static in (False, True):
         llm = LLM(model="random:smollm2-135m", device="cpu", attention_backend=kernel, kv_layout=layout,
@@ -56,7 +56,7 @@ def test_a_buckets_static_batch_padded_with_the_last_sequence_gives_the_eager_to
             assert isinstance(runner.graphs, DecodeGraphs) and not runner.graphs.graphs  # nothing captured off a GPU
         outs[static] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if static:
-            assert runner.graphs.replays >= 23  # every decode step (the longest request's 23 after its first token)
+            assert runner.graphs.replays >= 11  # every decode step (the longest request's 11 after its first token)
         assert_pool_whole(llm)
         llm.engine.close()
     assert outs[True] == outs[False]
@@ -68,7 +68,7 @@ def test_flex_serves_the_engines_layouts_with_sdpas_tokens(layout, block_size):
     prompts of several lengths (prefill chunks on sdpa, decodes in one flex call per layer),
     the same greedy tokens as sdpa, and the pool whole afterwards."""
     prompts = [[1 + (i * 7 + j) % 300 for j in range(n)] for i, n in enumerate((5, 40, 23))]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = {}
     for kernel in ("sdpa", "flex"):
         llm = LLM(model="random:smollm2-135m", device="cpu", attention_backend=kernel, kv_layout=layout,
