@@ -21,9 +21,10 @@ and per sequence a row of a block table. A kernel reads sequence b's position p 
   flex          FlexAttention (torch.nn.attention.flex_attention; torch.compile'd on CUDA): a
                 maintained library's paged kernel, reading the block table's blocks (or a
                 virtual slot's pieces) through a block mask: decodes in one call, prefill
-                chunks per sequence on sdpa. The block table's blocks must be a multiple of 16
-                rows (its kernels prefer 128). On the CPU it runs only when named, over the
-                block table: torch's unfused path there reads the whole cache
+                chunks per sequence on sdpa. The block table's blocks must be a power of two
+                rows, 16 or more (its kernels prefer 128); not over interleaved slots (see
+                Flex). On the CPU it runs only when named, over the block table: torch's
+                unfused path there reads the whole cache
   sdpa          the reference: torch's rotary math, an indexed store, and one
                 scaled_dot_product_attention call per sequence over its slot (a block table's
                 blocks gathered first)
@@ -213,14 +214,26 @@ class FlashAttn(AttentionBackend):
 
 
 class Flex(AttentionBackend):
+    """FlexAttention: see FlexStep. What its CUDA kernels ask (torch 2.11's inductor lowering):
+    KV blocks of a power of two rows, 16 or more, with the kernel's key tile no wider than a
+    block (BLOCK_N, passed); key offsets in int32 on its general kernel (the one a batch of
+    changing size compiles to), so a layer's key range must stay under 2^31 elements (checked
+    each step; interleaved slots, whose rows stride over every layer, are refused up front); and
+    whole blocks loaded, so a virtual cache maps and zeroes 128-row tiles. Past dynamo's
+    recompile limit a compiled function would run torch's unfused path, which reads the whole
+    key range (a virtual cache's unmapped rows too): the limit is raised and reaching it fails."""
     name = "flex"
     compiled = None  # torch.compile(flex_attention), made once a process (its kernels are cached by shape)
+    static_batch = False  # each batch size compiled apart (flex's decode kernel; benchmarks set it)
+    PIECE = 128  # rows of a virtual slot's pieces (its tiles)
 
     def unavailable(self, t: Target) -> str | None:
-        if t.kv_layout == "paged" and t.block_size % 16:
-            return f"reads blocks of a multiple of 16 rows, not {t.block_size} (--block-size)"
+        if t.kv_layout == "paged" and (t.block_size < 16 or t.block_size & (t.block_size - 1)):
+            return f"reads blocks of a power of two rows, 16 or more, not {t.block_size} (--block-size)"
         if t.kv_dtype not in (None, t.dtype):
             return "reads KV in the compute dtype only: an fp8 cache runs on sdpa"
+        if t.device.type == "cuda" and t.kv_layout == "interleaved":
+            return "indexes a layer's keys in int32, and interleaved slots stride over every layer: use flash"
         if t.device.type == "cuda" and t.gpu_ready:
             return None
         if t.device.type == "cpu" and t.named and t.kv_layout == "paged":
@@ -228,10 +241,24 @@ class Flex(AttentionBackend):
         return "runs on a CUDA GPU in fp16/bf16 with head_dim a multiple of 8 up to 256 (on the CPU: when named, " \
             "over the block table: torch's unfused path there reads every row of the cache, mapped or not)"
 
+    def tile_rows(self, t: Target) -> int:
+        return self.PIECE if t.device.type == "cuda" else 1
+
     def prepare(self, k_caches, v_caches, batch, cos_sin, paged=False, window=None) -> FlexStep:
-        rows = k_caches[0].shape[1]
-        kv_block = rows if paged else next(b for b in (128, 64, 32, 16, 8, 4, 2, 1) if rows % b == 0)
-        return FlexStep(k_caches, v_caches, batch, cos_sin, window, self.kernel(k_caches[0].device), kv_block, paged)
+        cache = k_caches[0]
+        rows = cache.shape[1]
+        kv_block = rows if paged else next((b for b in (self.PIECE, 64, 32, 16) if rows % b == 0), 0)
+        if not kv_block:
+            raise ValueError(f"FlexAttention reads a slot in pieces of 16 to 128 rows; these slots have {rows}")
+        options = None
+        if cache.device.type == "cuda":
+            span = (cache.shape[0] * rows - 1) * cache.stride(1) + cache.shape[2] * cache.shape[3]
+            if span >= 2 ** 31:
+                raise ValueError(f"FlexAttention's kernels index a layer's keys in int32: this cache spans {span} "
+                                 "elements of one (the interleaved layout strides over every layer): use flash")
+            options = {"BLOCK_N": min(kv_block, 64)}
+        return FlexStep(k_caches, v_caches, batch, cos_sin, window, self.kernel(cache.device), kv_block, paged,
+                        options, self.static_batch)
 
     @classmethod
     def kernel(cls, device: torch.device):
@@ -242,6 +269,10 @@ class Flex(AttentionBackend):
             warnings.filterwarnings("ignore", "flex_attention called without torch.compile", UserWarning)
             return flex_attention
         if cls.compiled is None:
+            import torch._dynamo.config as dynamo
+
+            dynamo.recompile_limit = max(dynamo.recompile_limit, 64)  # layouts x head shapes x batch kinds
+            dynamo.fail_on_recompile_limit_hit = True  # never the unfused path over a virtual cache
             cls.compiled = torch.compile(flex_attention)
         return cls.compiled
 

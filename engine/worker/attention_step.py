@@ -157,10 +157,11 @@ class FlexStep(TorchStep):
     prefix or a fork, sits at the same place in each). Sequences with several queries (prefill
     chunks) run on sdpa, one by one (TorchStep.attend)."""
 
-    def __init__(self, k_caches, v_caches, batch, cos_sin, window, flex, kv_block: int, paged: bool):
+    def __init__(self, k_caches, v_caches, batch, cos_sin, window, flex, kv_block: int, paged: bool,
+                 options: dict | None = None, static_batch: bool = False):
         no_window(window, "FlexAttention's step")
         super().__init__(k_caches, v_caches, batch, cos_sin, window)
-        self.flex, self.kv_block = flex, kv_block
+        self.flex, self.kv_block, self.options, self.static_batch = flex, kv_block, options, static_batch
         decoding = [i for i, n in enumerate(batch.q_lens) if n == 1]
         self.prefilling = [i for i, n in enumerate(batch.q_lens) if n > 1]
         self.decode_rows = None  # every sequence decodes: q's rows are the batch's, in order
@@ -176,11 +177,12 @@ class FlexStep(TorchStep):
         if self.mask is None:
             return super().attend(q, k_cache, v_cache)
         out = super().attend(q, k_cache, v_cache, self.prefilling) if self.prefilling else None
-        rows = q if self.decode_rows is None else q[self.decode_rows]
+        rows = (q if self.decode_rows is None else q[self.decode_rows]).unsqueeze(2)
+        if self.static_batch:  # compiled for this batch size: flex's decode kernel, which splits the keys
+            torch._dynamo.mark_static(rows, 0)
         keys, values = (flatten_slots(c).unsqueeze(0).transpose(1, 2) for c in (k_cache, v_cache))
-        if keys.dtype != q.dtype:
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-        result = self.flex(rows.unsqueeze(2), keys, values, block_mask=self.mask, enable_gqa=True)[:, :, 0]
+        options = {"kernel_options": self.options} if self.options else {}
+        result = self.flex(rows, keys, values, block_mask=self.mask, enable_gqa=True, **options)[:, :, 0]
         if out is None:
             return result
         out[self.decode_rows] = result

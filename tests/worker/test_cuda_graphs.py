@@ -87,5 +87,5 @@ def test_flex_is_not_chosen_on_the_cpu_unless_named():
     llm.engine.close()
     with pytest.raises(ValueError, match="reads every row of the cache"):  # unmapped rows of a virtual one
         LLM(model="random:smollm2-135m", device="cpu", kv_layout="per_layer", attention_backend="flex")
-    with pytest.raises(ValueError, match="multiple of 16"):
+    with pytest.raises(ValueError, match="power of two rows, 16 or more"):
         LLM(model="random:smollm2-135m", device="cpu", kv_layout="paged", attention_backend="flex", block_size=8)
