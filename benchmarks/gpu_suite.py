@@ -1,28 +1,32 @@
-"""Everything vkv measures on a GPU, in one call (189 s on an H100: benchmarks/results/h100-80gb-hbm3).
+"""Everything vkv measures on a GPU, in one or two calls (the H100's parts took 189 s:
+benchmarks/results/h100-80gb-hbm3; long_context, serving and peer have not run yet).
 
     python benchmarks/gpu_suite.py --out benchmarks/results/<gpu-name>
 
-The parts, in the order they run (vkv's reason to exist first):
+The parts, in the order they run (vkv's reason to exist first, then the tests whose results say
+whether the figures after them may be trusted):
   mapping       page-mapping latency of the CUDA backend (create, map, set-access, unmap, release;
                 batched runs) at 1, 2, 4 and 8 x the granularity: mapping.json / .png
-  long_context  decode attention against context (1K to 128K) and batch (1 to 256, batch x
-                context up to 1M tokens), Llama-3-8B
-                heads: FlashAttention over vkv's virtual KV against FlexAttention over the same
-                slots and over a block table of 128- and 16-row blocks, on the device alone (CUDA
-                graph replay), as a share of the copy bandwidth: long_context.json / .png
-  serving       end to end, random Llama-3-8B bf16: decode as CUDA graphs and eager, the
-                interleaved layout on FlashAttention and the block table on FlexAttention's
-                paged kernel; one stream against the weight-read bound, 64 and 256 ShareGPT
-                requests: gpu_serving.json / .png
-  handoff       a prompt's KV handed to another cache by mapping GPU pages a pool owner exported
-                (cuMemExportToShareableHandle, file descriptors over its Unix socket) against
-                restoring it from pinned host memory and against a device-to-device copy, 256 to
-                8,192 tokens: handoff.json / .png
   tests         the CUDA tests on the real driver: `pytest -m "cuda_emulated or gpu or contracts"`
                 over TEST_FILES (the tests that run against the driver emulator elsewhere, those
                 that need a GPU, decode graphs against eager steps among them, and the attention
                 contracts, whose real-kernel test calls the kernels on CUDA tensors): tests.txt,
                 with the reason of every skip
+  long_context  decode attention against context (1K to 128K) and batch (1 to 256, batch x
+                context up to 1M tokens), Llama-3-8B heads: FlashAttention over vkv's virtual KV
+                against FlexAttention over the same slots and over a block table of 128- and
+                16-row blocks, on the device alone (CUDA graph replay), as a share of the copy
+                bandwidth: long_context.json / .png
+  serving       end to end, random Llama-3-8B bf16: decode as CUDA graphs and eager, the
+                interleaved layout on FlashAttention and the block table on FlexAttention's
+                paged kernel; one stream against the weight-read bound, 64 and 256 ShareGPT
+                requests: gpu_serving.json / .png
+  peer          transformers' own continuous batching (generate_batch, its paged attention) on
+                the same GPU, model and 64 ShareGPT prompts, 128 tokens each: vs_transformers_cb.json
+  handoff       a prompt's KV handed to another cache by mapping GPU pages a pool owner exported
+                (cuMemExportToShareableHandle, file descriptors over its Unix socket) against
+                restoring it from pinned host memory and against a device-to-device copy, 256 to
+                8,192 tokens: handoff.json / .png
   attention     FlashAttention over virtual KV: decode and prefill, SmolLM2 and Llama-3-8B head
                 shapes, contiguous vs per_layer vs interleaved vs block table, each kernel present,
                 per call and on the device alone (CUDA graph replay), against a device-to-device
@@ -96,6 +100,12 @@ def attention(out: Path, args) -> dict:
     return {"copy_bandwidth_gb_s": r["copy_bandwidth_gb_s"], "fastest": fastest}
 
 
+def peer(out: Path, args) -> dict:
+    import bench_vs_transformers_cb
+    r = bench_vs_transformers_cb.main(["--json", str(out / "vs_transformers_cb.json")])
+    return {"vkv_over_transformers": r["vkv_over_transformers"], "transformers": r["transformers"]}
+
+
 def handoff(out: Path, args) -> dict:
     import bench_handoff
     r = bench_handoff.main(["--backend", "cuda", "--repeats", "3", "--json", str(out / "handoff.json"),
@@ -164,10 +174,11 @@ def wake(out: Path, args) -> dict:
 
 # Each part, in the order they run, with the seconds it may take (an H100 ran mapping, handoff,
 # tests, attention, swap and map_ahead in 6, 13, 39, 12, 17 and 25 s; the others' budgets are what
-# a hang may cost). A 10-minute call holds the first six; --skip leaves parts out.
-PARTS = {"mapping": (mapping, 30), "long_context": (long_context, 200), "serving": (serving, 300),
-         "handoff": (handoff, 60), "tests": (tests, 150), "attention": (attention, 60), "swap": (swap, 45),
-         "map_ahead": (map_ahead, 45), "wake": (wake, 60)}
+# a hang may cost). A 10-minute call holds what its --budget allows, in this order; --skip
+# leaves parts out (gpu_prepare.sh prints the call).
+PARTS = {"mapping": (mapping, 30), "tests": (tests, 150), "long_context": (long_context, 200),
+         "serving": (serving, 300), "peer": (peer, 150), "handoff": (handoff, 60), "attention": (attention, 60),
+         "swap": (swap, 45), "map_ahead": (map_ahead, 45), "wake": (wake, 60)}
 
 
 def main() -> None:
