@@ -11,7 +11,10 @@ max_num_batched_tokens, prefix caching off so that every repeat computes its pro
              weight-read bound (the weights' bytes at the copy bandwidth measured in the run)
   sharegpt   64 and 256 ShareGPT requests (outputs capped at 128 tokens, each asking exactly
              its reply's length, ignore_eos), all submitted at once: output tok/s
-Reported per workload: the median and range of the repeats; per configuration the graphs'
+FlexAttention runs as the engine compiles it, one kernel for every batch size: in torch 2.11
+that is its general kernel, without the key split its decode kernel makes for a fixed batch
+(bench_long_context.py measures that one). Reported per workload: the median and range of the
+repeats; per configuration the graphs'
 memory and capture time, the engine's start, and the KV pool. The JSON is written after each
 configuration, so a run cut short keeps what it measured.
 """
