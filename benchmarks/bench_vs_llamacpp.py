@@ -94,6 +94,9 @@ DTYPES = {"float32": "F32", "bfloat16": "BF16", "gguf": None, "gguf-q4_0": "Q4_0
 # heads of 64) over the bundled model's 49,152-token vocabulary and tokenizer, tied embeddings, random weights
 SHAPES = {"llama-3.2-1b": {"block_count": 16, "embedding_length": 2048, "feed_forward_length": 8192,
                            "attention.head_count": 32, "attention.head_count_kv": 8, "rope.freq_base": 500000.0,
+                           "context_length": 8192},
+          "llama-3.2-3b": {"block_count": 28, "embedding_length": 3072, "feed_forward_length": 8192,
+                           "attention.head_count": 24, "attention.head_count_kv": 8, "rope.freq_base": 500000.0,
                            "context_length": 8192}}
 # --isa avx2: llama.cpp's x86 options for an AVX2 CPU (GGML_NATIVE off: nothing else is switched on)
 AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
