@@ -65,7 +65,8 @@ def run_case(kernel: str, seqs, q, cos_sin, repeats: int):
         k_caches, v_caches, table, rows = paged_caches(seqs, int(kernel.rsplit("-", 1)[1]), dtype, device)
         kv, paged = None, True
     batch = batch_for(seqs, table, rows, device)
-    step = StepAttention(kernel.split()[0], k_caches, v_caches, batch, cos_sin, paged=paged)
+    backend = Flex(static_batch=True) if kernel.startswith("flex") else "flash"  # flex at its best: its decode kernel
+    step = StepAttention(backend, k_caches, v_caches, batch, cos_sin, paged=paged)
     samples = graph_samples(lambda: step.attend(q, k_caches[0], v_caches[0]), repeats)
     return samples, kv
 
@@ -116,7 +117,6 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         p.error(f"unknown kernels {sorted(unknown)}: choose from {KERNELS}")
     torch.manual_seed(0)
-    Flex.static_batch = True  # each batch size compiled apart: flex's decode kernel, at its best
     result = {"benchmark": "long_context_decode_attention", "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": DIM},
               "dtype": "bfloat16", "flex_compiled": "per batch size (torch._dynamo.mark_static on the batch)", "copy_bandwidth_gb_s": copy_bandwidth(device) / 1e9, "machine": machine_info(),
               "rows": [], "command": "python benchmarks/bench_long_context.py "

@@ -224,8 +224,12 @@ class Flex(AttentionBackend):
     key range (a virtual cache's unmapped rows too): the limit is raised and reaching it fails."""
     name = "flex"
     compiled = None  # torch.compile(flex_attention), made once a process (its kernels are cached by shape)
-    static_batch = False  # each batch size compiled apart (flex's decode kernel; benchmarks set it)
     PIECE = 128  # rows of a virtual slot's pieces (its tiles)
+
+    def __init__(self, static_batch: bool = False):
+        """static_batch: each batch size compiled apart, so flex's decode kernel (which splits the
+        keys) runs; the engine keeps one kernel for every size (a benchmark of the kernel asks it)."""
+        self.static_batch = static_batch
 
     def unavailable(self, t: Target) -> str | None:
         if t.kv_layout == "paged" and (t.block_size < 16 or t.block_size & (t.block_size - 1)):
