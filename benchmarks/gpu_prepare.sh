@@ -5,10 +5,10 @@
 #                (Python 3.12, x86-64), at this venv's versions
 #   .gpu_carry/  ShareGPT's JSON cut to 14 MB (its loader keeps the whole records), and a
 #                tokenizer for random models (the bundled model's, converted: `make run` once)
-# Then, with carry [".whl", ".gpu_carry"], a first call of at most ~9 minutes:
-#   source .gpu_carry/env.sh && python3 benchmarks/gpu_suite.py --out $OUT/r \
-#     --skip peer,attention,swap,map_ahead,wake --budget 520 ; tar czf $OUT/r.tgz -C $OUT r
-# and with the time left, a second of the parts the first left out (--skip the ones it ran).
+# Then one `device` call (a lease of 15 minutes holds one of at most 10), carry [".whl", ".gpu_carry"],
+# timeout_s 600:
+#   source .gpu_carry/env.sh; python3 benchmarks/gpu_suite.py --out $OUT/r --skip attention,swap,map_ahead,wake \
+#     --budget 560; tar czf $OUT/r.tgz -C $OUT r
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PACKAGES="annotated-types fastapi gguf jsonschema jsonschema-specifications llguidance msgspec opentelemetry-api

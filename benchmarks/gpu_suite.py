@@ -1,4 +1,4 @@
-"""Everything vkv measures on a GPU, in one or two calls (the H100's parts took 189 s:
+"""Everything vkv measures on a GPU, in one call (the H100's parts took 189 s:
 benchmarks/results/h100-80gb-hbm3; long_context, serving and peer have not run yet).
 
     python benchmarks/gpu_suite.py --out benchmarks/results/<gpu-name>
@@ -12,6 +12,10 @@ whether the figures after them may be trusted):
                 that need a GPU, decode graphs against eager steps among them, and the attention
                 contracts, whose real-kernel test calls the kernels on CUDA tensors): tests.txt,
                 with the reason of every skip
+  handoff       a prompt's KV handed to another cache by mapping GPU pages a pool owner exported
+                (cuMemExportToShareableHandle, file descriptors over its Unix socket) against
+                restoring it from pinned host memory and against a device-to-device copy, 256 to
+                8,192 tokens: handoff.json / .png
   long_context  decode attention against context (1K to 128K) and batch (1 to 256, batch x
                 context up to 1M tokens), Llama-3-8B heads: FlashAttention over vkv's virtual KV
                 against FlexAttention over the same slots and over a block table of 128- and
@@ -23,10 +27,6 @@ whether the figures after them may be trusted):
                 requests: gpu_serving.json / .png
   peer          transformers' own continuous batching (generate_batch, its paged attention) on
                 the same GPU, model and 64 ShareGPT prompts, 128 tokens each: vs_transformers_cb.json
-  handoff       a prompt's KV handed to another cache by mapping GPU pages a pool owner exported
-                (cuMemExportToShareableHandle, file descriptors over its Unix socket) against
-                restoring it from pinned host memory and against a device-to-device copy, 256 to
-                8,192 tokens: handoff.json / .png
   attention     FlashAttention over virtual KV: decode and prefill, SmolLM2 and Llama-3-8B head
                 shapes, contiguous vs per_layer vs interleaved vs block table, each kernel present,
                 per call and on the device alone (CUDA graph replay), against a device-to-device
@@ -120,7 +120,7 @@ def tests(out: Path, args) -> dict:
     # the log is written as it goes, so a part cut at its budget keeps the tests that ran
     with open(out / "tests.txt", "w") as log:
         code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8", "-rfEs",
-                               "--timeout", "100", "-m", "cuda_emulated or gpu or contracts", *TEST_FILES],
+                               "--timeout", "150", "-m", "cuda_emulated or gpu or contracts", *TEST_FILES],
                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
     last = (out / "tests.txt").read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
     if code:
@@ -174,11 +174,13 @@ def wake(out: Path, args) -> dict:
 
 # Each part, in the order they run, with the seconds it may take (an H100 ran mapping, handoff,
 # tests, attention, swap and map_ahead in 6, 13, 39, 12, 17 and 25 s; the others' budgets are what
-# a hang may cost). A 10-minute call holds what its --budget allows, in this order; --skip
-# leaves parts out (gpu_prepare.sh prints the call).
-PARTS = {"mapping": (mapping, 30), "tests": (tests, 150), "long_context": (long_context, 200),
-         "serving": (serving, 300), "peer": (peer, 150), "handoff": (handoff, 60), "attention": (attention, 60),
-         "swap": (swap, 45), "map_ahead": (map_ahead, 45), "wake": (wake, 60)}
+# a hang may cost). A lease of 15 minutes holds one call of at most 10 (a machine's start takes
+# one or two, and another start needs 4 left): --budget 560 runs the parts in this order until
+# it is spent; long_context and serving write their JSON as they go, so a part cut at its budget
+# keeps what it measured. --skip leaves parts out (gpu_prepare.sh prints the call).
+PARTS = {"mapping": (mapping, 30), "tests": (tests, 180), "handoff": (handoff, 60), "long_context": (long_context, 150),
+         "serving": (serving, 240), "peer": (peer, 150), "attention": (attention, 60), "swap": (swap, 45),
+         "map_ahead": (map_ahead, 45), "wake": (wake, 60)}
 
 
 def main() -> None:
