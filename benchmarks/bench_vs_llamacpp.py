@@ -97,6 +97,9 @@ SHAPES = {"llama-3.2-1b": {"block_count": 16, "embedding_length": 2048, "feed_fo
                            "context_length": 8192},
           "llama-3.2-3b": {"block_count": 28, "embedding_length": 3072, "feed_forward_length": 8192,
                            "attention.head_count": 24, "attention.head_count_kv": 8, "rope.freq_base": 500000.0,
+                           "context_length": 8192},
+          "llama-3.1-8b": {"block_count": 32, "embedding_length": 4096, "feed_forward_length": 14336,
+                           "attention.head_count": 32, "attention.head_count_kv": 8, "rope.freq_base": 500000.0,
                            "context_length": 8192}}
 # --isa avx2: llama.cpp's x86 options for an AVX2 CPU (GGML_NATIVE off: nothing else is switched on)
 AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
