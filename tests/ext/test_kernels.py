@@ -184,6 +184,30 @@ def test_the_panel_gemm_equals_f_linear(weights):
             assert torch.equal(panels(x[-1:]), got[-1:])
 
 
+@pytest.mark.parametrize("given", [F32, BF16, torch.float16])
+@pytest.mark.parametrize("panel", [F32, BF16])
+def test_written_panels_are_torchs_rounding_transposed(given, panel):
+    """write_panels against w.to(panel dtype) transposed into [P, K, width] by torch: whole panels
+    (their 8 x 8 tiles), a K past a multiple of 8, rows starting and ending inside a panel, the
+    bf16 rounding's ties, infinities and NaN."""
+    width = torch.ops.vkv.panel_width()
+    for n, k, row in ((4 * width, 48, 0), (3 * width, 61, 0), (width + 5, 40, 3), (2 * width - 7, 16, width + 2)):
+        w = torch.randn(n, k) * 100
+        if given == F32:  # halfway between two bf16 numbers: to the even one
+            w[::3, ::5] = w[::3, ::5].bfloat16().float()
+            w[::3, ::5].view(torch.int32).add_(0x8000)
+        w[1, 2], w[2, 3], w[3, 4], w[-1, -1] = float("inf"), float("-inf"), float("nan"), 3e38
+        w = w.to(given)
+        panels = torch.full((-(-(row + n) // width), k, width), 7.0, dtype=panel)
+        torch.ops.vkv.write_panels(panels, w, row)
+        want = torch.full((panels.shape[0] * width, k), 7.0, dtype=panel)
+        want[row:row + n] = w.float().to(panel)
+        want = want.view(panels.shape[0], width, k).transpose(1, 2).contiguous()
+        bits = torch.int16 if panel == BF16 else torch.int32  # (a NaN's bits: torch's vector and scalar
+        assert torch.equal(panels.isnan(), want.isnan())     # conversions differ; any NaN will do)
+        assert torch.equal(panels.view(bits)[~want.isnan()], want.view(bits)[~want.isnan()])
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 7])
 def test_gguf_blocks_unpack_to_the_formats_definition(kind, rows):
