@@ -175,6 +175,8 @@ class Linear(nn.Module):
                              "quantization='dequantize' to update its weights)")
         dtype = dtype or self.weight.dtype
         end = start + w.shape[0]
+        if self.packed is not None and w.dtype != dtype:  # rounded once for both packings (the
+            w = w.to(dtype)  # panels round as this does: to nearest even, NaN stays NaN)
         if self.weight.numel() and not self.tied:
             self.weight.data[start:end].copy_(rounded_for(self.weight, w, dtype))
         if self.panels is not None:  # row r of the weight is column r % width of panel r // width
