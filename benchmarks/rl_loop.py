@@ -12,7 +12,8 @@ pages and its weights' pages go; --sleep-level 1 keeps the weights), wakes its w
 its KV cache. Reported per round: the mean and max absolute difference between vkv's and the
 trainer's logprobs of the sampled tokens (before the step: the same weights); the seconds to
 sleep, wake and update, beside the copy floor (the seconds to copy the same new weights once into
-memory fresh from the system, in vkv's dtype, measured right after the update: `copy_floor`); the memory the process holds awake and
+memory fresh from the system, in vkv's dtype, measured between the sleep and the wake-up:
+`copy_floor`); the memory the process holds awake and
 asleep (the KV cache's memfd pool and the weights' pages, and apart from them its anonymous
 resident memory, the trainer's included); and, once, the seconds a fresh engine takes to start
 on the same weights, with sleep mode and without.
@@ -70,8 +71,9 @@ def copy_floor(state: dict, dtype: torch.dtype, device: torch.device, now) -> tu
     """Seconds to copy the new weights once, in vkv's dtype, into memory fresh from the system, as
     the update writes into the weights' pages fresh from it: on the host an anonymous mapping of
     2 MiB pages where the kernel allows (as the weights' own pool), faulted by the copy; on a GPU
-    new device memory. Measured right after the update, so both meet the same state of the
-    machine (a virtual machine's freed memory, given back to its host, is slower to touch again);
+    new device memory. Measured between the sleep and the wake-up, so that the copy and the update
+    after it meet the same state of the machine: memory the sleep has just given back (a virtual
+    machine's freed memory, once reported to its host, is several times slower to touch again);
     a tensor that two names share (a tied embedding) is copied once, as the update writes it once.
     Returns it, and the seconds of the same copy again into the same memory (the copy's bandwidth
     alone, nothing faulted)."""
@@ -171,23 +173,24 @@ def main(argv: list[str] | None = None) -> dict:
         awake = held_bytes(llm, device)
         t0 = now()
         llm.sleep(args.sleep_level)
-        t1 = now()
+        sleep_s = now() - t0
         asleep = held_bytes(llm, device)
+        copy_s, copy_warm_s = copy_floor(state, getattr(torch, args.dtype), device, now)
+        t1 = now()
         llm.wake_up(["weights"])
         t2 = now()
         llm.update_weights_from_tensor(state)
         t3 = now()
         llm.wake_up(["kv_cache"])
         t4 = now()
-        copy_s, copy_warm_s = copy_floor(state, getattr(torch, args.dtype), device, now)
         rounds.append({"round": r, "mean_reward": sum(rewards) / len(rewards), "logprob_gap_mean": sum(gaps) / len(gaps),
-                       "logprob_gap_max": max(gaps), "sleep_s": t1 - t0, "wake_s": (t2 - t1) + (t4 - t3),
+                       "logprob_gap_max": max(gaps), "sleep_s": sleep_s, "wake_s": (t2 - t1) + (t4 - t3),
                        "update_s": t3 - t2, "copy_floor_s": copy_s,
                        "copy_into_touched_memory_s": copy_warm_s,
                        "wake_and_update_over_copy": (t4 - t1) / copy_s, "anon_awake_bytes": awake[0], "anon_asleep_bytes": asleep[0],
                        "pools_awake_bytes": awake[1], "pools_asleep_bytes": asleep[1]})
         print(f"round {r}: reward {rounds[-1]['mean_reward']:.3f}, logprob gap mean {rounds[-1]['logprob_gap_mean']:.2e} "
-              f"max {rounds[-1]['logprob_gap_max']:.2e}; sleep {t1 - t0:.3f} s, wake {t2 - t1 + t4 - t3:.3f} s, update "
+              f"max {rounds[-1]['logprob_gap_max']:.2e}; sleep {sleep_s:.3f} s, wake {t2 - t1 + t4 - t3:.3f} s, update "
               f"{t3 - t2:.3f} s (copy floor {copy_s:.3f} s; a fresh start: {fresh_start_s:.2f} s, {fresh_start_plain_s:.2f} s without sleep mode); "
               f"pools {awake[1] >> 20} -> {asleep[1] >> 20} MiB, anonymous {awake[0] >> 20} -> {asleep[0] >> 20} MiB",
               flush=True)
