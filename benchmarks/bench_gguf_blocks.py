@@ -15,7 +15,8 @@ modules), and the decode rate of one greedy stream of `--tokens` tokens after a 
 deterministic) over `--texts` held-out texts: first replies of ShareGPT conversations from the
 dataset's end, up to 511 tokens each (prompt_logprobs, every token after the first). Defaults
 otherwise (fp32, prefix caching on). The model is the bundled SmolLM2-135M-Instruct Q4_1 GGUF
-unless --model names another .gguf file.
+unless --model names another .gguf file; `--configs gguf` runs the blocks alone (a model too large
+to hold dequantized), and `memory_gguf_over_file` is its resident memory over the file's size.
 """
 from __future__ import annotations
 
@@ -77,12 +78,17 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--plot")
     p.add_argument("--texts", type=int, default=16, help="held-out texts for perplexity")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="which of gguf, gguf-fp32-x, plain (an 8B model dequantized to fp32 needs 32 GB)")
     p.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
     args = p.parse_args()
+    configs = args.configs.split(",")
+    if not configs or set(configs) - set(CONFIGS):
+        p.error(f"--configs takes a comma-separated list of {', '.join(CONFIGS)}")
     if args.child:
         print(json.dumps(child(args.model, args.child, args.tokens, args.texts)))
         return
-    runs = {kind: [] for kind in CONFIGS}
+    runs = {kind: [] for kind in CONFIGS if kind in configs}
     for repeat in range(args.repeats):
         for kind in runs:
             argv = [sys.executable, __file__, "--child", kind, "--tokens", str(args.tokens),
@@ -102,20 +108,24 @@ def main() -> None:
             summary[kind] |= {"perplexity": rs[0]["perplexity"], "scored_tokens": rs[0]["scored_tokens"]}
     from engine.models.loader import bundled_gguf
     path = args.model or str(bundled_gguf())
-    ppl = {kind: summary[kind].get("perplexity") for kind in CONFIGS}
+    ppl = {kind: summary.get(kind, {}).get("perplexity") for kind in CONFIGS}
+
+    def ratio(a, b, field):  # None where either configuration did not run
+        return summary[a][field] / summary[b][field] if a in summary and b in summary else None
     result = {"benchmark": "gguf_blocks", "machine": machine_info(), "command": " ".join(["python"] + sys.argv),
               "model": os.path.basename(path), "file_mib": os.path.getsize(path) / 2 ** 20,
               "settings": {"tokens": args.tokens, "repeats": args.repeats, "dtype": "float32", "texts": args.texts,
                            "note": "defaults otherwise; each configuration in its own process, alternating; "
                                    "gguf-fp32-x is not an engine option (the benchmark sets it)"},
               "summary": summary,
-              "memory_ratio_plain_over_gguf": summary["plain"]["weights_and_engine_mib"]
-              / summary["gguf"]["weights_and_engine_mib"],
-              "decode_ratio_gguf_over_plain": summary["gguf"]["decode_tok_per_s"] / summary["plain"]["decode_tok_per_s"],
-              "decode_ratio_gguf_over_fp32_x": summary["gguf"]["decode_tok_per_s"]
-              / summary["gguf-fp32-x"]["decode_tok_per_s"],
-              "perplexity_ratio_gguf_over_plain": ppl["gguf"] / ppl["plain"] if args.texts else None,
-              "perplexity_ratio_fp32_x_over_plain": ppl["gguf-fp32-x"] / ppl["plain"] if args.texts else None,
+              "memory_ratio_plain_over_gguf": ratio("plain", "gguf", "weights_and_engine_mib"),
+              "memory_gguf_over_file": (summary["gguf"]["weights_and_engine_mib"] / (os.path.getsize(path) / 2 ** 20)
+                                        if "gguf" in summary else None),
+              "decode_ratio_gguf_over_plain": ratio("gguf", "plain", "decode_tok_per_s"),
+              "decode_ratio_gguf_over_fp32_x": ratio("gguf", "gguf-fp32-x", "decode_tok_per_s"),
+              "perplexity_ratio_gguf_over_plain": ppl["gguf"] / ppl["plain"] if args.texts and ppl["plain"] else None,
+              "perplexity_ratio_fp32_x_over_plain": (ppl["gguf-fp32-x"] / ppl["plain"]
+                                                     if args.texts and ppl["plain"] and ppl["gguf-fp32-x"] else None),
               "runs": runs}
     print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "runs")}, indent=1))
     save(result, args.json, args.plot, plot)
@@ -129,14 +139,15 @@ def plot(result: dict, path: str) -> None:
     kinds = list(s)
     names = {"gguf": "GGUF blocks\n(int8 x)", "gguf-fp32-x": "GGUF blocks\n(fp32 x)", "plain": "dequantized\n(fp32)"}
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    left.bar([names[k] for k in kinds], [s[k]["weights_and_engine_mib"] for k in kinds], color=["C0", "C2", "C1"])
+    colors = [{"gguf": "C0", "gguf-fp32-x": "C2", "plain": "C1"}[k] for k in kinds]
+    left.bar([names[k] for k in kinds], [s[k]["weights_and_engine_mib"] for k in kinds], color=colors)
     left.axhline(result["file_mib"], color="k", ls="--", lw=1, label="the file")
     left.set_ylabel("MiB resident (engine built)")
     left.legend()
     rates = [s[k]["decode_tok_per_s"] for k in kinds]
     spread = [[r - s[k]["decode_tok_per_s_range"][0] for r, k in zip(rates, kinds)],
               [s[k]["decode_tok_per_s_range"][1] - r for r, k in zip(rates, kinds)]]
-    right.bar([names[k] for k in kinds], rates, yerr=spread, capsize=4, color=["C0", "C2", "C1"])
+    right.bar([names[k] for k in kinds], rates, yerr=spread, capsize=4, color=colors)
     for i, k in enumerate(kinds):
         if s[k].get("perplexity"):
             right.text(i, rates[i] / 2, f"ppl {s[k]['perplexity']:.3f}", ha="center", color="white")
