@@ -1,3 +1,8 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import vmm
@@ -91,3 +96,32 @@ def own_weights(monkeypatch):
     from engine.models import load_model
 
     monkeypatch.setattr(rank, "load_model", load_model)
+
+
+_PREBUILD = Path(__file__).parent / "ext" / "prebuild_isas.py"
+
+
+def pytest_sessionstart(session):
+    """In the run's first process (xdist's controller, or the only one), when the run includes
+    test_kernels.py and more than one worker: the other ISAs' kernel builds start at the lowest
+    priority (tests/ext/prebuild_isas.py says why)."""
+    config = session.config
+    if (hasattr(config, "workerinput") or os.environ.get("VKV_OTHER_ISA_RUN") or os.environ.get("VKV_NO_NATIVE")
+            or not getattr(config.option, "numprocesses", None)):
+        return
+    kernels = _PREBUILD.parent / "test_kernels.py"
+    paths = [Path(str(a).split("::")[0]).resolve() for a in config.args] or [Path.cwd()]
+    if not any(p == kernels or p in kernels.parents for p in paths):
+        return
+    config._vkv_prebuild = subprocess.Popen([sys.executable, str(_PREBUILD)], preexec_fn=lambda: os.nice(19),
+                                            start_new_session=True, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL)
+
+
+def pytest_sessionfinish(session):
+    """The prebuild, if still running, is stopped with the run (its build is made again by the next
+    process that needs it)."""
+    prebuild = getattr(session.config, "_vkv_prebuild", None)
+    if prebuild is not None and prebuild.poll() is None:
+        os.killpg(prebuild.pid, 9)
+        prebuild.wait()
