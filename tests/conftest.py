@@ -98,18 +98,18 @@ def own_weights(monkeypatch):
     monkeypatch.setattr(rank, "load_model", load_model)
 
 
-_PREBUILD = Path(__file__).parent / "ext" / "prebuild_isas.py"
+_PREBUILD = Path(__file__).parent / "prebuild.py"
 
 
 def pytest_sessionstart(session):
     """In the run's first process (xdist's controller, or the only one), when the run includes
-    test_kernels.py and more than one worker: the other ISAs' kernel builds start at the lowest
-    priority (tests/ext/prebuild_isas.py says why)."""
+    test_kernels.py and workers: the bundled model's conversion and the other ISAs' kernel builds
+    start at the lowest priority (tests/prebuild.py says why)."""
     config = session.config
     if (hasattr(config, "workerinput") or os.environ.get("VKV_OTHER_ISA_RUN") or os.environ.get("VKV_NO_NATIVE")
             or not getattr(config.option, "numprocesses", None)):
         return
-    kernels = _PREBUILD.parent / "test_kernels.py"
+    kernels = _PREBUILD.parent / "ext" / "test_kernels.py"
     paths = [Path(str(a).split("::")[0]).resolve() for a in config.args] or [Path.cwd()]
     if not any(p == kernels or p in kernels.parents for p in paths):
         return

@@ -547,9 +547,9 @@ def test_attention_reads_nothing_past_each_context():
 
 
 def other_isas() -> list[str]:
-    """The kernel ISAs this machine can build besides its own (prebuild_isas.py's list, AVX-512
+    """The kernel ISAs this machine can build besides its own (tests/prebuild.py's list, AVX-512
     through SIMDe included where its headers are missing: its test then says so)."""
-    from prebuild_isas import other_isas as isas
+    from prebuild import other_isas as isas
     return isas(buildable_only=False)
 
 

@@ -1,16 +1,17 @@
-"""Build the kernels of every other ISA that test_kernels' children test, one after the other, in
-processes of the lowest priority: started by conftest.py when a run includes them, so that those
-builds take cycles the suite leaves idle (a worker waiting on the native build's lock, on a
-server's start, on a deadline) instead of a worker's time when the children start. Each build is
-the one the child would make itself (same sources, flags and $VKV_CACHE_DIR, so the same key),
-under the same flock: a child that starts first waits for it, and a build stopped at the end of
-the run is made again by whoever needs it next."""
+"""What the suite's workers would otherwise make themselves, made at the lowest priority in
+the cycles they leave idle (a worker waiting on the native build's lock, on a server's start, on
+a deadline): the bundled model's fp32 conversion (about 19 s of one core), then the kernels of
+every other ISA that test_kernels' children test (20-25 s each). Started by conftest.py when a
+run with workers includes test_kernels.py. Each is what its first user would make (the same
+$VKV_CACHE_DIR, sources and flags, so the same key) under the same file lock: a worker that
+needs it first waits for it, and one stopped at the end of the run is made again by the next
+process that needs it."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def other_isas(buildable_only: bool = True) -> list[str]:
@@ -26,6 +27,8 @@ def other_isas(buildable_only: bool = True) -> list[str]:
 
 
 if __name__ == "__main__":
+    subprocess.run([sys.executable, "-c", "from engine.models.loader import checkpoint_dir; checkpoint_dir(None)"],
+                   cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for isa in other_isas():
         subprocess.run([sys.executable, "-c", "import ext; ext.cpu_kernels()"], cwd=str(ROOT),
                        env={**os.environ, "VKV_CPU_ISA": isa}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
