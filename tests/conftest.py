@@ -113,9 +113,12 @@ def pytest_sessionstart(session):
     paths = [Path(str(a).split("::")[0]).resolve() for a in config.args] or [Path.cwd()]
     if not any(p == kernels or p in kernels.parents for p in paths):
         return
-    config._vkv_prebuild = subprocess.Popen([sys.executable, str(_PREBUILD)], preexec_fn=lambda: os.nice(19),
-                                            start_new_session=True, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL)
+    prebuild = subprocess.Popen([sys.executable, str(_PREBUILD)], start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # niced at once, long before its imports end and it starts the builds, which inherit it (not
+    # by preexec_fn: this process has threads)
+    os.setpriority(os.PRIO_PROCESS, prebuild.pid, 19)
+    config._vkv_prebuild = prebuild
 
 
 def pytest_sessionfinish(session):
