@@ -25,6 +25,7 @@ on the same weights, with sleep mode and without.
 from __future__ import annotations
 
 import argparse
+import itertools
 import mmap
 import os
 import statistics
@@ -78,16 +79,29 @@ def copy_floor(state: dict, dtype: torch.dtype, device: torch.device, now) -> tu
     Returns it, and the seconds of the same copy again into the same memory (the copy's bandwidth
     alone, nothing faulted)."""
     tensors = list({t.data_ptr(): t for t in state.values()}.values())
+    pages = None
+    started = now()
     if device.type == "cuda":
-        started = now()
-        fresh = [t.to(dtype, copy=True) for t in tensors]
-        seconds = now() - started
-        started = now()
-        for f, t in zip(fresh, tensors):
-            f.copy_(t)
-        warm = now() - started
-        del fresh
-        return seconds, warm
+        slots = [t.to(dtype, copy=True) for t in tensors]
+    else:
+        sizes = [-(-t.numel() * dtype.itemsize // 64) * 64 for t in tensors]
+        pages = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        pages.madvise(mmap.MADV_HUGEPAGE)
+        raw, slots = torch.frombuffer(pages, dtype=torch.uint8), []
+        for t, at in zip(tensors, itertools.accumulate(sizes, initial=0)):
+            slots.append(raw[at:at + t.numel() * dtype.itemsize].view(dtype).view(t.shape))
+        del raw
+        for slot, t in zip(slots, tensors):
+            slot.copy_(t)
+    seconds = now() - started
+    started = now()  # the same copy again, the memory now faulted: the copy's bandwidth alone
+    for slot, t in zip(slots, tensors):
+        slot.copy_(t)
+    warm = now() - started
+    del slots
+    if pages is not None:
+        pages.close()
+    return seconds, warm
     sizes = [-(-t.numel() * dtype.itemsize // 64) * 64 for t in tensors]
     started = now()
     pages = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
