@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"unknown kernels {sorted(unknown)}: choose from {KERNELS}")
     torch.manual_seed(0)
     result = {"benchmark": "long_context_decode_attention", "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": DIM},
-              "dtype": "bfloat16", "flex_compiled": "per batch size (torch._dynamo.mark_static on the batch)", "copy_bandwidth_gb_s": copy_bandwidth(device) / 1e9, "machine": machine_info(),
+              "dtype": "bfloat16", "flex_compiled": "per batch size (torch._dynamo.mark_static on the batch)",
+              "copy_bandwidth_gb_s": copy_bandwidth(device) / 1e9, "machine": machine_info(),
               "rows": [], "command": "python benchmarks/bench_long_context.py "
                                      + " ".join(sys.argv[1:] if argv is None else argv)}
     bandwidth = result["copy_bandwidth_gb_s"] * 1e9

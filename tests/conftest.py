@@ -117,7 +117,10 @@ def pytest_sessionstart(session):
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     # niced at once, long before its imports end and it starts the builds, which inherit it (not
     # by preexec_fn: this process has threads)
-    os.setpriority(os.PRIO_PROCESS, prebuild.pid, 19)
+    try:
+        os.setpriority(os.PRIO_PROCESS, prebuild.pid, 19)
+    except ProcessLookupError:  # (it has already ended: nothing of it to slow the run)
+        return
     config._vkv_prebuild = prebuild
 
 
@@ -126,5 +129,8 @@ def pytest_sessionfinish(session):
     process that needs it)."""
     prebuild = getattr(session.config, "_vkv_prebuild", None)
     if prebuild is not None and prebuild.poll() is None:
-        os.killpg(prebuild.pid, 9)
+        try:
+            os.killpg(prebuild.pid, 9)
+        except ProcessLookupError:  # (it ended since)
+            pass
         prebuild.wait()
