@@ -100,7 +100,13 @@ SHAPES = {"llama-3.2-1b": {"block_count": 16, "embedding_length": 2048, "feed_fo
                            "context_length": 8192},
           "llama-3.1-8b": {"block_count": 32, "embedding_length": 4096, "feed_forward_length": 14336,
                            "attention.head_count": 32, "attention.head_count_kv": 8, "rope.freq_base": 500000.0,
-                           "context_length": 8192}}
+                           "context_length": 8192},
+          # Qwen2.5-7B's layers: 28 of them, 3584 wide, 18944 in the MLP, 28 query heads and 4 KV heads of 128,
+          # biases on q, k and v, an LM head of its own (not tied), written as llama.cpp's qwen2 architecture
+          "qwen2.5-7b": {"block_count": 28, "embedding_length": 3584, "feed_forward_length": 18944,
+                         "attention.head_count": 28, "attention.head_count_kv": 4, "rope.freq_base": 1000000.0,
+                         "context_length": 8192, "architecture": "qwen2", "qkv_bias": True, "tied": False}}
+ARCH_ONLY = ("architecture", "qkv_bias", "tied")  # a shape's keys that are not the file's {arch}.* fields
 # --isa avx2: llama.cpp's x86 options for an AVX2 CPU (GGML_NATIVE off: nothing else is switched on)
 AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
               "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
@@ -172,13 +178,15 @@ def random_gguf(root: Path, shape: str, seed: int = 0) -> Path:
     hidden, inter, heads, kv = (cfg[k] for k in ("embedding_length", "feed_forward_length", "attention.head_count",
                                                    "attention.head_count_kv"))
     head_dim = hidden // heads
-    writer = GGUFWriter(str(out) + ".part", "llama")
+    arch = cfg.get("architecture", "llama")
+    writer = GGUFWriter(str(out) + ".part", arch)
     writer.add_name(f"random {shape} (seed {seed})")
     for key, value in cfg.items():
-        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"llama.{key}", value)
-    writer.add_uint32("llama.vocab_size", vocab)
-    writer.add_uint32("llama.rope.dimension_count", head_dim)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+        if key not in ARCH_ONLY:
+            (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"{arch}.{key}", value)
+    writer.add_uint32(f"{arch}.vocab_size", vocab)
+    writer.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6 if arch == "qwen2" else 1e-5)
     writer.add_uint32("general.file_type", 1)  # (mostly F16)
     for key, field in bundled.fields.items():  # the tokenizer, as the bundled model has it
         if key.startswith("tokenizer."):
@@ -192,11 +200,15 @@ def random_gguf(root: Path, shape: str, seed: int = 0) -> Path:
 
     writer.add_tensor("token_embd.weight", weight(vocab, hidden))
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    if not cfg.get("tied", True):
+        writer.add_tensor("output.weight", weight(vocab, hidden), raw_dtype=GGMLQuantizationType.F16)
     for n in range(cfg["block_count"]):
         for name, rows, cols in (("attn_q", hidden, hidden), ("attn_k", kv * head_dim, hidden),
                                  ("attn_v", kv * head_dim, hidden), ("attn_output", hidden, hidden),
                                  ("ffn_gate", inter, hidden), ("ffn_up", inter, hidden), ("ffn_down", hidden, inter)):
             writer.add_tensor(f"blk.{n}.{name}.weight", weight(rows, cols), raw_dtype=GGMLQuantizationType.F16)
+            if cfg.get("qkv_bias") and name in ("attn_q", "attn_k", "attn_v"):
+                writer.add_tensor(f"blk.{n}.{name}.bias", (rng.standard_normal(rows, dtype=np.float32) * 0.02))
         for name in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{n}.{name}.weight", np.ones(hidden, np.float32))
     for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
