@@ -8,8 +8,10 @@ oneDNN's packed fp32 GEMM (`torch.ops.mkldnn._linear_pointwise` over a weight re
 batch-size hint of 128) and now run on vkv's `linear_panels`. This measures both, alone, for the
 rows a decode batch has (5 to 64) and a prefill chunk's (128, 512), on each of the model's
 shapes: qkv 576 -> 960, o 576 -> 576, gate/up 576 -> 3072, down 1536 -> 576 and the LM head
-576 -> 49152. Median of several calls after a warm-up; GFLOP/s = 2 M K N / time. Run alone:
-another process on the same cores halves either figure.
+576 -> 49152. Median of several calls after a warm-up; GFLOP/s = 2 M K N / time. Beside them,
+the FMA peak measured before and after the shapes (`roofline.fma_peak_gflops`: fp32 FMAs on
+every thread in the widest vector, no loads) and each GEMM's share of it. Run alone: another
+process on the same cores halves either figure.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import machine_info, save  # noqa: E402
+from roofline import fma_peak_gflops  # noqa: E402
 
 import ext  # noqa: E402
 from engine.models.linear import PACK_HINT, Linear  # noqa: E402
@@ -49,6 +52,7 @@ def main() -> None:
     if ext.cpu_kernels() is None:
         sys.exit(f"the native CPU kernels are unavailable: {ext.cpu_kernels_error()}")
     torch.manual_seed(0)
+    peaks = [fma_peak_gflops()]
     rows = []
     for name, (k, n) in SHAPES.items():
         layer = Linear(k, n)
@@ -66,9 +70,14 @@ def main() -> None:
                          "speedup": onednn / panels})
             print(f"[bench] {name:8s} {m:4d} rows: oneDNN {flops / onednn / 1e9:6.1f} GFLOP/s, "
                   f"panels {flops / panels / 1e9:6.1f} GFLOP/s ({onednn / panels:.2f}x)", flush=True)
+    peaks.append(fma_peak_gflops())
+    peak = statistics.mean(p["gflops"] for p in peaks)
+    for r in rows:
+        r |= {"panels_share_of_peak": r["panels_gflops"] / peak, "onednn_share_of_peak": r["onednn_gflops"] / peak}
+    print(f"[bench] FMA peak {peak:.1f} GFLOP/s (before {peaks[0]['gflops']:.1f}, after {peaks[1]['gflops']:.1f})")
     result = {"benchmark": "gemm", "command": "python " + " ".join(sys.argv), "machine": machine_info(),
               "kernel_isa": ext.kernel_isa()[0], "panel_width": torch.ops.vkv.panel_width(),
-              "threads": torch.get_num_threads(), "results": rows}
+              "threads": torch.get_num_threads(), "fma_peak_gflops": peak, "fma_peak_runs": peaks, "results": rows}
     save(result, args.json, args.plot, plot)
 
 
@@ -83,6 +92,8 @@ def plot(result: dict, path: str) -> None:
         ax.plot([r["rows"] for r in mine], [r["panels_gflops"] for r in mine], "-o", color=color, label=f"{name}: vkv panels")
         ax.plot([r["rows"] for r in mine], [r["onednn_gflops"] for r in mine], "--", color=color, alpha=0.6,
                 label=f"{name}: oneDNN")
+    if "fma_peak_gflops" in result:
+        ax.axhline(result["fma_peak_gflops"], color="k", lw=0.8, ls=":", label="FMA peak (measured)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("rows (tokens in the step)")
     ax.set_ylabel("GFLOP/s (fp32)")

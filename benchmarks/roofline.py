@@ -3,8 +3,11 @@
     memory bandwidth   a STREAM triad (a = b + s*c) over arrays far larger than the caches, all
                        threads; bytes = 3 arrays (the write-allocate is not counted, as STREAM);
                        and reading alone (a sum over one such array), what decode does
-    FMA peak           cores x clock x FMA units x fp32 lanes x 2 (the clock from /proc/cpuinfo;
-                       FMA units: 2 on Zen 2+ and on Xeons with two AVX-512 ports, else given)
+    FMA peak           fp32 FMAs a second on every thread at once (ext's `fma_rate`: 12
+                       independent chains per thread in the kernels' widest vector), measured:
+                       computed from /proc/cpuinfo's clock and a count of FMA units it was 1.5x
+                       too high on a Zen 4 (its cores boost past that clock, and a 512-bit FMA
+                       takes both of its 256-bit units)
     best GEMM          oneDNN with packed weights (what the engine's projections run) at a large
                        shape, fp32 and bf16 (bf16 where this CPU runs it natively; else the plain
                        emulated matmul, for the record)
@@ -16,7 +19,7 @@ head_dim per layer for attention) against the FMA peak.
 """
 from __future__ import annotations
 
-import os
+import statistics
 import time
 
 import torch
@@ -72,11 +75,15 @@ def clock_ghz() -> float:
         return 0.0
 
 
-def fma_peak_gflops(fma_units: int = 2) -> dict:
-    lanes = {"avx512": 16, "avx2": 8, "scalar": 4}[ext.native_isa()]
-    cores, ghz = torch.get_num_threads(), clock_ghz()
-    return {"gflops": cores * ghz * fma_units * lanes * 2, "cores": cores, "clock_ghz": ghz, "fma_units": fma_units,
-            "fp32_lanes": lanes}
+def fma_peak_gflops(iterations: int = 20_000_000, repeats: int = 5) -> dict:
+    """The FMA peak as ext's `fma_rate` measures it on torch's threads: the median of `repeats`
+    (each about 0.2 s on one core), with the spread."""
+    if ext.cpu_kernels() is None:
+        raise RuntimeError(f"the FMA peak is measured by the native kernels: {ext.cpu_kernels_error()}")
+    rates = sorted(torch.ops.vkv.fma_rate(iterations) for _ in range(repeats))
+    isa = torch.ops.vkv.isa()
+    return {"gflops": statistics.median(rates), "range": [rates[0], rates[-1]], "cores": torch.get_num_threads(),
+            "kernel_isa": isa, "cpuinfo_clock_ghz": clock_ghz(), "method": "measured: ext fma_rate"}
 
 
 def gemm_gflops(dtype: torch.dtype, m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 5) -> dict:
@@ -95,9 +102,8 @@ def gemm_gflops(dtype: torch.dtype, m: int = 512, k: int = 2048, n: int = 2048, 
     return {"gflops": 2 * m * k * n / best / 1e9, "path": path, "shape": [m, k, n]}
 
 
-def machine_limits(fma_units: int | None = None) -> dict:
-    units = fma_units or int(os.environ.get("VKV_FMA_UNITS", 2))
-    return {"stream_triad_gbps": stream_triad_gbps(), "fma_peak": fma_peak_gflops(units),
+def machine_limits() -> dict:
+    return {"stream_triad_gbps": stream_triad_gbps(), "fma_peak": fma_peak_gflops(),
             "gemm_fp32": gemm_gflops(torch.float32), "gemm_bf16": gemm_gflops(torch.bfloat16)}
 
 

@@ -8,9 +8,9 @@ slower (benchmarks/results/cpu/design_choices.json, "onednn_packed").
 
 Decode steps of a few rows are bound by reading the weights, and there oneDNN's packed GEMM
 reads them slowly (benchmarks/results/cpu/design_choices.json, "onednn_slow_rows"). Steps of
-more rows (decode batches, prefill) are bound by arithmetic, and there oneDNN's packed GEMM
-reaches about a third of the FMA peak. With the native kernels built
-and fp32 arithmetic, the weight is instead packed into column panels for vkv's register-tiled
+more rows (decode batches, prefill) are bound by arithmetic, and there both oneDNN's packed
+GEMM and the panel GEMM below run near the FMA peak. With the native kernels built and fp32
+arithmetic, the weight is instead packed into column panels for vkv's register-tiled
 GEMM (ext: `linear_panels`), which replaces oneDNN's copy (no more memory) and serves every
 step (`benchmarks/bench_gemm.py` measures it against oneDNN at 1 to 512 rows), and at one row
 each thread streams its run of panels front to back, faster than a kernel streaming the plain

@@ -23,6 +23,8 @@
 //   linear_gguf          x W^T, W in a GGUF file's blocks, unpacked in registers; with quantize_x,
 //                        x's rows as int8 blocks and integer sums (llama.cpp's arithmetic)
 //   dequantize_gguf      rows of such a W, as fp32 (a quantized embedding's lookups)
+//   fma_rate             the fp32 FMA rate this build's vectors reach on every thread: the
+//                        arithmetic ceiling the benchmarks hold GEMMs to (benchmarks/roofline.py)
 //
 // Compiled once per machine by ext/__init__.py with -O3 -march=native -ffp-contract=off
 // -fopenmp-simd (the elementwise kernels round like torch's ops; the dot products ask for fma
@@ -37,9 +39,63 @@
 #include "common.h"
 #include "ops.h"
 
+#include <numeric>
+
 namespace vkv {
 
 std::string isa() { return VKV_ISA; }
+
+// GFLOP/s of fp32 FMAs in this build's widest vector, on each of at::get_num_threads() threads at
+// once: each runs 12 independent chains (more than any x86 core's FMA latency times its FMA
+// issue width) for `iterations` steps. Measured, not computed from a clock and a count of units:
+// /proc/cpuinfo's clock is not the boost clock the cores run at, and a core's FMA units may be
+// narrower than its widest vector (Zen 4 runs a 512-bit FMA on both of its 256-bit units).
+double fma_rate(int64_t iterations) {
+  TORCH_CHECK(iterations > 0, "fma_rate: iterations > 0");
+#if defined(VKV_VEC)
+  using R = typename Vec::R;
+  constexpr int64_t kLanes = Vec::W;
+#else
+  using R = float;
+  constexpr int64_t kLanes = 1;
+#endif
+  auto fma = [](R a, R b, R c) {
+#if defined(VKV_VEC)
+    return Vec::fmadd(a, b, c);
+#else
+    return std::fma(a, b, c);
+#endif
+  };
+  auto set1 = [](float x) {
+#if defined(VKV_VEC)
+    return Vec::set1(x);
+#else
+    return x;
+#endif
+  };
+  const int threads = at::get_num_threads();
+  std::vector<float> sink(threads, 0.f);
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const R b = set1(0.999999f), c = set1(1e-6f);
+      R a0 = set1(0), a1 = set1(1), a2 = set1(2), a3 = set1(3), a4 = set1(4), a5 = set1(5);
+      R a6 = set1(6), a7 = set1(7), a8 = set1(8), a9 = set1(9), a10 = set1(10), a11 = set1(11);
+      for (int64_t i = 0; i < iterations; ++i) {
+        a0 = fma(a0, b, c), a1 = fma(a1, b, c), a2 = fma(a2, b, c), a3 = fma(a3, b, c);
+        a4 = fma(a4, b, c), a5 = fma(a5, b, c), a6 = fma(a6, b, c), a7 = fma(a7, b, c);
+        a8 = fma(a8, b, c), a9 = fma(a9, b, c), a10 = fma(a10, b, c), a11 = fma(a11, b, c);
+      }
+      const R all[12] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11};
+      float sum = 0.f;  // (kept, so the chains are not optimized away)
+      for (const R& a : all) sum += reinterpret_cast<const float*>(&a)[0];
+      sink[t] = sum;
+    }
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  TORCH_CHECK(std::isfinite(std::accumulate(sink.begin(), sink.end(), 0.f)), "fma_rate: chains overflowed");
+  return static_cast<double>(threads) * iterations * 12 * kLanes * 2 / seconds / 1e9;
+}
 
 }  // namespace vkv
 
@@ -74,6 +130,7 @@ TORCH_LIBRARY(vkv, m) {
   m.def("write_panels(Tensor(a!) panels, Tensor w, int row) -> ()");
   m.def("linear_gguf(Tensor x, Tensor w, int type, Tensor? bias, Tensor(a!) out, bool quantize_x=False) -> ()");
   m.def("dequantize_gguf(Tensor w, int type, Tensor rows, Tensor(a!) out) -> ()");
+  m.def("fma_rate(int iterations) -> float", &fma_rate);  // GFLOP/s of fp32 FMAs, every thread
 }
 
 TORCH_LIBRARY_IMPL(vkv, CPU, m) {

@@ -8,8 +8,9 @@ namespace vkv {
 
 
 // ---------------------------------------------------------------------------------------------
-// linear_panels: x W^T for every step, decode's few rows to prefill's hundreds. oneDNN's packed
-// GEMM reaches a third of this CPU's FMA peak at 32 rows; a register tile does better. At one
+// linear_panels: x W^T for every step, decode's few rows to prefill's hundreds. A register tile
+// reaches the FMA peak's neighbourhood from a few dozen rows (as oneDNN's packed GEMM does from
+// more), and reads the weights faster at a few (benchmarks/bench_gemm.py). At one
 // row the step only streams W: each thread reads its run of panels front to back (one long
 // stream, the next panel fetched ahead), faster than streaming W's plain rows
 // (benchmarks/results/cpu/design_choices.json, "panels"). The weight is packed once

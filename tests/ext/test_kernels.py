@@ -636,6 +636,15 @@ def test_the_kernels_say_which_isa_they_were_built_for():
     assert ext.cpu_kernels().isa() == ext.kernel_isa()[0]
 
 
+def test_the_fma_rate_counts_every_thread_and_refuses_no_work():
+    """benchmarks/roofline.py's FMA peak: GFLOP/s over torch's threads, a positive finite rate
+    (0.2 ms of chains here: a rate, not this machine's peak), and no iterations refused."""
+    rate = torch.ops.vkv.fma_rate(100_000)
+    assert 0.05 < rate < 1e5  # (a scalar build on a slow core to many AVX-512 cores)
+    with pytest.raises(RuntimeError, match="iterations > 0"):
+        torch.ops.vkv.fma_rate(0)
+
+
 def test_the_engine_runs_without_the_native_kernels():
     """Where the kernels cannot be built, the engine picks the torch references."""
     script = ("from engine import LLM, SamplingParams\n"
