@@ -45,8 +45,8 @@ namespace vkv {
 
 std::string isa() { return VKV_ISA; }
 
-// GFLOP/s of fp32 FMAs in this build's widest vector, on each of at::get_num_threads() threads at
-// once: each runs 12 independent chains (more than any x86 core's FMA latency times its FMA
+// GFLOP/s of fp32 FMAs in this build's widest vector (the scalar build: a multiply and an add,
+// 2 flops as one FMA's), on each of at::get_num_threads() threads at once: each runs 12 independent chains (more than any x86 core's FMA latency times its FMA
 // issue width) for `iterations` steps. Measured, not computed from a clock and a count of units:
 // /proc/cpuinfo's clock is not the boost clock the cores run at, and a core's FMA units may be
 // narrower than its widest vector (Zen 4 runs a 512-bit FMA on both of its 256-bit units).
@@ -63,7 +63,7 @@ double fma_rate(int64_t iterations) {
 #if defined(VKV_VEC)
     return Vec::fmadd(a, b, c);
 #else
-    return std::fma(a, b, c);
+    return a * b + c;  // (a multiply and an add: without FMA instructions, std::fma is a libm call)
 #endif
   };
   auto set1 = [](float x) {
