@@ -1,6 +1,6 @@
 """What the suite's workers would otherwise make themselves, made at the lowest priority in
 the cycles they leave idle (a worker waiting on the native build's lock, on a server's start, on
-a deadline): the bundled model's fp32 conversion (about 19 s of one core), then the kernels of
+a deadline): the bundled model's fp32 conversion (about 10 s of one core), then the kernels of
 every other ISA that test_kernels' children test (20-25 s each). Started by conftest.py when a
 run with workers includes test_kernels.py. Each is what its first user would make (the same
 $VKV_CACHE_DIR, sources and flags, so the same key) under the same file lock: a worker that

@@ -1,5 +1,6 @@
 """A GGUF file served as it is stored (quantization="gguf"): the bundled model's Q4_1 projections
-and Q8_0 embedding stay in their blocks, load as the same matrices transformers' loader gives,
+and Q8_0 embedding stay in their blocks, every served type loads as the matrices transformers'
+loader gives,
 and the engine scores and generates as the dequantized checkpoint does; a Q4_K_M file's Q4_K and
 Q6_K matrices stay in theirs."""
 import pytest
@@ -17,15 +18,69 @@ from helpers import k_quant_blocks, k_quant_model, one_call_equals_layer_by_laye
 pytestmark = pytest.mark.skipif(ext.cpu_kernels() is None, reason=f"CPU kernels unavailable: {ext.cpu_kernels_error()}")
 
 
-def test_the_files_blocks_are_the_matrices_transformers_loads():
+def every_type_gguf(path, hidden=256, inter=512, heads=4, kv=2, layers=2, vocab=320):
+    """A small Llama GGUF written by gguf-py whose matrices are every type vkv serves in its
+    blocks (Q8_0 embedding, tied; Q4_K q and up, Q4_1 k, Q6_K v and down, Q4_0 o, Q8_0 gate), its
+    norms F32: what transformers' GGUF loader reads in two seconds where the bundled file takes
+    twelve."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q, GGUFWriter, quants
+    writer = GGUFWriter(str(path), "llama")
+    for key, value in (("context_length", 128), ("embedding_length", hidden), ("block_count", layers),
+                       ("feed_forward_length", inter), ("attention.head_count", heads),
+                       ("attention.head_count_kv", kv), ("rope.dimension_count", hidden // heads), ("vocab_size", vocab)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_float32("llama.rope.freq_base", 10000.0)
+    rng, g = np.random.default_rng(0), torch.Generator().manual_seed(0)
+
+    def add(name, kind, rows, cols):
+        data = (k_quant_blocks(kind.name, rows, cols, g) if kind in (Q.Q4_K, Q.Q6_K)
+                else quants.quantize(rng.standard_normal((rows, cols), dtype=np.float32) * 0.05, kind))
+        writer.add_tensor(name, data, raw_dtype=kind)
+
+    add("token_embd.weight", Q.Q8_0, vocab, hidden)
+    writer.add_tensor("output_norm.weight", rng.standard_normal(hidden, dtype=np.float32))
+    kv_rows = kv * hidden // heads
+    for n in range(layers):
+        for name, kind, rows, cols in (("attn_q", Q.Q4_K, hidden, hidden), ("attn_k", Q.Q4_1, kv_rows, hidden),
+                                       ("attn_v", Q.Q6_K, kv_rows, hidden), ("attn_output", Q.Q4_0, hidden, hidden),
+                                       ("ffn_gate", Q.Q8_0, inter, hidden), ("ffn_up", Q.Q4_K, inter, hidden),
+                                       ("ffn_down", Q.Q6_K, hidden, inter)):
+            add(f"blk.{n}.{name}.weight", kind, rows, cols)
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{n}.{name}.weight", rng.standard_normal(hidden, dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    return path
+
+
+def test_the_files_blocks_are_the_matrices_transformers_loads(tmp_path):
     """Every tensor by its Hugging Face name, q and k rows un-permuted as transformers does:
-    each block matrix dequantizes to the converted checkpoint's fp32 tensor exactly."""
+    each block matrix of every served type dequantizes to transformers' fp32 tensor exactly (the
+    tied LM head left to the embedding). vkv's GGUF conversion writes these tensors
+    (loader._save_tensors), so this is also what a converted checkpoint holds."""
+    from transformers import AutoModelForCausalLM
+    path = every_type_gguf(tmp_path / "every_type.gguf")
+    blocks = read_gguf(path, 4, 2)
+    state = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
+    assert set(state) - set(blocks) == {"lm_head.weight"} and set(blocks) <= set(state)
+    assert {w.type_name for w in blocks.values() if isinstance(w, GgufWeight)} == {"Q8_0", "Q4_0", "Q4_1", "Q4_K",
+                                                                                    "Q6_K"}
+    for name, value in blocks.items():
+        plain = value.dequantized() if isinstance(value, GgufWeight) else value
+        assert torch.equal(plain, state[name]), name
+
+
+def test_the_bundled_checkpoint_is_its_files_blocks_dequantized():
+    """The bundled model converted once (checkpoint_dir): its Q4_1 projections and Q8_0 embedding
+    in fp32, names and values as its blocks give them, and no separate LM head (tied)."""
     cfg = load_config(None)
     blocks = read_gguf(bundled_gguf(), cfg.num_heads, cfg.num_kv_heads)
     state, _ = read_checkpoint(checkpoint_dir(None))
-    assert set(blocks) == set(state)
-    kinds = {w.type_name for w in blocks.values() if isinstance(w, GgufWeight)}
-    assert kinds == {"Q4_1", "Q8_0"}
+    assert set(blocks) == set(state) and "lm_head.weight" not in state
+    assert {w.type_name for w in blocks.values() if isinstance(w, GgufWeight)} == {"Q4_1", "Q8_0"}
     for name, value in blocks.items():
         plain = value.dequantized() if isinstance(value, GgufWeight) else value
         assert torch.equal(plain, state[name]), name

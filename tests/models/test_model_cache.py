@@ -30,7 +30,7 @@ def test_processes_starting_at_once_convert_the_gguf_once_and_all_get_it(tmp_pat
     monkeypatch.setenv("VKV_CACHE_DIR", str(tmp_path))
     calls = []
 
-    def slow_convert(path, out, weights):  # stands in for the 20 s conversion: same files, same end
+    def slow_convert(path, out, weights):  # stands in for the conversion (10 s): same files, same end
         calls.append(threading.get_ident())
         time.sleep(0.3)
         out.mkdir(parents=True)
