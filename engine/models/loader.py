@@ -34,6 +34,7 @@ import torch
 
 from engine.models.config import ModelConfig
 from engine.models.disk_memo import DiskMemo
+from engine.models.gguf_file import read_gguf_file
 from engine.models.gguf_weights import GgufWeight, read_gguf
 from engine.models.huge_pages import trim_heap
 from engine.models.llama import LlamaForCausalLM
@@ -134,6 +135,8 @@ def _convert(path: Path, out: Path, weights: bool = True) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     print(f"vkv: converting {path.name} once into {out} ...", flush=True)
+    read_gguf_file(path)  # (a damaged file named here, as vkv's reader checks every tensor's extent, not
+    # by an error from deep inside transformers' reader: "cannot reshape array of size ...")
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     config = _plain_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent))

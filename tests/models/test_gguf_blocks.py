@@ -1,8 +1,7 @@
 """A GGUF file served as it is stored (quantization="gguf"): the bundled model's Q4_1 projections
 and Q8_0 embedding stay in their blocks, every served type loads as the matrices transformers'
-loader gives,
-and the engine scores and generates as the dequantized checkpoint does; a Q4_K_M file's Q4_K and
-Q6_K matrices stay in theirs."""
+loader gives, and the engine scores and generates as the dequantized checkpoint does; a Q4_K_M
+file's Q4_K and Q6_K matrices stay in theirs; a file cut short is refused by name."""
 import pytest
 import torch
 
@@ -71,6 +70,17 @@ def test_the_files_blocks_are_the_matrices_transformers_loads(tmp_path):
     for name, value in blocks.items():
         plain = value.dequantized() if isinstance(value, GgufWeight) else value
         assert torch.equal(plain, state[name]), name
+
+
+def test_a_truncated_file_is_refused_by_name_before_anything_is_converted(tmp_path, monkeypatch):
+    """A GGUF cut short (a download stopped early) fails its conversion naming the tensor that runs
+    past the file's end, and leaves no converted directory for the next start to take."""
+    monkeypatch.setenv("VKV_CACHE_DIR", str(tmp_path / "cache"))
+    path = every_type_gguf(tmp_path / "cut.gguf")
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(ValueError, match="tensor 'blk.1.ffn_norm.weight': bytes .* past the file's end"):
+        checkpoint_dir(str(path))
+    assert not list((tmp_path / "cache" / "models").glob("cut-*/config.json"))
 
 
 def test_the_bundled_checkpoint_is_its_files_blocks_dequantized():
