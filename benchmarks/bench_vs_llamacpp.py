@@ -105,7 +105,8 @@ SHAPES = {"llama-3.2-1b": {"block_count": 16, "embedding_length": 2048, "feed_fo
           # biases on q, k and v, an LM head of its own (not tied), written as llama.cpp's qwen2 architecture
           "qwen2.5-7b": {"block_count": 28, "embedding_length": 3584, "feed_forward_length": 18944,
                          "attention.head_count": 28, "attention.head_count_kv": 4, "rope.freq_base": 1000000.0,
-                         "context_length": 8192, "architecture": "qwen2", "qkv_bias": True, "tied": False}}
+                         "context_length": 8192, "attention.layer_norm_rms_epsilon": 1e-6, "architecture": "qwen2",
+                         "qkv_bias": True, "tied": False}}
 ARCH_ONLY = ("architecture", "qkv_bias", "tied")  # a shape's keys that are not the file's {arch}.* fields
 # --isa avx2: llama.cpp's x86 options for an AVX2 CPU (GGML_NATIVE off: nothing else is switched on)
 AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
@@ -186,7 +187,8 @@ def random_gguf(root: Path, shape: str, seed: int = 0) -> Path:
             (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"{arch}.{key}", value)
     writer.add_uint32(f"{arch}.vocab_size", vocab)
     writer.add_uint32(f"{arch}.rope.dimension_count", head_dim)
-    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6 if arch == "qwen2" else 1e-5)
+    if "attention.layer_norm_rms_epsilon" not in cfg:
+        writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_uint32("general.file_type", 1)  # (mostly F16)
     for key, field in bundled.fields.items():  # the tokenizer, as the bundled model has it
         if key.startswith("tokenizer."):

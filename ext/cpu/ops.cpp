@@ -39,40 +39,29 @@
 #include "common.h"
 #include "ops.h"
 
-#include <numeric>
-
 namespace vkv {
 
 std::string isa() { return VKV_ISA; }
 
 // GFLOP/s of fp32 FMAs in this build's widest vector (the scalar build: a multiply and an add,
-// 2 flops as one FMA's), on each of at::get_num_threads() threads at once: each runs 12 independent chains (more than any x86 core's FMA latency times its FMA
-// issue width) for `iterations` steps. Measured, not computed from a clock and a count of units:
-// /proc/cpuinfo's clock is not the boost clock the cores run at, and a core's FMA units may be
-// narrower than its widest vector (Zen 4 runs a 512-bit FMA on both of its 256-bit units).
+// 2 flops as one FMA's), on each of at::get_num_threads() threads at once: each runs 12
+// independent chains (more than any x86 core's FMA latency times its FMA issue width) for
+// `iterations` steps. Measured, not computed from a clock and a count of units: /proc/cpuinfo's
+// clock is not the boost clock the cores run at, and a core's FMA units may be narrower than its
+// widest vector (Zen 4 runs a 512-bit FMA on both of its 256-bit units).
 double fma_rate(int64_t iterations) {
   TORCH_CHECK(iterations > 0, "fma_rate: iterations > 0");
 #if defined(VKV_VEC)
   using R = typename Vec::R;
   constexpr int64_t kLanes = Vec::W;
+  auto fma = [](R a, R b, R c) { return Vec::fmadd(a, b, c); };
+  auto set1 = [](float x) { return Vec::set1(x); };
 #else
   using R = float;
   constexpr int64_t kLanes = 1;
+  auto fma = [](R a, R b, R c) { return a * b + c; };  // (without FMA instructions std::fma is a libm call)
+  auto set1 = [](float x) { return x; };
 #endif
-  auto fma = [](R a, R b, R c) {
-#if defined(VKV_VEC)
-    return Vec::fmadd(a, b, c);
-#else
-    return a * b + c;  // (a multiply and an add: without FMA instructions, std::fma is a libm call)
-#endif
-  };
-  auto set1 = [](float x) {
-#if defined(VKV_VEC)
-    return Vec::set1(x);
-#else
-    return x;
-#endif
-  };
   const int threads = at::get_num_threads();
   std::vector<float> sink(threads, 0.f);
   const auto start = std::chrono::steady_clock::now();
@@ -93,7 +82,7 @@ double fma_rate(int64_t iterations) {
     }
   });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  TORCH_CHECK(std::isfinite(std::accumulate(sink.begin(), sink.end(), 0.f)), "fma_rate: chains overflowed");
+  for (const float s : sink) TORCH_CHECK(std::isfinite(s), "fma_rate: chains overflowed");
   return static_cast<double>(threads) * iterations * 12 * kLanes * 2 / seconds / 1e9;
 }
 
