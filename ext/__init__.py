@@ -246,6 +246,20 @@ def bf16_gemm() -> tuple[bool, str]:
     return True, "oneDNN bf16 (native bf16 instructions)"
 
 
+@lru_cache(maxsize=None)
+def bf16_dot_gemm() -> tuple[bool, str]:
+    """(whether bf16 steps of many rows run on vkv's own bf16 panels, in AVX512-BF16's dot
+    products, instead of oneDNN's bf16 GEMM over a second packing, why): where the kernels were
+    built with AVX512-BF16 (`bf16_dot()`) and the CPU has no AMX, whose tiles oneDNN's bf16 GEMM
+    uses at several times the dot products' rate (ext/cpu/panels.h's Note [bf16 steps in bf16 dot
+    products])."""
+    if cpu_kernels() is None or not torch.ops.vkv.bf16_dot():
+        return False, "the kernels' build has no AVX512-BF16"
+    if "amx_bf16" in cpu_flags():
+        return False, "AMX: oneDNN's bf16 GEMM runs on its tiles"
+    return True, "AVX512-BF16 dot products over the panels"
+
+
 def _cpu_features() -> bytes:
     try:
         with open("/proc/cpuinfo", "rb") as f:

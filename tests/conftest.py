@@ -52,6 +52,7 @@ def weights_load_once():
     takes `own_weights`; a copy updated anyway is not handed out again (a later engine of the
     same worker would run the updated weights: a chat in test_server.py answered garbage)."""
     import engine.worker.rank as rank
+    import ext
 
     load, loaded = rank.load_model, {}
 
@@ -59,7 +60,9 @@ def weights_load_once():
                   greedy_pick=False, quantization=None):
         if tp != (0, 1) or sleep_mode:  # (weights that sleep are one engine's)
             return load(spec, cfg, device, dtype, seed, tp, compute_dtype, sleep_mode, greedy_pick, quantization)
-        key = (spec, str(device), dtype, seed, compute_dtype, greedy_pick, quantization)
+        # (and the engine's choices of GEMM, which a test may force)
+        key = (spec, str(device), dtype, seed, compute_dtype, greedy_pick, quantization, ext.bf16_gemm(),
+               ext.bf16_dot_gemm())
         if key not in loaded or loaded[key].weights_version:  # never share weights updated in place
             loaded[key] = load(spec, cfg, device, dtype, seed, tp, compute_dtype, greedy_pick=greedy_pick,
                                quantization=quantization)

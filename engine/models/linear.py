@@ -15,11 +15,12 @@ GEMM (ext: `linear_panels`), which replaces oneDNN's copy (no more memory) and s
 step (`benchmarks/bench_gemm.py` measures it against oneDNN at 1 to 512 rows), and at one row
 each thread streams its run of panels front to back, faster than a kernel streaming the plain
 rows (design_choices.json, "panels"). Panels of bf16 weights stay bf16 (widened on load: half the
-bytes). Where bf16 arithmetic is native (oneDNN's bf16 GEMM on AVX512-BF16 or AMX), oneDNN's
-packed bf16 weight serves steps of more than FEW_ROWS rows, where arithmetic bounds them; decode
-steps of at most FEW_ROWS rows stream bf16 panels kept beside it, in fp32 arithmetic (bf16 x bf16
-products are exact in fp32; design_choices.json, "bf16_decode_on_panels"). On a GPU, torch runs
-as before.
+bytes). Where bf16 arithmetic is native, decode steps of at most FEW_ROWS rows stream bf16 panels
+in fp32 arithmetic (bf16 x bf16 products are exact in fp32; design_choices.json,
+"bf16_decode_on_panels"), and steps of more rows, bound by arithmetic, run in bf16 arithmetic:
+with AVX512-BF16 and no AMX, over the same panels in the CPU's bf16 dot products (`dot`: one
+packing, ext/cpu/panels.h's Note [bf16 steps in bf16 dot products]); with AMX, in oneDNN's
+packed bf16 GEMM, whose weight is kept beside the panels. On a GPU, torch runs as before.
 """
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None  # [ceil(n / width), k, width] for linear_panels (see above)
         self.panels_n = 0  # the packed weight's rows (a tensor-parallel shard's n, not out_features)
+        self.dot = False  # bf16 x of more than FEW_ROWS rows over bf16 panels in bf16 dot products
         # an exact greedy pick from half the bytes (fp32 panels' bf16 copy and each row's error bound;
         # ext/cpu/greedy_pick.cpp's Note [An exact greedy pick from half the LM head's bytes]): `pack_pick`
         self.pick: torch.Tensor | None = None  # bf16 panels beside fp32 ones; int8 beside bf16 ones
@@ -106,12 +108,14 @@ class Linear(nn.Module):
         width = torch.ops.vkv.panel_width()
         return -(-n // width), k, width
 
-    def pack_panels(self, dtype: torch.dtype, drop: bool = True, into: torch.Tensor | None = None) -> str:
+    def pack_panels(self, dtype: torch.dtype, drop: bool = True, into: torch.Tensor | None = None,
+                    dot: bool = False) -> str:
         """Pack the weight, in dtype, into the column panels of vkv's GEMM (the native kernels
         must be built; fp32 arithmetic): into `into` where given (panels_shape, dtype: a slot on huge
         pages), in one native pass (`write_panels`), the last panel's rows past n zero. The plain
         weight is dropped as `pack` drops it, unless `pack` comes next (drop=False: panels for
-        decode beside oneDNN's bf16 weight)."""
+        decode beside oneDNN's bf16 weight). `dot` (bf16 panels, ext.bf16_dot_gemm()): bf16 steps of
+        more than FEW_ROWS rows run over them in bf16 dot products."""
         if self.gguf is not None:
             return self.pack()
         w = self.weight.detach()
@@ -121,9 +125,12 @@ class Linear(nn.Module):
         if panels.shape[0] * panels.shape[2] > n:
             panels[-1, :, n - (panels.shape[0] - 1) * panels.shape[2]:].zero_()
         torch.ops.vkv.write_panels(panels, rounded_for(panels, w, dtype, NATIVE_READS).contiguous(), 0)
-        self.panels, self.panels_n = panels, n
+        self.panels, self.panels_n, self.dot = panels, n, dot and dtype == torch.bfloat16
         if drop:
             self._drop_plain()
+        if self.dot:
+            return (f"vkv panel GEMM (bfloat16 weights; steps of more than {FEW_ROWS} rows in AVX512-BF16 dot "
+                    "products, fewer in float32 arithmetic)")
         return f"vkv panel GEMM ({str(dtype).removeprefix('torch.')} weights, float32 arithmetic)"
 
     def pack_pick(self) -> None:
@@ -229,7 +236,9 @@ class Linear(nn.Module):
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
             return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.panels is not None and (self.packed is None or x.numel() <= FEW_ROWS * x.shape[-1]):
-            rows = x.reshape(-1, self.panels.shape[1]).float().contiguous()  # (fp32 arithmetic)
+            rows = x.reshape(-1, self.panels.shape[1])
+            dot = self.dot and x.dtype == torch.bfloat16 and rows.shape[0] > FEW_ROWS  # (bf16 in, bf16 out)
+            rows = (rows if dot else rows.float()).contiguous()  # (else fp32 arithmetic)
             out = rows.new_empty(rows.shape[0], self.panels_n)
             torch.ops.vkv.linear_panels(rows, self.panels, None if self.bias is None else self.bias.float(), out)
             return out.view(*x.shape[:-1], self.panels_n).to(x.dtype)

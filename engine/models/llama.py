@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import ext
 import vmm
 from engine.models import ops
 from engine.models.config import ModelConfig
@@ -278,16 +279,16 @@ class LlamaForCausalLM(nn.Module):
         self.native = ops.native(device) is not None and compute_dtype in (torch.float32, torch.bfloat16)
         blocks = self.gguf_blocks  # (no panels for them; no huge pages: those move panels only)
         if blocks and not (self.native and device.type == "cpu"):
-            import ext
             raise ValueError("weights in GGUF blocks need the CPU and vkv's native kernels "
                              f"({ext.cpu_kernels_error() or 'not on this device'}); "
                              "serve the file without quantization='gguf'")
         if blocks and (sleep_mode or self.sharded):
             raise ValueError("weights in GGUF blocks: no sleep mode or tensor parallelism yet")
         linears = [module for module in self.modules() if isinstance(module, Linear)]
-        panels = self.native and compute_dtype == torch.float32  # vkv's GEMM (engine/models/linear.py)
-        beside = (self.native and compute_dtype == torch.bfloat16 and not self.sharded  # decode's bf16 panels
-                  and not blocks and self._fits(linears, dtype))
+        bf16 = self.native and compute_dtype == torch.bfloat16 and not self.sharded and not blocks
+        dot = bf16 and device.type == "cpu" and ext.bf16_dot_gemm()[0]  # bf16 steps on the panels alone
+        panels = self.native and compute_dtype == torch.float32 or dot  # vkv's GEMM (engine/models/linear.py)
+        beside = bf16 and not dot and self._fits(linears, dtype)  # decode's bf16 panels beside oneDNN's
         # decode_layers runs every norm, the last one's too, under one eps
         norms = [self.model.norm, *(n for layer in self.model.layers
                                     for n in (layer.input_layernorm, layer.post_attention_layernorm))]
@@ -304,7 +305,7 @@ class LlamaForCausalLM(nn.Module):
             slots = got or slots
         for module, slot in zip(linears, slots) if beside else ():
             module.pack_panels(dtype, drop=False, into=slot)
-        paths = sorted({module.pack_panels(dtype, into=slot) if panels else module.pack()
+        paths = sorted({module.pack_panels(dtype, into=slot, dot=dot) if panels else module.pack()
                         for module, slot in zip(linears, slots)})
         if greedy_pick and one_call and not blocks:  # multi-step decode picks from half the LM head's bytes
             self.lm_head.pack_pick()

@@ -28,7 +28,7 @@ moves; the engine calls `release`/`restore` from `sleep(2)`/`wake_up(["weights"]
 `filled()` after a complete update. On a failure while moving nothing is lost: a tensor's
 storage is switched only after its bytes are copied, and a half-made pool is released.
 
-Limitations. oneDNN's packed weights (bf16 arithmetic on a CPU that has it; no native kernels)
+Limitations. oneDNN's packed weights (bf16 arithmetic on a CPU with AMX; no native kernels)
 are opaque tensors that cannot live in a reservation: `release()` drops them (and trims the
 C heap so their memory leaves the process) and the whole update after `restore()` makes new ones,
 held only by their `Linear`. Sleep mode is off by default: moving the weights costs start time. Where the kernel

@@ -11,7 +11,8 @@
 //                        norm has no residual)
 //   silu_and_mul         silu(gate) * up over a fused [gate | up] projection
 //   linear_panels        x W^T: register tiles over W packed in column panels; at a few rows
-//                        (decode) each thread streams its panels once, at memory bandwidth
+//                        (decode) each thread streams its panels once, at memory bandwidth;
+//                        bf16 x over bf16 panels in AVX512-BF16's dot products (bf16_dot)
 //   write_panels         rows of a weight into its panels, rounded to the panels' type on the way
 //   decode_layers        every decoder layer of a few-row step, the kernels above in one call,
 //                        then (given `logits`) last_logits, and (given `tokens`) several greedy
@@ -116,6 +117,7 @@ TORCH_LIBRARY(vkv, m) {
   m.def("time_decode_stages(bool on) -> ()", &time_decode_stages);  // decode_layers' stage clock
   m.def("decode_stage_times(bool reset) -> Dict(str, float)", &decode_stage_times);  // its sums (us), "steps"
   m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("bf16_dot() -> bool", &bf16_dot);  // whether linear_panels takes bf16 x (AVX512-BF16)
   m.def("write_panels(Tensor(a!) panels, Tensor w, int row) -> ()");
   m.def("linear_gguf(Tensor x, Tensor w, int type, Tensor? bias, Tensor(a!) out, bool quantize_x=False) -> ()");
   m.def("dequantize_gguf(Tensor w, int type, Tensor rows, Tensor(a!) out) -> ()");

@@ -20,6 +20,7 @@ void add_rms_norm(at::Tensor x, std::optional<at::Tensor> residual, const at::Te
 void silu_and_mul(const at::Tensor& gate_up, at::Tensor out);
 void linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias, at::Tensor out);
 int64_t panel_width();
+bool bf16_dot();
 void write_panels(at::Tensor panels, const at::Tensor& w, int64_t row);
 void linear_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const std::optional<at::Tensor>& bias,
                  at::Tensor out, bool quantize_x);

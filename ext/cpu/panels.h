@@ -261,6 +261,143 @@ void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64
     });
   }
 }
+
+// Note [bf16 steps in bf16 dot products]
+// Rationale: where bf16 arithmetic is native, steps of many rows were oneDNN's packed bf16 GEMM's,
+// and decode's bf16 panels were kept beside it: two packings of every projection, twice the
+// weights' memory, and a weights update (or a wake-up from sleep level 2) that writes both.
+// Approach: with AVX512-BF16 (`VKV_BF16_DOT`), bf16 x over the same bf16 panels runs in
+// vdpbf16ps: each instruction multiplies two k's of 16 columns (x's pair broadcast, the weights'
+// pair interleaved) into fp32 sums, twice an fp32 FMA's products. The panels keep decode's layout
+// ([P, K, kPanel]): a pair of k's rows is interleaved in registers (two shifts, two blends) once
+// for a whole tile of rows, the accumulators split into even and odd columns as panel_load's
+// bf16 widening splits them, and put back in order by two permutes as the tile is stored.
+// Implementation: x is first packed by tiles of rows, each tile's pairs of k side by side
+// (`pack_pairs`: x's rows lie K apart, 4 KiB and more at 1B shapes, all in the same L1 sets, and
+// unpacked a tile's twelve rows thrashed them); K runs in blocks of kDotK (a block of a panel is
+// read by every row tile of a chunk while it is in L1 or L2), the sums of a block after the first
+// starting from the thread's buffer. Out is fp32, or bf16 rounded to nearest even
+// (vcvtneps2bf16: the engine's activations, no second pass). Limitations: the products are
+// bf16's (x in bf16, as oneDNN's bf16 GEMM rounds it), each instruction adds its two products
+// before the running sum, denormals are flushed; 0.86-1.2x oneDNN's bf16 GEMM on the Zen 4
+// from 16 rows (benchmarks/results/cpu/gemm_bf16_zen4.json). Only builds with AVX512-BF16 have it
+// (`bf16_dot()`); elsewhere bf16 x is refused, and where the CPU has AMX oneDNN's bf16 GEMM runs on
+// its tiles instead (ext.bf16_dot_gemm).
+#if defined(VKV_AVX512) && defined(__AVX512BF16__) && !defined(VKV_EMULATE_AVX512)
+#define VKV_BF16_DOT 1
+constexpr int64_t kDotK = 512;  // (even: a pair of k never straddles two blocks)
+
+// Rows [0, MR) of x times k's [0, kc) of a panel (w at its block's first k), x as `pack_pairs`
+// packed them (xp at the block's first pair). The sums so far are `sums` ([MR][2][16], the
+// accumulators' own layout), read unless `first`; the last block writes out's columns [0, cols)
+// (bias added, given), the others the sums.
+template <int MR, typename TO>
+VKV_INLINE void dot_tile(const uint32_t* xp, int64_t kc, const c10::BFloat16* w, float* sums, bool first, bool last,
+                         const float* bias, TO* out, int64_t N, int64_t cols) {
+  static_assert(kPanel == 32, "two vectors of 16 fp32 sums a panel");
+  constexpr __mmask32 kHigh = 0xAAAAAAAAu;  // the high bf16 of each 32-bit lane
+  auto bh = [](__m512i v) { return (__m512bh)v; };  // (the same bits, as vdpbf16ps takes them)
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) acc[m][h] = first ? _mm512_setzero_ps() : _mm512_load_ps(sums + (2 * m + h) * 16);
+  auto step = [&](const uint32_t* pairs, __m512bh even, __m512bh odd) {
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xb = bh(_mm512_set1_epi32(static_cast<int>(pairs[m])));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], even, xb);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], odd, xb);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 2 <= kc; k += 2) {
+    const __m512i r0 = _mm512_loadu_si512(reinterpret_cast<const void*>(w + k * kPanel));
+    const __m512i r1 = _mm512_loadu_si512(reinterpret_cast<const void*>(w + (k + 1) * kPanel));
+    // lane i: column 2i at k and k + 1 (even); column 2i + 1 at k and k + 1 (odd)
+    step(xp + k / 2 * MR, bh(_mm512_mask_blend_epi16(kHigh, r0, _mm512_slli_epi32(r1, 16))),
+         bh(_mm512_mask_blend_epi16(kHigh, _mm512_srli_epi32(r0, 16), r1)));
+  }
+  if (k < kc) {  // an odd K's last k (x's pair: its other half zero)
+    const __m512i r0 = _mm512_loadu_si512(reinterpret_cast<const void*>(w + k * kPanel));
+    step(xp + k / 2 * MR, bh(_mm512_maskz_mov_epi16(~kHigh, r0)), bh(_mm512_srli_epi32(r0, 16)));
+  }
+  if (!last) {
+    for (int m = 0; m < MR; ++m)
+      for (int h = 0; h < 2; ++h) _mm512_store_ps(sums + (2 * m + h) * 16, acc[m][h]);
+    return;
+  }
+  // columns back in order (even and odd lanes interleaved: [0, 16) and [16, 32)), bias added
+  const __m512i first_half = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i second_half = _mm512_add_epi32(first_half, _mm512_set1_epi32(8));
+  const __mmask16 keep0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 keep1 = cols >= 32 ? 0xffff : cols > 16 ? static_cast<__mmask16>((1u << (cols - 16)) - 1) : 0;
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(keep0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(keep1, bias + 16) : _mm512_setzero_ps();
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) {
+      const __m512 c = _mm512_add_ps(_mm512_permutex2var_ps(acc[m][0], h ? second_half : first_half, acc[m][1]),
+                                     h ? b1 : b0);
+      if constexpr (std::is_same_v<TO, float>)
+        _mm512_mask_storeu_ps(out + m * N + 16 * h, h ? keep1 : keep0, c);
+      else  // (rounded to nearest even, as torch rounds; NaN stays NaN)
+        _mm256_mask_storeu_epi16(out + m * N + 16 * h, h ? keep1 : keep0, (__m256i)_mm512_cvtneps_pbh(c));
+    }
+}
+
+// x [M, K] bf16 as dot_tile reads it: each tile of kPanelRows rows (the last of what is left), at
+// the tile's first row times K, its rows' pairs of k side by side: pair j of row m at j * rows + m
+// (x[m][2j] low, x[m][2j + 1] high; an odd K's last pair zero above). A tile's x for a block is one
+// stream, and its rows, K apart in x (4 KiB and more: the same L1 sets), are not read apart.
+inline int64_t tile_rows(int64_t M, int64_t t) { return std::min<int64_t>(kPanelRows, M - t * kPanelRows); }
+
+void pack_pairs(const c10::BFloat16* x, int64_t M, int64_t K, uint32_t* xp) {
+  const int64_t pairs = (K + 1) / 2;
+  at::parallel_for(0, (M + kPanelRows - 1) / kPanelRows, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t mr = tile_rows(M, t);
+      uint32_t* dst = xp + t * kPanelRows * pairs;
+      for (int64_t m = 0; m < mr; ++m) {
+        const uint16_t* row = reinterpret_cast<const uint16_t*>(x + (t * kPanelRows + m) * K);
+        for (int64_t j = 0; j < pairs; ++j)
+          dst[j * mr + m] = row[2 * j] | (2 * j + 1 < K ? static_cast<uint32_t>(row[2 * j + 1]) << 16 : 0u);
+      }
+    }
+  });
+}
+
+template <int MR = kPanelRows, typename TO>
+VKV_INLINE void dot_rows(const uint32_t* xp, int64_t rows, int64_t pairs, int64_t j0, int64_t kc,
+                         const c10::BFloat16* w, float* sums, bool first, bool last, const float* bias, TO* out,
+                         int64_t N, int64_t cols) {
+  for (; rows >= MR; rows -= MR, xp += MR * pairs, out += MR * N, sums += MR * kPanel)
+    dot_tile<MR, TO>(xp + j0 * MR, kc, w, sums, first, last, bias, out, N, cols);
+  if constexpr (MR > 1)
+    if (rows > 0) dot_rows<MR - 1, TO>(xp, rows, pairs, j0, kc, w, sums, first, last, bias, out, N, cols);
+}
+
+// out = x W^T + bias, x [M, K] bf16 (packed first), W's bf16 panels, in chunks of kPanelChunk rows;
+// a thread takes its panels one by one, each K block of a panel over every row tile of the chunk,
+// the chunk's sums for the panel kept between blocks in the thread's own buffer (24 KiB).
+template <typename TO>
+void linear_panels_dot(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* w, int64_t N,
+                       const float* bias, TO* out) {
+  const int64_t P = (N + kPanel - 1) / kPanel, pairs = (K + 1) / 2;
+  std::vector<uint32_t> xp(M * pairs);
+  pack_pairs(x, M, K, xp.data());
+  for (int64_t m0 = 0; m0 < M; m0 += kPanelChunk) {
+    const int64_t rows = std::min(kPanelChunk, M - m0);
+    at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
+      alignas(64) float sums[kPanelChunk * kPanel];
+      for (int64_t p = lo; p < hi; ++p) {
+        const int64_t n0 = p * kPanel;
+        for (int64_t k0 = 0; k0 < K; k0 += kDotK) {
+          const int64_t kc = std::min(kDotK, K - k0);
+          dot_rows(xp.data() + m0 * pairs, rows, pairs, k0 / 2, kc, w + (p * K + k0) * kPanel, sums, k0 == 0,
+                   k0 + kc == K, bias ? bias + n0 : nullptr, out + m0 * N + n0, N, std::min(kPanel, N - n0));
+        }
+      }
+    });
+  }
+}
+#endif
 #else
 constexpr int64_t kPanel = 16;
 
@@ -295,18 +432,33 @@ void linear_panels_impl(const float* x, int64_t M, int64_t K, const TW* w, int64
 template <typename Then = std::nullptr_t>
 void linear_panels_then(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                         at::Tensor out, Then* then = nullptr) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be [rows, K] fp32 contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be [rows, K] fp32 or bf16 contiguous");
   TORCH_CHECK(out.dim() == 2, "out must be [rows, N]");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel && panels.size(1) == K &&
               panels.size(0) == (N + kPanel - 1) / kPanel,
               "panels must be [ceil(N / panel_width()), K, panel_width()] contiguous");
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == M,
-              "out must be [rows, N] fp32 contiguous");
+  const bool bf16_out = x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(out.is_contiguous() && (out.scalar_type() == at::kFloat || bf16_out) && out.size(0) == M,
+              "out must be [rows, N] fp32 (or bf16, x being bf16) contiguous");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == N),
               "bias must be [N] fp32");
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  if (panels.scalar_type() == at::kFloat)
+  if (x.scalar_type() == at::kBFloat16) {  // Note [bf16 steps in bf16 dot products]
+    TORCH_CHECK(panels.scalar_type() == at::kBFloat16, "bf16 x needs bf16 panels");
+#if defined(VKV_BF16_DOT)
+    TORCH_CHECK((std::is_same_v<Then, std::nullptr_t>), "bf16 x: linear_panels alone");
+    if (bf16_out)
+      linear_panels_dot(x.data_ptr<c10::BFloat16>(), M, K, panels.data_ptr<c10::BFloat16>(), N, b,
+                        out.data_ptr<c10::BFloat16>());
+    else
+      linear_panels_dot(x.data_ptr<c10::BFloat16>(), M, K, panels.data_ptr<c10::BFloat16>(), N, b,
+                        out.data_ptr<float>());
+#else
+    TORCH_CHECK(false, "bf16 x needs AVX512-BF16 in the kernels' build (bf16_dot() is false)");
+#endif
+  } else if (panels.scalar_type() == at::kFloat)
     linear_panels_impl(x.data_ptr<float>(), M, K, panels.data_ptr<float>(), N, b, out.data_ptr<float>(), then);
   else if (panels.scalar_type() == at::kBFloat16)
     linear_panels_impl(x.data_ptr<float>(), M, K, panels.data_ptr<c10::BFloat16>(), N, b, out.data_ptr<float>(),
@@ -357,6 +509,15 @@ void gate_up_silu_share(const float* x, const PanelsRef& panels, float* act, int
     run(static_cast<const float*>(panels.w));
 }
 #endif
+
+// Whether linear_panels takes bf16 x (Note [bf16 steps in bf16 dot products]).
+bool bf16_dot() {
+#if defined(VKV_BF16_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
 
 bool gate_up_silu_applies(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& act) {
 #if defined(VKV_VEC)

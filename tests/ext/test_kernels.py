@@ -184,6 +184,48 @@ def test_the_panel_gemm_equals_f_linear(weights):
             assert torch.equal(panels(x[-1:]), got[-1:])
 
 
+def test_bf16_rows_over_bf16_panels_are_dot_products_within_fp32s_bound_or_refused():
+    """With AVX512-BF16 (bf16_dot), bf16 x over bf16 panels runs in the CPU's bf16 dot products
+    (ext/cpu/panels.h, Note [bf16 steps in bf16 dot products]): every product exact in fp32, so
+    each output lies within fp32 summation's bound of the exact sum, gamma_(K+1) * sum |x| |w| +
+    the bias's rounding (gamma_n = n u / (1 - n u), u = 2^-24), at every tile height, K blocks
+    (K past 512, odd K's last pair) and N cut short; a bf16 out holds those sums rounded to nearest
+    even. Without it, bf16 x is refused by name."""
+    from engine.models.linear import Linear
+    torch.manual_seed(0)
+    x = torch.randn(13, 64).bfloat16()
+    weights = Linear(64, 33)
+    weights.pack_panels(BF16)
+    out = torch.empty(13, 33)
+    if not torch.ops.vkv.bf16_dot():
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            torch.ops.vkv.linear_panels(x, weights.panels, None, out)
+        return
+    with pytest.raises(RuntimeError, match="bf16 x needs bf16 panels"):
+        torch.ops.vkv.linear_panels(x, torch.zeros(2, 64, torch.ops.vkv.panel_width()), None, out)
+    for k, n, bias in ((576, 960, False), (1025, 70, True), (63, 33, True), (2, 32, False)):
+        layer = Linear(k, n, bias=bias)
+        torch.nn.init.normal_(layer.weight, std=k ** -0.5)
+        if bias:
+            torch.nn.init.normal_(layer.bias)
+        w = layer.weight.data.bfloat16()
+        layer.weight.data = w.float()
+        layer.pack_panels(BF16)
+        b = layer.bias.detach() if bias else None
+        for m in (1, 5, 12, 13, 25, 200):
+            x = torch.randn(m, k).bfloat16()
+            got = torch.empty(m, n)
+            torch.ops.vkv.linear_panels(x, layer.panels, b, got)
+            exact = x.double() @ w.double().T + (b.double() if bias else 0)
+            terms = k + 1
+            gamma = terms * 2.0 ** -24 / (1 - terms * 2.0 ** -24)
+            bound = gamma * (x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0))
+            assert ((got.double() - exact).abs() <= bound).all(), (k, n, m)
+            rounded = torch.empty(m, n, dtype=BF16)  # bf16 out: the same sums, rounded as torch rounds
+            torch.ops.vkv.linear_panels(x, layer.panels, b, rounded)
+            assert torch.equal(rounded, got.bfloat16()), (k, n, m)
+
+
 @pytest.mark.parametrize("given", [F32, BF16, torch.float16])
 @pytest.mark.parametrize("panel", [F32, BF16])
 def test_written_panels_are_torchs_rounding_transposed(given, panel):

@@ -122,21 +122,34 @@ def test_a_narrower_isa_takes_the_bf16_path_of_a_cpu_without_native_bf16(monkeyp
         ext.bf16_gemm.cache_clear()
 
 
-def test_native_bf16_runs_onednn_for_batches_and_bf16_panels_in_fp32_for_decode():
-    """Where the CPU computes bf16 natively, steps of more than a few rows run oneDNN's bf16 GEMM;
-    decode steps of a few rows run every layer in one native call over bf16 panels kept beside
-    it, in fp32 arithmetic (streaming them decodes faster: engine/models/linear.py). Every
-    generated token's logprob (the prefill's through oneDNN, the rest through the panels) is held
-    to the fp32 engine's on the same tokens by bf16's computed tolerance (tests/lossy.py)."""
+@pytest.mark.parametrize("many_rows", ["dot_products", "onednn"])
+def test_native_bf16_runs_many_rows_in_bf16_arithmetic_and_decode_over_bf16_panels_in_fp32(many_rows, monkeypatch):
+    """Where the CPU computes bf16 natively, steps of more than a few rows run in bf16 arithmetic:
+    with AVX512-BF16 and no AMX, the CPU's dot products over the bf16 panels alone (one packing;
+    "dot_products"); with AMX (forced here by the engine's choice), oneDNN's bf16 GEMM over a
+    packing of its own beside the panels ("onednn"). Decode steps of a few rows run every layer
+    in one native call over the bf16 panels in fp32 arithmetic (streaming them decodes faster:
+    engine/models/linear.py). Every generated token's logprob (the prefill's in bf16 arithmetic,
+    the rest through the panels) is held to the fp32 engine's on the same tokens by bf16's
+    computed tolerance (tests/lossy.py)."""
     if not ext.bf16_gemm()[0] or ext.cpu_kernels() is None:
         pytest.skip(f"this CPU computes bf16 in fp32: {ext.bf16_gemm()[1]}")
+    if many_rows == "dot_products" and not ext.bf16_dot_gemm()[0]:
+        pytest.skip(f"no bf16 dot products over the panels here: {ext.bf16_dot_gemm()[1]}")
+    if many_rows == "onednn":
+        monkeypatch.setattr(ext, "bf16_dot_gemm", lambda: (False, "forced"))
     llm = LLM(quantization="dequantize", dtype="bfloat16", kv_cache_memory=16 << 20, max_num_seqs=4)
     model = llm.engine.model
     assert llm.stats().platform["compute_dtype"] == "bfloat16" and model.decode
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert all(m.packed is not None and m.panels.dtype == torch.bfloat16 for m in linears)
+    assert all(m.panels.dtype == torch.bfloat16 for m in linears)
+    if many_rows == "dot_products":
+        assert all(m.dot and m.packed is None for m in linears) and "dot products" in model.gemm_path
+    else:
+        assert all(not m.dot and m.packed is not None for m in linears), model.gemm_path
     params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=2)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)  # decode steps of 3 rows and fewer
+    assert max(len(o.prompt_token_ids) for o in outs) > FEW_ROWS  # (a prefill of many rows)
     got = [scored_completion(o.outputs[0]) for o in outs]
     fp32 = LLM(quantization="dequantize", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
     want = teacher_forced(fp32, [o.prompt_token_ids + o.outputs[0].token_ids for o in outs],
