@@ -253,7 +253,9 @@ def bf16_dot_gemm() -> tuple[bool, str]:
     built with AVX512-BF16 (`bf16_dot()`) and the CPU has no AMX, whose tiles oneDNN's bf16 GEMM
     uses at several times the dot products' rate (ext/cpu/panels.h's Note [bf16 steps in bf16 dot
     products])."""
-    if cpu_kernels() is None or not torch.ops.vkv.bf16_dot():
+    if cpu_kernels() is None:
+        return False, f"no native kernels: {cpu_kernels_error()}"
+    if not torch.ops.vkv.bf16_dot():
         return False, "the kernels' build has no AVX512-BF16"
     if "amx_bf16" in cpu_flags():
         return False, "AMX: oneDNN's bf16 GEMM runs on its tiles"

@@ -287,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         bf16 = self.native and compute_dtype == torch.bfloat16 and not self.sharded and not blocks
         dot = bf16 and device.type == "cpu" and ext.bf16_dot_gemm()[0]  # bf16 steps on the panels alone
-        panels = self.native and compute_dtype == torch.float32 or dot  # vkv's GEMM (engine/models/linear.py)
+        panels = (self.native and compute_dtype == torch.float32) or dot  # vkv's GEMM (engine/models/linear.py)
         beside = bf16 and not dot and self._fits(linears, dtype)  # decode's bf16 panels beside oneDNN's
         # decode_layers runs every norm, the last one's too, under one eps
         norms = [self.model.norm, *(n for layer in self.model.layers
