@@ -196,22 +196,37 @@ class ZmqEventPublisher:
         while True:
             try:
                 if self.replay is not None and self.replay.poll(0):
+                    # every batch published before the request was seen is sent and kept first, so
+                    # a client that asks right after a publish() returned finds that batch (under
+                    # load this thread could see the request before it had taken the batch)
+                    while True:
+                        try:
+                            if not self._send(encoder, self.queue.get_nowait()):
+                                return
+                        except queue.Empty:
+                            break
                     self._answer_replay()
                 try:
                     item = self.queue.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                if item is None:
+                if not self._send(encoder, item):
                     return
-                seq, batch = item
-                payload = encoder.encode(batch)
-                self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
-                self.kept.append((seq, payload))
-                self.sent += 1
             except Exception:  # (a closed context at exit, a bug): said, and the thread goes on
                 if self.pub.closed:
                     return
                 log.exception("vkv: sending a KV event batch failed")
+
+    def _send(self, encoder, item) -> bool:
+        """A queued batch out on the PUB socket and into the replay buffer; False for close's None."""
+        if item is None:
+            return False
+        seq, batch = item
+        payload = encoder.encode(batch)
+        self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+        self.kept.append((seq, payload))
+        self.sent += 1
+        return True
 
     def _answer_replay(self) -> None:
         frames = self.replay.recv_multipart()
