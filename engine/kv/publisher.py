@@ -196,15 +196,8 @@ class ZmqEventPublisher:
         while True:
             try:
                 if self.replay is not None and self.replay.poll(0):
-                    # every batch published before the request was seen is sent and kept first, so
-                    # a client that asks right after a publish() returned finds that batch (under
-                    # load this thread could see the request before it had taken the batch)
-                    while True:
-                        try:
-                            if not self._send(encoder, self.queue.get_nowait()):
-                                return
-                        except queue.Empty:
-                            break
+                    if not self._send_queued(encoder):
+                        return
                     self._answer_replay()
                 try:
                     item = self.queue.get(timeout=0.05)
@@ -216,6 +209,18 @@ class ZmqEventPublisher:
                 if self.pub.closed:
                     return
                 log.exception("vkv: sending a KV event batch failed")
+
+    def _send_queued(self, encoder) -> bool:
+        """Every batch queued now, sent and kept (before a replay is answered: a client that asks
+        right after a publish() returned finds that batch; under load this thread could see the
+        request before it had taken the batch). False if close's None came among them."""
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return True
+            if not self._send(encoder, item):
+                return False
 
     def _send(self, encoder, item) -> bool:
         """A queued batch out on the PUB socket and into the replay buffer; False for close's None."""
